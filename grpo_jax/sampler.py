@@ -1,0 +1,381 @@
+"""Native grouped sampler: n completions per prompt from one jitted KV-cache decode loop.
+
+This module owns `Rollout` (the GRPO group batch handed to the trainer), `sample` (the public
+entry point), `bucket_length` (the prompt-length bucketing rule) and the pure token-selection
+functions (`top_k_top_p_filter`, `select_tokens`, `row_keys`) that `sample` is built from.
+
+How one call runs (a single XLA program per shape and static settings, no host round trip per
+token):
+  1. The prompt batch [P,Tp] is left-padded to [P,Tb], Tb = bucket_length(Tp) (see there).
+  2. One `model.prefill` over the P prompts. Its KV cache and last-position logits are then
+     repeated n times (`model.repeat_cache`, copies adjacent), so each prompt is prefilled once
+     and its cache is shared by its n samples: the prefill matmuls run on P rows, never P*n.
+  3. The first token is drawn from the prefill logits; a `lax.while_loop` then alternates
+     `model.decode_step` and token selection until max_new_tokens are drawn or every row has
+     emitted an EOS (early stop).
+
+Sampling semantics (the same as HF `generate` and vLLM):
+  * temperature == 0 is greedy (argmax); top-k / top-p are then irrelevant.
+  * Otherwise logits are divided by the temperature, then top-k, then top-p filtering is applied
+    (HF `TemperatureLogitsWarper` -> `TopKLogitsWarper` -> `TopPLogitsWarper`, vLLM's order too),
+    and a token is drawn from the softmax of what is left. top-p always keeps at least the most
+    likely token. `top_k` in (-1, 0) and `top_p == 1` switch the filters off.
+  * `Rollout.log_probs` is log_softmax(logits / temperature) at the drawn token, WITHOUT top-k /
+    top-p renormalisation (at temperature 0: log_softmax(logits)). This is what the trainer
+    recomputes as the old log-prob, as in verl.
+  * Randomness: row b at decode step t uses fold_in(fold_in(rng, b), t). Rows are independent, a
+    row's draws do not depend on the batch size or on how the batch is sharded, and the same rng
+    gives the same rollout.
+"""
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from grpo_jax import model as model_lib
+
+_DEFAULT_BUCKET_MULTIPLE = 64
+
+
+@flax.struct.dataclass
+class Rollout:
+    """A GRPO group batch: B = P*n rows, the n samples of each prompt adjacent.
+
+    Attributes:
+      prompt_ids: [B,Tb] int32, left-padded prompts; Tb = bucket_length(Tp) >= Tp, extra columns
+        are on the left and masked out.
+      prompt_mask: [B,Tb] int32, 1 on real prompt tokens.
+      response_ids: [B,R] int32, R = max_new_tokens; pad_token_id after the first EOS (and after
+        the end of generation).
+      response_mask: [B,R] int32, 1 up to and including the first EOS, 0 after it.
+      log_probs: [B,R] float32, log_softmax(logits / temperature) at the sampled token (at
+        temperature 0: log_softmax(logits)), no top-k/top-p renormalisation; 0 where masked.
+      group_ids: [B] int32, the prompt index of each row (0,0,..,1,1,..).
+      weights_version: int32 scalar, the policy weights version the rollout was sampled under.
+    """
+
+    prompt_ids: jax.Array
+    prompt_mask: jax.Array
+    response_ids: jax.Array
+    response_mask: jax.Array
+    log_probs: jax.Array
+    group_ids: jax.Array
+    weights_version: jax.Array
+
+
+@flax.struct.dataclass
+class SampleState:
+    """The `lax.while_loop` carry of the decode loop (B = P*n rows, R = max_new_tokens)."""
+
+    t: jax.Array  # int32 scalar: response position of the token drawn from `logits_BV`
+    logits_BV: jax.Array  # float32: next-token logits of every row
+    done_B: jax.Array  # bool: the row has emitted an EOS at a position < t
+    response_ids_BR: jax.Array  # int32: pad_token_id where not (yet) generated
+    response_mask_BR: jax.Array  # int32
+    log_probs_BR: jax.Array  # float32
+    cache: model_lib.KVCache
+
+
+def bucket_length(t: int, multiple: int = _DEFAULT_BUCKET_MULTIPLE) -> int:
+    """The bucketed prompt length: `t` rounded up to a multiple of `multiple`.
+
+    Bucketing rule: a prompt batch of width Tp is left-padded to Tb = ceil(Tp / multiple) *
+    multiple columns (mask 0, id pad_token_id), so prompt batches of widths 1..64 share one
+    compiled program, 65..128 the next, and so on. The KV cache holds Tb + max_new_tokens - 1
+    slots.
+
+    Args:
+      t: the prompt width Tp, >= 1.
+      multiple: the bucket size, >= 1.
+
+    Returns:
+      The smallest multiple of `multiple` that is >= t.
+    """
+    if multiple < 1:
+        raise ValueError(f"bucket multiple must be >= 1, got {multiple}")
+    if t < 1:
+        raise ValueError(f"prompt length must be >= 1, got {t}")
+    return -(-t // multiple) * multiple
+
+
+def row_keys(rng: jax.Array, num_rows: int) -> jax.Array:
+    """Per-row typed keys: row b gets fold_in(rng, b).
+
+    Args:
+      rng: a typed key (`jax.random.key`) or a legacy uint32[2] key (`jax.random.PRNGKey`).
+      num_rows: B.
+
+    Returns:
+      keys_B, a typed key array.
+    """
+    rng = as_typed_key(rng)
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, jnp.arange(num_rows))
+
+
+def as_typed_key(rng: jax.Array) -> jax.Array:
+    """Returns `rng` as a scalar typed key; legacy uint32[2] keys are wrapped, not re-seeded."""
+    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        if rng.shape != ():
+            raise ValueError(f"expected a single key, got a key array of shape {rng.shape}")
+        return rng
+    if rng.dtype == jnp.uint32 and rng.shape == (2,):
+        return jax.random.wrap_key_data(rng)
+    raise TypeError(
+        "rng must be a typed key (jax.random.key) or a legacy uint32[2] key (jax.random.PRNGKey), "
+        f"got dtype {rng.dtype} shape {rng.shape}"
+    )
+
+
+def top_k_top_p_filter(logits_BV: jax.Array, *, top_k: int, top_p: float) -> jax.Array:
+    """Masks logits outside the top-k, then outside the top-p nucleus, to -inf (HF semantics).
+
+    top-k (HF `TopKLogitsWarper`): drop logits strictly below the k-th largest.
+    top-p (HF `TopPLogitsWarper`, vLLM `apply_top_k_top_p`): sort the remaining logits ascending,
+    drop those whose cumulative softmax probability is <= 1 - top_p, and always keep the largest.
+    The dropped set is a prefix of the ascending order, so it is applied as a threshold: keep
+    logits >= the smallest kept sorted logit. (Exact ties with that logit are all kept; HF keeps an
+    arbitrary subset of them. Ties between float logits have probability zero in practice.)
+
+    Args:
+      logits_BV: [..., V] float logits, already divided by the temperature.
+      top_k: keep the k most likely tokens; -1 or 0 (or >= V) disables top-k.
+      top_p: nucleus mass in (0, 1]; 1 disables top-p.
+
+    Returns:
+      The logits with filtered entries set to -inf, same shape and dtype.
+    """
+    vocab = logits_BV.shape[-1]
+    use_top_k = 0 < top_k < vocab
+    use_top_p = top_p < 1.0
+    if not (use_top_k or use_top_p):
+        return logits_BV
+    if use_top_k:
+        # Descending top-k values; top-p then only needs these, since the softmax of the top-k
+        # filtered row is zero everywhere else (and those entries add 0 to HF's cumulative sum).
+        desc_BK = jax.lax.top_k(logits_BV, top_k)[0]
+    else:
+        desc_BK = jnp.flip(jnp.sort(logits_BV, axis=-1), axis=-1)
+    threshold_B1 = desc_BK[..., -1:]
+    if use_top_p:
+        asc_BK = jnp.flip(desc_BK, axis=-1)
+        cum_BK = jnp.cumsum(jax.nn.softmax(asc_BK, axis=-1), axis=-1)
+        keep_BK = cum_BK > (1.0 - top_p)
+        keep_BK = keep_BK.at[..., -1].set(True)  # the most likely token is always kept
+        threshold_B1 = jnp.min(jnp.where(keep_BK, asc_BK, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits_BV >= threshold_B1, logits_BV, -jnp.inf)
+
+
+def select_tokens(
+    logits_BV: jax.Array,
+    keys_B: jax.Array,
+    *,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+) -> tuple[jax.Array, jax.Array]:
+    """Draws one token per row and returns its unfiltered log-probability.
+
+    Args:
+      logits_BV: [B,V] float32 next-token logits.
+      keys_B: [B] typed keys, one per row (unused when temperature == 0).
+      temperature: 0 for greedy, else the softmax temperature.
+      top_k: see `top_k_top_p_filter`.
+      top_p: see `top_k_top_p_filter`.
+
+    Returns:
+      (tokens_B int32, log_probs_B float32) with log_probs_B = log_softmax(logits / temperature)
+      at the token (log_softmax(logits) when greedy), before any top-k/top-p renormalisation.
+    """
+    logits_BV = logits_BV.astype(jnp.float32)
+    if temperature == 0.0:
+        tokens_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        scaled_BV = logits_BV
+    else:
+        scaled_BV = logits_BV / temperature
+        filtered_BV = top_k_top_p_filter(scaled_BV, top_k=top_k, top_p=top_p)
+        tokens_B = jax.vmap(jax.random.categorical)(keys_B, filtered_BV).astype(jnp.int32)
+    logp_BV = jax.nn.log_softmax(scaled_BV, axis=-1)
+    log_probs_B = jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=-1)[:, 0]
+    return tokens_B, log_probs_B
+
+
+def sample(
+    config: model_lib.ModelConfig,
+    params,
+    prompt_ids: jax.Array,
+    prompt_mask: jax.Array,
+    rng: jax.Array,
+    *,
+    n: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = -1,
+    eos_token_ids: Sequence[int] = (),
+    pad_token_id: int = 0,
+    weights_version: int = -1,
+) -> Rollout:
+    """Samples n completions for each of P left-padded prompts (see the module docstring).
+
+    Compiles once per (padded prompt shape, config, n, max_new_tokens, temperature, top_p, top_k,
+    eos_token_ids, pad_token_id); params, prompts, rng and weights_version are traced. Works with
+    inputs sharded along the batch axis: the computation is row-parallel.
+
+    Args:
+      config: the model config (static).
+      params: model parameters.
+      prompt_ids: [P,Tp] int, left-padded (each row's last column is a real token).
+      prompt_mask: [P,Tp] int or bool, 1 on real tokens.
+      rng: a typed key (`jax.random.key`) or a legacy `jax.random.PRNGKey`.
+      n: samples per prompt (GRPO group size G).
+      max_new_tokens: R, the response length.
+      temperature: 0 for greedy, else > 0.
+      top_p: nucleus mass in (0, 1]; 1 is off.
+      top_k: -1 or 0 is off, else >= 1.
+      eos_token_ids: ids that end a response (may be several, or none).
+      pad_token_id: id for left padding and for response positions after the first EOS.
+      weights_version: recorded in `Rollout.weights_version`.
+
+    Returns:
+      A `Rollout` with B = P*n rows, prompt i at rows [i*n, (i+1)*n).
+    """
+    if prompt_ids.ndim != 2 or prompt_ids.shape != prompt_mask.shape:
+        raise ValueError(
+            f"prompt_ids and prompt_mask must both be [P,Tp]; got {prompt_ids.shape} and "
+            f"{prompt_mask.shape}"
+        )
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not (temperature >= 0.0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < -1:
+        raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {top_k}")
+    eos_token_ids = tuple(int(e) for e in eos_token_ids)
+    for token in (*eos_token_ids, pad_token_id):
+        if not 0 <= token < config.vocab_size:
+            raise ValueError(f"token id {token} outside the vocabulary [0, {config.vocab_size})")
+
+    width = prompt_ids.shape[1]
+    pad_cols = bucket_length(width) - width
+    prompt_ids = jnp.asarray(prompt_ids, jnp.int32)
+    prompt_mask = jnp.asarray(prompt_mask, jnp.int32)
+    if pad_cols:
+        prompt_ids = jnp.pad(prompt_ids, ((0, 0), (pad_cols, 0)), constant_values=pad_token_id)
+        prompt_mask = jnp.pad(prompt_mask, ((0, 0), (pad_cols, 0)))
+    return _sample_jit(
+        config,
+        params,
+        prompt_ids,
+        prompt_mask,
+        as_typed_key(jnp.asarray(rng)),
+        jnp.int32(weights_version),
+        n=n,
+        max_new_tokens=max_new_tokens,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=int(top_k),
+        eos_token_ids=eos_token_ids,
+        pad_token_id=int(pad_token_id),
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "config",
+        "n",
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "eos_token_ids",
+        "pad_token_id",
+    ),
+)
+def _sample_jit(
+    config,
+    params,
+    prompt_ids_PT,
+    prompt_mask_PT,
+    rng,
+    weights_version,
+    *,
+    n,
+    max_new_tokens,
+    temperature,
+    top_p,
+    top_k,
+    eos_token_ids,
+    pad_token_id,
+):
+    """The compiled body of `sample` on already bucketed prompts [P,Tb]."""
+    num_prompts, prompt_len = prompt_ids_PT.shape
+    batch = num_prompts * n
+    eos_E = jnp.asarray(eos_token_ids, jnp.int32)
+    keys_B = row_keys(rng, batch)
+
+    # PREFILL ONCE PER PROMPT, THEN SHARE THE CACHE ACROSS THE n SAMPLES.
+    # The last generated token is never fed back, hence max_new_tokens - 1 decode slots.
+    cache = model_lib.init_cache(config, num_prompts, prompt_len + max_new_tokens - 1)
+    logits_PV, cache = model_lib.prefill(config, params, prompt_ids_PT, prompt_mask_PT, cache)
+    cache = model_lib.repeat_cache(cache, n)
+    logits_BV = jnp.repeat(logits_PV, n, axis=0)
+
+    def draw(state: SampleState) -> SampleState:
+        """Selects the token at response position state.t from state.logits_BV and records it."""
+        step_keys_B = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_B, state.t)
+        tokens_B, log_probs_B = select_tokens(
+            state.logits_BV, step_keys_B, temperature=temperature, top_k=top_k, top_p=top_p
+        )
+        live_B = ~state.done_B
+        tokens_B = jnp.where(live_B, tokens_B, pad_token_id)
+        is_eos_B = jnp.isin(tokens_B, eos_E) & live_B
+        return dataclasses.replace(
+            state,
+            done_B=state.done_B | is_eos_B,
+            response_ids_BR=state.response_ids_BR.at[:, state.t].set(tokens_B),
+            response_mask_BR=state.response_mask_BR.at[:, state.t].set(live_B.astype(jnp.int32)),
+            log_probs_BR=state.log_probs_BR.at[:, state.t].set(jnp.where(live_B, log_probs_B, 0.0)),
+        )
+
+    def cond(state: SampleState) -> jax.Array:
+        return (state.t < max_new_tokens) & ~jnp.all(state.done_B)
+
+    def body(state: SampleState) -> SampleState:
+        # Feed back the token drawn at t - 1 (pad for finished rows; their outputs are ignored).
+        prev_B = state.response_ids_BR[:, state.t - 1]
+        logits_BV, cache = model_lib.decode_step(config, params, prev_B, state.cache)
+        state = dataclasses.replace(state, logits_BV=logits_BV, cache=cache)
+        return dataclasses.replace(draw(state), t=state.t + 1)
+
+    # DECODE LOOP: token 0 comes from the prefill logits, tokens 1.. from decode steps.
+    state = SampleState(
+        t=jnp.int32(0),
+        logits_BV=logits_BV.astype(jnp.float32),
+        done_B=jnp.zeros((batch,), jnp.bool_),
+        response_ids_BR=jnp.full((batch, max_new_tokens), pad_token_id, jnp.int32),
+        response_mask_BR=jnp.zeros((batch, max_new_tokens), jnp.int32),
+        log_probs_BR=jnp.zeros((batch, max_new_tokens), jnp.float32),
+        cache=cache,
+    )
+    state = dataclasses.replace(draw(state), t=jnp.int32(1))
+    state = jax.lax.while_loop(cond, body, state)
+
+    return Rollout(
+        prompt_ids=jnp.repeat(prompt_ids_PT, n, axis=0),
+        prompt_mask=jnp.repeat(prompt_mask_PT, n, axis=0),
+        response_ids=state.response_ids_BR,
+        response_mask=state.response_mask_BR,
+        log_probs=state.log_probs_BR,
+        group_ids=jnp.repeat(jnp.arange(num_prompts, dtype=jnp.int32), n),
+        weights_version=weights_version,
+    )
