@@ -1,0 +1,352 @@
+"""One device mesh and the logical-axis rules that map every array of a GRPO run onto it.
+
+Owns: the mesh axes ``AXES = ("data", "fsdp", "tensor")`` and ``make_mesh``; the logical-axis
+rules table ``LOGICAL_RULES`` (overridable through ``config.mesh.rules``); and the shardings
+derived from it for parameters, optimizer state, batches and the KV cache. It knows no model
+internals: parameter layouts come from ``model.logical_axes(config)`` (a pytree of
+``PartitionSpec``s over logical names), optimizer state is matched to parameters by tree path,
+and KV-cache layouts come from the house-style shape suffixes of the cache's field names.
+
+Parallelism (levanter's parameter-vs-compute split, maxtext's pure-fsdp rules):
+  * FSDP (ZeRO-3): every parameter's ``embed`` dimension is split over ``fsdp``; XLA all-gathers
+    a weight just before use and reduce-scatters its gradient.
+  * Tensor parallelism (Megatron): ``heads``, ``kv_heads``, ``mlp`` and ``vocab`` over ``tensor``.
+  * Data parallelism: the leading batch axis of activations is split over ``("data", "fsdp")``, so
+    FSDP devices also each see a different slice of the batch.
+
+Decisions:
+  * Meshes use ``AxisType.Auto`` on every axis. jax 0.10 defaults ``jax.make_mesh`` to
+    ``Explicit`` axes, under which every einsum whose operands are sharded inconsistently (FSDP
+    weights against a batch-sharded activation) must name its output sharding; Auto leaves those
+    intermediate layouts to XLA's sharding propagation, so model code stays mesh-free. The same
+    mesh works under ``jax.set_mesh`` and with newer releases that keep Auto.
+  * No silent replication: a logical name missing from the rules, a mesh axis used twice in one
+    spec, or a mesh axis product that does not divide the dimension raises ``ValueError`` naming
+    the array, the dimension and the sizes. Replication happens only where a rule says ``None``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+MeshAxes = str | tuple[str, ...] | None
+Rules = tuple[tuple[str, MeshAxes], ...]
+
+# (logical name, mesh axis or axes or None = replicated). The first rule for a name wins.
+LOGICAL_RULES: Rules = (
+    # Parameters: FSDP on the model dimension, Megatron tensor parallelism on the rest.
+    ("embed", "fsdp"),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("head_dim", None),
+    ("layers", None),  # the stacked-layer axis of scanned parameters and of the KV cache
+    # Activations and caches: data parallel over every non-tensor device.
+    ("batch", BATCH_AXES),
+    ("seq", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+)
+
+
+def make_mesh(shape: Sequence[int] = (-1, 1, 1), *, devices: Sequence[Any] | None = None) -> Mesh:
+    """Builds the ``("data", "fsdp", "tensor")`` mesh; at most one ``-1`` entry fills the rest.
+
+    Args:
+      shape: three ints, e.g. ``(-1, 1, 1)`` (all devices data parallel) or ``(1, 8, 1)``.
+      devices: devices to use (default: all global devices, so multi-host meshes span hosts).
+
+    Returns:
+      A ``Mesh`` with ``AxisType.Auto`` axes (see the module docstring for why).
+
+    Raises:
+      ValueError: if ``shape`` does not have 3 entries, has more than one ``-1``, has an entry
+        below 1 other than ``-1``, or its product differs from the device count.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = tuple(int(s) for s in shape)
+    if len(shape) != len(AXES):
+        raise ValueError(f"mesh shape {shape} must have one entry per axis {AXES}")
+    if shape.count(-1) > 1 or any(s < 1 and s != -1 for s in shape):
+        raise ValueError(f"mesh shape {shape}: entries must be >= 1, with at most one -1 (fill)")
+    known = math.prod(s for s in shape if s != -1)
+    if -1 in shape:
+        if len(devices) % known:
+            raise ValueError(f"mesh shape {shape}: {len(devices)} devices not divisible by {known}")
+        shape = tuple(len(devices) // known if s == -1 else s for s in shape)
+    if math.prod(shape) != len(devices):
+        raise ValueError(
+            f"mesh shape {shape} needs {math.prod(shape)} devices, have {len(devices)}"
+        )
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+
+
+def validate_rules(rules: Sequence[Sequence[Any]]) -> Rules:
+    """Normalises rules (e.g. lists from a ConfigDict) to a hashable tuple and checks them.
+
+    Raises:
+      ValueError: on a malformed pair, a duplicate logical name, or an unknown mesh axis.
+    """
+    out, seen = [], set()
+    for rule in rules:
+        if len(rule) != 2 or not isinstance(rule[0], str):
+            raise ValueError(f"rule {rule!r} must be a (logical_name, mesh_axes) pair")
+        name, axes = rule
+        if name in seen:
+            raise ValueError(f"logical name {name!r} has more than one rule")
+        seen.add(name)
+        if axes is not None and not isinstance(axes, str):
+            axes = tuple(axes)
+        for axis in (axes,) if isinstance(axes, str) else axes or ():
+            if axis not in AXES:
+                raise ValueError(f"rule {rule!r}: mesh axis {axis!r} is not one of {AXES}")
+        out.append((name, axes))
+    return tuple(out)
+
+
+def logical_to_mesh_spec(
+    logical_spec: PartitionSpec, rules: Rules = LOGICAL_RULES
+) -> PartitionSpec:
+    """Maps one ``PartitionSpec`` of logical names to one of mesh axes.
+
+    Raises:
+      ValueError: if a logical name has no rule or two dimensions map to the same mesh axis.
+    """
+    table = dict(validate_rules(rules))
+    mesh_dims, used = [], []
+    for name in logical_spec:
+        if name is None:
+            mesh_dims.append(None)
+            continue
+        if isinstance(name, tuple):
+            raise TypeError(f"{logical_spec}: give one logical name per dimension, got {name}")
+        if name not in table:
+            raise ValueError(f"logical name {name!r} in {logical_spec} has no rule in {rules}")
+        axes = table[name]
+        for axis in (axes,) if isinstance(axes, str) else axes or ():
+            if axis in used:
+                raise ValueError(f"{logical_spec}: mesh axis {axis!r} would shard two dimensions")
+            used.append(axis)
+        mesh_dims.append(axes)
+    return PartitionSpec(*mesh_dims)
+
+
+def _check_divisible(path: str, shape: Sequence[int], spec: PartitionSpec, mesh: Mesh) -> None:
+    if len(spec) > len(shape):
+        raise ValueError(f"{path}: spec {spec} has more dimensions than shape {tuple(shape)}")
+    for dim, (size, axes) in enumerate(zip(shape, spec)):
+        parts = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+        if size % parts:
+            raise ValueError(
+                f"{path}: dimension {dim} of size {size} cannot be split {parts} ways over mesh "
+                f"axes {axes} (mesh {dict(mesh.shape)}); change config.mesh.shape or the rule"
+            )
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def logical_to_mesh_sharding(
+    logical_tree: Any, mesh: Mesh, rules: Rules = LOGICAL_RULES, *, shapes: Any = None
+) -> Any:
+    """Maps a pytree of logical ``PartitionSpec``s to a pytree of ``NamedSharding``s.
+
+    Args:
+      logical_tree: pytree whose leaves are ``PartitionSpec``s of logical names.
+      mesh: the mesh from ``make_mesh``.
+      rules: logical-axis rules (``LOGICAL_RULES`` or ``config.mesh.rules``).
+      shapes: optional pytree of the same structure whose leaves have ``.shape``
+        (arrays or ``ShapeDtypeStruct``s); when given, every split is checked to divide.
+
+    Returns:
+      Pytree of ``NamedSharding`` with the structure of ``logical_tree``.
+    """
+    rules = validate_rules(rules)
+    spec_tree = jax.tree.map(
+        lambda s: logical_to_mesh_spec(s, rules), logical_tree, is_leaf=_is_spec
+    )
+    if shapes is not None:
+        flat_specs, treedef = jax.tree_util.tree_flatten_with_path(spec_tree, is_leaf=_is_spec)
+        flat_shapes = treedef.flatten_up_to(shapes)
+        for (path, spec), x in zip(flat_specs, flat_shapes):
+            _check_divisible(jax.tree_util.keystr(path), x.shape, spec, mesh)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), spec_tree, is_leaf=_is_spec)
+
+
+def param_shardings(config: Any, mesh: Mesh, rules: Rules = LOGICAL_RULES) -> Any:
+    """Shardings for the parameters of ``model.ModelConfig`` ``config``, checked against shapes."""
+    from grpo_jax import model  # lazy: keeps this module importable without flax
+
+    return logical_to_mesh_sharding(
+        model.logical_axes(config), mesh, rules, shapes=model.abstract_params(config)
+    )
+
+
+def init_sharded_params(
+    config: Any, mesh: Mesh, rng: jax.Array, rules: Rules = LOGICAL_RULES
+) -> Any:
+    """Initialises parameters directly into their shardings (big_vision/nanodo shape-first init).
+
+    ``jax.jit(init_params, out_shardings=...)`` lets XLA create each shard on its own device, so no
+    device ever holds the full model.
+    """
+    from grpo_jax import model
+
+    shardings = param_shardings(config, mesh, rules)
+    return jax.jit(model.init_params, static_argnums=0, out_shardings=shardings)(config, rng)
+
+
+def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+    """Leading axis over ``("data", "fsdp")``, the other ``ndim - 1`` axes replicated."""
+    if ndim < 1:
+        raise ValueError(f"a batch array needs a leading batch axis, got ndim={ndim}")
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *(None,) * (ndim - 1)))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """A full copy on every device (scalars, step counters, RNG keys)."""
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def abstract_with_shardings(abstract_tree: Any, sharding_tree: Any) -> Any:
+    """Attaches shardings to a ``ShapeDtypeStruct`` tree (for AOT lowering and orbax restore)."""
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        abstract_tree,
+        sharding_tree,
+    )
+
+
+def _path_keys(path: tuple[Any, ...]) -> tuple[Any, ...]:
+    out = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                out.append(getattr(k, attr))
+                break
+        else:
+            out.append(str(k))
+    return tuple(out)
+
+
+def opt_state_shardings(
+    abstract_opt_state: Any, abstract_params: Any, param_sharding_tree: Any, mesh: Mesh
+) -> Any:
+    """Shardings for optimizer state that mirror the parameters it tracks.
+
+    Optax states hold copies of the parameter tree (Adam's ``mu``/``nu``), possibly nested in
+    chains, ``masked`` or ``inject_hyperparams`` wrappers. A state leaf whose tree path ends with a
+    parameter's path and whose shape equals that parameter's gets the parameter's sharding; scalar
+    leaves (step counts, injected hyperparameters) are replicated.
+
+    Args:
+      abstract_opt_state: ``jax.eval_shape(tx.init, abstract_params)``.
+      abstract_params: parameter ``ShapeDtypeStruct`` tree.
+      param_sharding_tree: shardings for ``abstract_params`` (from ``param_shardings``).
+      mesh: the mesh.
+
+    Raises:
+      ValueError: for a non-scalar state leaf that matches no parameter (never replicated silently).
+    """
+    param_paths, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
+    param_sh = treedef.flatten_up_to(param_sharding_tree)
+    by_path = {_path_keys(p): (x.shape, s) for (p, x), s in zip(param_paths, param_sh, strict=True)}
+
+    def match(path, leaf):
+        keys = _path_keys(path)
+        for start in range(len(keys)):
+            hit = by_path.get(keys[start:])
+            if hit is not None and tuple(hit[0]) == tuple(leaf.shape):
+                return hit[1]
+        if not leaf.shape:
+            return replicated(mesh)
+        raise ValueError(
+            f"optimizer state leaf {jax.tree_util.keystr(path)} {leaf.shape} matches no parameter"
+        )
+
+    return jax.tree_util.tree_map_with_path(match, abstract_opt_state)
+
+
+def tx_state_shardings(tx: Any, abstract_params: Any, param_sharding_tree: Any, mesh: Mesh) -> Any:
+    """``opt_state_shardings`` for ``optax`` transformation ``tx`` initialised on the params."""
+    abstract_opt_state = jax.eval_shape(tx.init, abstract_params)
+    return opt_state_shardings(abstract_opt_state, abstract_params, param_sharding_tree, mesh)
+
+
+# House-style shape letters of activation/cache arrays -> logical names.
+_LETTER_TO_LOGICAL = {
+    "L": "layers",
+    "B": "batch",
+    "P": "batch",
+    "T": "seq",
+    "S": "seq",
+    "R": None,  # response length / GQA repeat: never split
+    "K": "act_kv_heads",
+    "N": "act_heads",
+    "H": None,
+    "D": "act_embed",
+    "F": "act_mlp",
+    "V": "act_vocab",
+}
+
+
+def suffix_logical_spec(name: str, ndim: int) -> PartitionSpec:
+    """Logical spec read from a house-style shape suffix, e.g. ``k_LBSKH`` -> layers,batch,seq,...
+
+    A 0-d array needs no suffix (replicated).
+
+    Raises:
+      ValueError: if a non-scalar name has no suffix of ``ndim`` known letters.
+    """
+    if ndim == 0:
+        return PartitionSpec()
+    suffix = name.rsplit("_", 1)[-1] if "_" in name else ""
+    if len(suffix) != ndim or any(c not in _LETTER_TO_LOGICAL for c in suffix):
+        raise ValueError(f"array {name!r} with {ndim} dims needs a shape suffix like _LBSKH")
+    return PartitionSpec(*(_LETTER_TO_LOGICAL[c] for c in suffix))
+
+
+def suffix_shardings(tree: Any, mesh: Mesh, rules: Rules = LOGICAL_RULES) -> Any:
+    """Shardings for a dataclass/dict pytree (KV cache, rollout) from its fields' shape suffixes.
+
+    Batch (``B``) axes go over ``("data", "fsdp")`` and ``K``/``N`` heads over ``tensor``, exactly
+    as the training activations, so the sampler and trainer share one mesh and one layout.
+    """
+
+    def spec(path, leaf):
+        keys = _path_keys(path)
+        return suffix_logical_spec(str(keys[-1]) if keys else "", len(leaf.shape))
+
+    logical = jax.tree_util.tree_map_with_path(spec, tree)
+    return logical_to_mesh_sharding(logical, mesh, rules, shapes=tree)
+
+
+def kv_cache_shardings(cache: Any, mesh: Mesh, rules: Rules = LOGICAL_RULES) -> Any:
+    """Shardings for a ``model.KVCache`` (or its ``jax.eval_shape``) on ``mesh``."""
+    return suffix_shardings(cache, mesh, rules)
+
+
+def shard_fn(mesh: Mesh, rules: Rules = LOGICAL_RULES) -> Callable[[Any, Any], Any]:
+    """The ``shardings=`` callable for ``model.load_hf_checkpoint``: (config, abstract) -> tree."""
+
+    def fn(config, abstract_params):
+        from grpo_jax import model
+
+        return logical_to_mesh_sharding(
+            model.logical_axes(config), mesh, rules, shapes=abstract_params
+        )
+
+    return fn

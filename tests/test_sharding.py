@@ -1,0 +1,201 @@
+"""Tests for grpo_jax.sharding on 8 fake CPU devices (see conftest.py).
+
+Unit tests use synthetic logical trees; the parity tests further down run the real model, loss,
+sampler and orbax on meshes (2,2,2), (1,8,1), (8,1,1) against one device.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from grpo_jax import sharding
+
+MESH_SHAPES = [(2, 2, 2), (1, 8, 1), (8, 1, 1)]
+
+
+def test_make_mesh_fills_minus_one_and_uses_auto_axes():
+    mesh = sharding.make_mesh()
+    assert dict(mesh.shape) == {"data": 8, "fsdp": 1, "tensor": 1}
+    assert mesh.axis_names == sharding.AXES
+    assert all(t == AxisType.Auto for t in mesh.axis_types)
+    assert dict(sharding.make_mesh((2, -1, 2)).shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    one = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    assert one.devices.size == 1
+
+
+@pytest.mark.parametrize(
+    "shape, match",
+    [
+        ((3, -1, 1), "not divisible"),
+        ((-1, -1, 1), "at most one -1"),
+        ((2, 2), "one entry per axis"),
+        ((1, 1, 1), "needs 1 devices, have 8"),
+        ((0, 8, 1), ">= 1"),
+    ],
+)
+def test_make_mesh_rejects_bad_shapes(shape, match):
+    with pytest.raises(ValueError, match=match):
+        sharding.make_mesh(shape)
+
+
+def test_logical_to_mesh_spec_follows_rules():
+    assert sharding.logical_to_mesh_spec(P("embed", "mlp")) == P("fsdp", "tensor")
+    assert sharding.logical_to_mesh_spec(P("vocab", "embed")) == P("tensor", "fsdp")
+    assert sharding.logical_to_mesh_spec(P("embed", "kv_heads", "head_dim")) == P(
+        "fsdp", "tensor", None
+    )
+    assert sharding.logical_to_mesh_spec(P("batch", "seq", None)) == P(("data", "fsdp"), None, None)
+    assert sharding.logical_to_mesh_spec(P()) == P()
+
+
+def test_unknown_logical_name_and_reused_mesh_axis_raise():
+    with pytest.raises(ValueError, match="'experts'.*has no rule"):
+        sharding.logical_to_mesh_spec(P("experts", "embed"))
+    # batch -> (data, fsdp) and embed -> fsdp cannot shard two dims of one array over fsdp.
+    with pytest.raises(ValueError, match="mesh axis 'fsdp' would shard two dimensions"):
+        sharding.logical_to_mesh_spec(P("batch", "embed"))
+
+
+def test_rules_override_from_config_lists():
+    # ConfigDict hands rules back as lists; an override replaces the whole table.
+    rules = sharding.validate_rules([["embed", None], ["mlp", ["fsdp", "tensor"]]])
+    assert rules == (("embed", None), ("mlp", ("fsdp", "tensor")))
+    assert sharding.logical_to_mesh_spec(P("embed", "mlp"), rules) == P(None, ("fsdp", "tensor"))
+    with pytest.raises(ValueError, match="'model' is not one of"):
+        sharding.validate_rules([("embed", "model")])
+    with pytest.raises(ValueError, match="more than one rule"):
+        sharding.validate_rules([("embed", "fsdp"), ("embed", None)])
+
+
+def _synthetic_params():
+    # D=8, F=16, N=4, H=2, V=12: every split below divides on a (2,2,2) mesh.
+    shapes = {
+        "embed_VD": ((12, 8), P("vocab", "embed")),
+        "layer": {
+            "q_DNH": ((8, 4, 2), P("embed", "heads", "head_dim")),
+            "up_DF": ((8, 16), P("embed", "mlp")),
+            "down_FD": ((16, 8), P("mlp", "embed")),
+            "norm_D": ((8,), P(None)),
+        },
+    }
+    is_pair = lambda x: isinstance(x, tuple) and isinstance(x[1], P)
+    params = jax.tree.map(
+        lambda sp: jnp.arange(np.prod(sp[0]), dtype=jnp.float32).reshape(sp[0]),
+        shapes,
+        is_leaf=is_pair,
+    )
+    logical = jax.tree.map(lambda sp: sp[1], shapes, is_leaf=is_pair)
+    return params, logical
+
+
+def test_params_really_are_sharded_shard_by_shard():
+    mesh = sharding.make_mesh((2, 2, 2))
+    params, logical = _synthetic_params()
+    shardings = sharding.logical_to_mesh_sharding(logical, mesh, shapes=params)
+    placed = jax.device_put(params, shardings)
+    up = placed["layer"]["up_DF"]
+    assert up.sharding.spec == P("fsdp", "tensor")
+    # up_DF (8,16) split 2 ways on dim 0 (fsdp) and 2 ways on dim 1 (tensor): 8 shards of (4,8),
+    # each pair of devices differing only in "data" holding the same block.
+    assert len(up.addressable_shards) == 8
+    assert {s.data.shape for s in up.addressable_shards} == {(4, 8)}
+    assert len({(s.index[0].start, s.index[1].start) for s in up.addressable_shards}) == 4
+    for shard in up.addressable_shards:
+        np.testing.assert_array_equal(
+            np.asarray(shard.data), np.asarray(params["layer"]["up_DF"])[shard.index]
+        )
+    # Replicated norm: every device holds all 8 values.
+    assert {s.data.shape for s in placed["layer"]["norm_D"].addressable_shards} == {(8,)}
+    assert placed["embed_VD"].addressable_shards[0].data.shape == (6, 4)
+
+
+def test_indivisible_split_raises_clear_error():
+    mesh = sharding.make_mesh((2, 2, 2))
+    with pytest.raises(ValueError, match=r"\['w'\]: dimension 1 of size 3 cannot be split 2 ways"):
+        sharding.logical_to_mesh_sharding(
+            {"w": P("embed", "mlp")}, mesh, shapes={"w": jax.ShapeDtypeStruct((4, 3), jnp.float32)}
+        )
+
+
+def test_batch_sharding_and_replicated():
+    mesh = sharding.make_mesh((2, 2, 2))
+    x = jax.device_put(jnp.arange(40.0).reshape(8, 5), sharding.batch_sharding(mesh, 2))
+    assert x.sharding.spec == P(("data", "fsdp"), None)
+    # 8 rows over data*fsdp = 4 groups: 2 rows per device, replicated over the 2 tensor devices.
+    assert {s.data.shape for s in x.addressable_shards} == {(2, 5)}
+    assert len({s.index[0].start for s in x.addressable_shards}) == 4
+    r = jax.device_put(jnp.float32(3.0), sharding.replicated(mesh))
+    assert r.sharding.spec == P() and len(r.addressable_shards) == 8
+    with pytest.raises(ValueError, match="leading batch axis"):
+        sharding.batch_sharding(mesh, 0)
+
+
+def test_opt_state_mirrors_params_through_chains_and_masks():
+    mesh = sharding.make_mesh((2, 2, 2))
+    params, logical = _synthetic_params()
+    abstract = jax.eval_shape(lambda: params)
+    p_sh = sharding.logical_to_mesh_sharding(logical, mesh, shapes=abstract)
+    tx = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.masked(optax.add_decayed_weights(0.1), {"embed_VD": True, "layer": False}),
+        optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3),
+    )
+    o_sh = sharding.tx_state_shardings(tx, abstract, p_sh, mesh)
+    adam = o_sh[2].inner_state[0]
+    assert adam.mu["layer"]["up_DF"].spec == P("fsdp", "tensor")
+    assert adam.nu["embed_VD"].spec == P("tensor", "fsdp")
+    assert adam.count.spec == P()
+    assert o_sh[2].hyperparams["learning_rate"].spec == P()
+    # The sharded state is usable: tx.init under jit with these out_shardings and one update.
+    placed = jax.device_put(params, p_sh)
+    state = jax.jit(tx.init, out_shardings=o_sh)(placed)
+    assert state[2].inner_state[0].mu["layer"]["q_DNH"].sharding.spec == P("fsdp", "tensor", None)
+    grads = jax.tree.map(jnp.ones_like, placed)
+    updates, _ = jax.jit(tx.update)(grads, state, placed)
+    ref_updates, _ = tx.update(grads, tx.init(params), params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), updates, ref_updates)
+
+
+def test_opt_state_leaf_matching_no_param_raises():
+    mesh = sharding.make_mesh((2, 2, 2))
+    params, logical = _synthetic_params()
+    abstract = jax.eval_shape(lambda: params)
+    p_sh = sharding.logical_to_mesh_sharding(logical, mesh, shapes=abstract)
+    bogus_state = {"ema": {"embed_VD": jax.ShapeDtypeStruct((3, 3), jnp.float32)}}
+    with pytest.raises(ValueError, match="matches no parameter"):
+        sharding.opt_state_shardings(bogus_state, abstract, p_sh, mesh)
+
+
+def test_suffix_shardings_for_a_cache_like_tree():
+    mesh = sharding.make_mesh((2, 2, 2))
+    cache = {
+        "k_LBSKH": jax.ShapeDtypeStruct((2, 4, 16, 2, 8), jnp.float32),
+        "mask_BS": jax.ShapeDtypeStruct((4, 16), jnp.int32),
+        "pos_B": jax.ShapeDtypeStruct((4,), jnp.int32),
+        "index": jax.ShapeDtypeStruct((), jnp.int32),
+    }
+    sh = sharding.kv_cache_shardings(cache, mesh)
+    assert sh["k_LBSKH"].spec == P(None, ("data", "fsdp"), None, "tensor", None)
+    assert sh["mask_BS"].spec == P(("data", "fsdp"), None)
+    assert sh["pos_B"].spec == P(("data", "fsdp"))
+    assert sh["index"].spec == P()
+    with pytest.raises(ValueError, match="needs a shape suffix"):
+        sharding.kv_cache_shardings({"keys": jax.ShapeDtypeStruct((2, 4), jnp.float32)}, mesh)
+
+
+def test_auto_mesh_matmul_under_set_mesh_equals_unsharded():
+    # jax>=0.10 defaults to explicit axes; our Auto mesh must let FSDP weights meet batch-sharded
+    # activations without per-op out_sharding, inside jax.set_mesh as train.py uses it.
+    mesh = sharding.make_mesh((2, 2, 2))
+    x_BD = jnp.arange(64.0).reshape(8, 8) / 64
+    w_DF = jnp.arange(128.0).reshape(8, 16) / 128
+    expected = np.asarray(x_BD) @ np.asarray(w_DF)
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x_BD, sharding.batch_sharding(mesh, 2))
+        ws = jax.device_put(w_DF, sharding.logical_to_mesh_sharding(P("embed", "mlp"), mesh))
+        out = jax.jit(lambda a, b: jnp.tanh(a @ b))(xs, ws)
+    np.testing.assert_allclose(np.asarray(out), np.tanh(expected), rtol=1e-6, atol=1e-6)
