@@ -4,6 +4,8 @@ Unit tests use synthetic logical trees; the parity tests further down run the re
 sampler and orbax on meshes (2,2,2), (1,8,1), (8,1,1) against one device.
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,7 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from grpo_jax import sharding
+from grpo_jax import distributed, sharding
 
 MESH_SHAPES = [(2, 2, 2), (1, 8, 1), (8, 1, 1)]
 
@@ -199,3 +201,123 @@ def test_auto_mesh_matmul_under_set_mesh_equals_unsharded():
         ws = jax.device_put(w_DF, sharding.logical_to_mesh_sharding(P("embed", "mlp"), mesh))
         out = jax.jit(lambda a, b: jnp.tanh(a @ b))(xs, ws)
     np.testing.assert_allclose(np.asarray(out), np.tanh(expected), rtol=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# grpo_jax.distributed
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, None),
+        ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}, None),  # one srun task: one process
+        ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}, "slurm"),
+        ({"OMPI_COMM_WORLD_SIZE": "2"}, "openmpi"),
+        ({"TPU_WORKER_HOSTNAMES": "w-0"}, None),
+        ({"TPU_WORKER_HOSTNAMES": "w-0,w-1"}, "tpu-pod"),
+        ({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"}, "jax-env"),
+    ],
+)
+def test_multiprocess_env_detection(env, expected):
+    assert distributed.multiprocess_env(env) == expected
+
+
+def test_maybe_initialize_calls_jax_only_when_needed(monkeypatch):
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    for var in ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("TPU_WORKER_HOSTNAMES", raising=False)
+    assert distributed.maybe_initialize() is False and calls == []
+    assert distributed.maybe_initialize(mode="on") is True and calls == [{}]
+    monkeypatch.setenv("SLURM_JOB_ID", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    assert distributed.maybe_initialize() is True and calls[-1] == {}
+    assert distributed.maybe_initialize(mode="off") is False and len(calls) == 2
+    flags = {"coordinator_address": "h:1", "num_processes": 4, "process_id": 3}
+    assert distributed.maybe_initialize(**flags) is True and calls[-1] == flags
+    with pytest.raises(ValueError, match="given together"):
+        distributed.maybe_initialize(coordinator_address="h:1")
+    with pytest.raises(ValueError, match=r"not in \[0, 4\)"):
+        distributed.maybe_initialize(coordinator_address="h:1", num_processes=4, process_id=4)
+    with pytest.raises(ValueError, match="must be one of"):
+        distributed.maybe_initialize(mode="yes")
+
+
+def test_process_shard_equal_sizes_and_disjoint():
+    items = list(range(10))
+    shards = [distributed.process_shard(items, process_index=i, process_count=3) for i in range(3)]
+    # 10 rows over 3 processes: 9 usable, every process gets 3, row 9 is dropped.
+    assert shards == [[0, 3, 6], [1, 4, 7], [2, 5, 8]]
+    assert distributed.process_shard(items) == items  # one process here
+    assert distributed.local_batch_size(12, process_count=4) == 3
+    with pytest.raises(ValueError, match="not divisible by 5"):
+        distributed.local_batch_size(12, process_count=5)
+
+
+_TWO_PROCESS_SCRIPT = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["JAX_PLATFORMS"] = "cpu"
+pid, port, ckpt = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+from grpo_jax import distributed, sharding
+import jax, jax.numpy as jnp, numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import PartitionSpec as P
+assert distributed.maybe_initialize(
+    coordinator_address=f"localhost:{port}", num_processes=2, process_id=pid)
+mesh = sharding.make_mesh((-1, 1, 1))
+rows = distributed.process_shard(list(range(9)))
+local = np.asarray(rows[: distributed.local_batch_size(8)], np.float32)
+x = distributed.to_global(local, sharding.batch_sharding(mesh, 1))
+total = jax.jit(lambda a: jnp.sum(a * jnp.arange(8.0)), out_shardings=sharding.replicated(mesh))(x)
+# Multi-host orbax: save a (data)-sharded array, restore it fsdp x tensor sharded.
+w = jax.device_put(jnp.arange(16.0).reshape(4, 4), sharding.logical_to_mesh_sharding(
+    P("batch", None), mesh))
+ckptr = ocp.StandardCheckpointer()
+ckptr.save(ckpt, {"w": w})
+ckptr.wait_until_finished()
+mesh2 = sharding.make_mesh((1, 2, 2))
+target = jax.ShapeDtypeStruct((4, 4), jnp.float32, sharding=sharding.logical_to_mesh_sharding(
+    P("embed", "mlp"), mesh2))
+w2 = ckptr.restore(ckpt, {"w": target})["w"]
+ok = bool(jax.jit(lambda a: jnp.all(a == jnp.arange(16.0).reshape(4, 4)),
+                  out_shardings=sharding.replicated(mesh2))(w2))
+print("RESULT", pid, jax.process_count(), len(jax.devices()), distributed.is_main_process(),
+      rows, float(total), w2.sharding.spec, ok, flush=True)
+"""
+
+
+def test_two_processes_share_one_mesh(tmp_path):
+    """Two real JAX processes (2 CPU devices each) on one 4-device mesh, with orbax."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "worker.py"
+    script.write_text(_TWO_PROCESS_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env.pop("XLA_FLAGS")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(i), str(port), str(tmp_path / "ckpt")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    results = [next(ln for ln in out.splitlines() if ln.startswith("RESULT")) for out in outs]
+    # Process p's local rows become global rows [4p, 4p+4): x = [0,2,4,6,1,3,5,7], so
+    # sum(x * arange(8)) = 0+2+8+18+4+15+30+49 = 126.
+    assert results[0] == ("RESULT 0 2 4 True [0, 2, 4, 6] 126.0 P('fsdp', 'tensor') True")
+    assert results[1] == ("RESULT 1 2 4 False [1, 3, 5, 7] 126.0 P('fsdp', 'tensor') True")

@@ -1,0 +1,144 @@
+"""Multi-process (multi-host) start-up, per-process data shards, and the main-process test.
+
+Owns ``maybe_initialize`` (the one place that calls ``jax.distributed.initialize``), the helpers
+that give each process its own slice of the prompts (``process_shard``, ``local_batch_size``),
+``to_global`` (assembling per-process host batches into global sharded arrays) and
+``is_main_process`` (only process 0 writes logs, plots and HF exports).
+
+JAX runs one process per host (TPU VM worker, SLURM task, or node); every process executes the
+same program over the global mesh, holds only its addressable shards, and feeds only its own part
+of the batch. There is no Ray and no home-made cluster: ``jax.distributed.initialize`` connects the
+processes, and JAX's own cluster detection (TPU metadata, SLURM, Open MPI) fills in the
+coordinator when no explicit address is given.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+_MODES = ("auto", "on", "off")
+
+
+def multiprocess_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """Names the launcher environment that runs several processes, or ``None`` for one process.
+
+    Detected: ``JAX_COORDINATOR_ADDRESS`` (explicit, read by JAX itself), SLURM with more than one
+    task (``srun``), Open MPI with more than one rank (``mpirun``), and GKE/multi-host TPU slices
+    that list more than one worker in ``TPU_WORKER_HOSTNAMES``. Cloud TPU VM pods started with
+    ``gcloud ... ssh --worker=all`` do not always set that variable: use ``mode="on"`` there.
+    """
+    env = os.environ if environ is None else environ
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        return "jax-env"
+    if "SLURM_JOB_ID" in env and int(env.get("SLURM_NTASKS", env.get("SLURM_NPROCS", "1"))) > 1:
+        return "slurm"
+    if int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+        return "openmpi"
+    if len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1:
+        return "tpu-pod"
+    return None
+
+
+def maybe_initialize(
+    *,
+    mode: str = "auto",
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> bool:
+    """Calls ``jax.distributed.initialize`` when the job runs as several processes.
+
+    Must run before anything touches a JAX backend (``jax.devices()``, array creation).
+
+    Args:
+      mode: ``"auto"`` initialises for explicit flags or a detected launcher
+        (``multiprocess_env``); ``"on"`` always initialises (Cloud TPU pods, where JAX reads the
+        TPU metadata); ``"off"`` never does (a single process).
+      coordinator_address: ``host:port`` of process 0; requires ``num_processes`` and
+        ``process_id``. Given together they override any detection.
+      num_processes: total process count, with ``coordinator_address``.
+      process_id: this process's rank in ``[0, num_processes)``, with ``coordinator_address``.
+
+    Returns:
+      True if this call initialised the distributed runtime, False if it was not needed (or had
+      already been initialised).
+
+    Raises:
+      ValueError: for an unknown mode, partial explicit flags, or flags with ``mode="off"``.
+    """
+    if mode not in _MODES:
+        raise ValueError(f"distributed mode {mode!r} must be one of {_MODES}")
+    explicit = (coordinator_address, num_processes, process_id)
+    if any(v is not None for v in explicit):
+        if any(v is None for v in explicit):
+            raise ValueError(
+                "coordinator_address, num_processes and process_id must be given together, got "
+                f"{coordinator_address!r}, {num_processes!r}, {process_id!r}"
+            )
+        if mode == "off":
+            raise ValueError("explicit coordinator flags contradict mode='off'")
+        if not 0 <= process_id < num_processes:
+            raise ValueError(f"process_id {process_id} not in [0, {num_processes})")
+    if jax.distributed.is_initialized():
+        return False
+    if mode == "off":
+        return False
+    if coordinator_address is not None:
+        jax.distributed.initialize(
+            coordinator_address=coordinator_address,
+            num_processes=num_processes,
+            process_id=process_id,
+        )
+        return True
+    if mode == "on" or multiprocess_env() is not None:
+        jax.distributed.initialize()
+        return True
+    return False
+
+
+def is_main_process() -> bool:
+    """True on process 0, the only one that writes logs, plots, checkpoints' metadata, HF exports."""
+    return jax.process_index() == 0
+
+
+def process_shard(
+    items: Sequence[Any], *, process_index: int | None = None, process_count: int | None = None
+) -> list[Any]:
+    """This process's rows of a dataset: every ``process_count``-th item from ``process_index``.
+
+    Every process gets the same number of rows, so all of them run the same number of steps (a
+    process that ran out first would hang the others at the next collective): the tail
+    ``len(items) % process_count`` rows are dropped, as ``drop_remainder`` would.
+    """
+    index = jax.process_index() if process_index is None else process_index
+    count = jax.process_count() if process_count is None else process_count
+    if not 0 <= index < count:
+        raise ValueError(f"process_index {index} not in [0, {count})")
+    usable = len(items) - len(items) % count
+    return [items[i] for i in range(index, usable, count)]
+
+
+def local_batch_size(global_batch_size: int, *, process_count: int | None = None) -> int:
+    """Rows each process feeds per step; the global batch must split evenly over processes."""
+    count = jax.process_count() if process_count is None else process_count
+    if global_batch_size % count:
+        raise ValueError(f"global batch {global_batch_size} not divisible by {count} processes")
+    return global_batch_size // count
+
+
+def to_global(local_tree: Any, sharding_tree: Any) -> Any:
+    """Builds global arrays from each process's host rows (leading axis = this process's part).
+
+    With one process this is a ``device_put``; with several, process p's rows become rows
+    ``[p * n, (p + 1) * n)`` of the global array (``jax.make_array_from_process_local_data``).
+    """
+    return jax.tree.map(
+        lambda x, s: jax.make_array_from_process_local_data(s, np.asarray(x)),
+        local_tree,
+        sharding_tree,
+    )
