@@ -1,0 +1,731 @@
+"""GRPO/PPO actor losses with verl 0.9.1 semantics, as pure JAX functions.
+
+This module owns everything between per-token log-probs and the scalar actor loss:
+
+* ``agg_loss``: verl's loss aggregation modes (``token-mean`` as in DAPO arXiv 2503.14476,
+  ``seq-mean-token-mean`` as in the GRPO paper arXiv 2402.03300, ``seq-mean-token-sum``,
+  ``seq-mean-token-sum-norm`` as in Dr.GRPO arXiv 2503.20783, ``token-sum``), including the
+  global-batch arguments (``dp_size``, ``batch_num_tokens``, ``global_batch_size``) of verl's
+  engine workers.
+* ``kl_penalty``: Schulman's estimators k1/k2/k3 (http://joschu.net/blog/kl-approx.html) with
+  verl's clamps, their ``+`` straight-through variants (value of the estimator, gradient of k2),
+  and ``full``: the exact per-token KL over the vocabulary, which verl documents but does not
+  implement.
+* ``compute_policy_loss``: one entry point for the policy-gradient losses, selected by
+  ``policy_loss_mode`` (plain ``match``): ``vanilla`` (PPO clip, arXiv 1707.06347, with
+  clip-higher from DAPO and the dual clip of arXiv 1912.09729 on negative advantages), ``gspo``
+  (sequence-level ratio, arXiv 2507.18071), ``cispo`` (clipped, detached IS weight times log-prob,
+  arXiv 2506.13585) and ``gpg`` (plain REINFORCE, arXiv 2504.02546).
+* ``logprobs_from_logits``, ``entropy_from_logits`` (direct, for small vocabularies and tests),
+  and the memory-aware ``logprobs_and_entropy_chunked`` (from logits) and
+  ``logprobs_and_entropy_from_hidden`` (from final hidden states and an unembedding callable):
+  they work on row chunks with hand-written backward passes, so no float32 [B, T, V] array
+  besides the logits themselves (or none at all, from hidden states) is ever live.
+* ``actor_loss``: pg - entropy_coeff * entropy + kl_loss_coef * kl, with verl's metric names.
+
+Shapes: B sequences, T response tokens, V vocabulary, D hidden size, N = B*T token rows.
+
+Mode and type strings (``loss_agg_mode``, ``kl_type``, ``policy_loss_mode``) and the clip
+coefficients are Python values, static under jit; an unknown string raises ValueError listing
+the valid names. Metrics are float32 scalar arrays (verl's are Python floats from ``.item()``,
+which cannot exist under jit).
+
+Deliberate differences from verl, all where verl returns NaN or inf:
+
+1. Empty denominators. ``token-mean`` over an all-masked batch (or with ``batch_num_tokens``
+   of 0), and the ``seq-mean-*`` modes with no non-empty sequence, return 0 with a zero gradient;
+   verl divides 0 by 0 and returns NaN.
+2. Non-finite values at masked-out positions never reach a result or a gradient. verl's
+   ``token-mean`` already ignores them (``masked_sum`` uses ``where``), but its
+   ``seq-mean-*`` modes multiply by the mask before summing (NaN * 0 = NaN), GSPO's sequence
+   ratio does the same, and every mode passes NaN gradients to masked positions whose inputs are
+   NaN. Here policy-loss inputs are replaced by 0 at masked positions with ``where`` before any
+   arithmetic, and ``agg_loss`` selects with ``where`` in every mode.
+
+For finite inputs with at least one valid token, every value and gradient equals verl's. Ratio
+clamps follow ``torch.clamp`` (a value exactly on a bound passes its gradient), not
+``jnp.clip``.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+_KL_BASE_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
+KL_TYPES = _KL_BASE_TYPES + tuple(name + "+" for name in _KL_BASE_TYPES)
+POLICY_LOSS_MODES = ("vanilla", "gspo", "cispo", "gpg")
+
+
+def _check_choice(what, value, valid):
+    if value not in valid:
+        raise ValueError(f"Unknown {what} {value!r}; valid: {', '.join(valid)}")
+
+
+def _clamp(x, lo=None, hi=None):
+    """torch.clamp: the gradient passes where lo <= x <= hi, bounds included (jnp.clip halves it)."""
+    if lo is not None:
+        x = jnp.where(x < lo, lo, x)
+    if hi is not None:
+        x = jnp.where(x > hi, hi, x)
+    return x
+
+
+def _safe_divide(num, den):
+    """num / den, and 0 (with zero gradient) where den == 0: the only deviation from verl."""
+    nonzero = den != 0
+    return jnp.where(nonzero, num / jnp.where(nonzero, den, 1.0), 0.0)
+
+
+def _masked_mean(x_BT, mask_BT):
+    """verl_F.masked_mean over all elements: denominator sum(mask) + 1e-8, no gradient."""
+    total = jnp.sum(jnp.where(mask_BT, x_BT.astype(jnp.float32), 0.0))
+    return jax.lax.stop_gradient(total / (jnp.sum(mask_BT.astype(jnp.float32)) + 1e-8))
+
+
+# ----------------------------------------------------------------------------------------------
+# AGGREGATION
+# ----------------------------------------------------------------------------------------------
+
+
+def agg_loss(
+    loss_mat,
+    loss_mask,
+    loss_agg_mode,
+    *,
+    dp_size=1,
+    batch_num_tokens=None,
+    global_batch_size=None,
+    loss_scale_factor=None,
+):
+    """Aggregates a per-token loss matrix into a scalar, as verl's ``agg_loss``.
+
+    S = sum of mask * loss over valid tokens, n_i = valid tokens of row i, N_tok = sum n_i,
+    N_seq = number of rows with n_i > 0:
+
+    * ``token-mean``: S / (batch_num_tokens or N_tok) * dp_size.
+    * ``token-sum``: S * dp_size.
+    * ``seq-mean-token-sum``: sum_i S_i / (global_batch_size or N_seq) * dp_size.
+    * ``seq-mean-token-mean``: sum_i S_i / (n_i + 1e-8) / (global_batch_size or N_seq) * dp_size.
+    * ``seq-mean-token-sum-norm``: ``seq-mean-token-sum`` / (loss_scale_factor or T).
+
+    Args:
+        loss_mat: [B, T] per-token losses (any float dtype; summed in float32).
+        loss_mask: [B, T] mask; non-zero entries are valid and weigh by their value (verl).
+        loss_agg_mode: one of ``AGG_MODES`` (config ``actor.loss_agg_mode``).
+        dp_size: data-parallel size; > 1 requires the global count of the chosen mode.
+        batch_num_tokens: global valid-token count (``token-mean``), int or scalar array.
+        global_batch_size: global number of sequences (``seq-mean-*``), int or scalar array.
+        loss_scale_factor: divisor of ``seq-mean-token-sum-norm`` (config
+            ``actor.loss_scale_factor``); None means the padded width T. Ignored by other modes.
+
+    Returns:
+        float32 scalar. Empty denominators give 0 (verl: NaN).
+    """
+    _check_choice("loss_agg_mode", loss_agg_mode, AGG_MODES)
+    mask_BT = loss_mask.astype(jnp.float32)
+    valid_BT = jnp.where(mask_BT != 0, loss_mat.astype(jnp.float32), 0.0) * mask_BT
+    match loss_agg_mode:
+        case "token-mean":
+            if batch_num_tokens is None:
+                if dp_size > 1:
+                    raise ValueError("agg_loss: batch_num_tokens is required when dp_size > 1")
+                batch_num_tokens = jnp.sum(mask_BT)
+            return _safe_divide(jnp.sum(valid_BT), batch_num_tokens) * dp_size
+        case "token-sum":
+            return jnp.sum(valid_BT) * dp_size
+        case "seq-mean-token-sum" | "seq-mean-token-sum-norm" | "seq-mean-token-mean":
+            n_B = jnp.sum(mask_BT, axis=-1)
+            seq_B = jnp.sum(valid_BT, axis=-1)
+            if loss_agg_mode == "seq-mean-token-mean":
+                seq_B = seq_B / (n_B + 1e-8)
+            if global_batch_size is None:
+                if dp_size > 1:
+                    raise ValueError("agg_loss: global_batch_size is required when dp_size > 1")
+                global_batch_size = jnp.sum((n_B > 0).astype(jnp.float32))
+            loss = _safe_divide(jnp.sum(jnp.where(n_B > 0, seq_B, 0.0)), global_batch_size)
+            loss = loss * dp_size
+            if loss_agg_mode == "seq-mean-token-sum-norm":
+                scale = loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
+                loss = loss / scale
+            return loss
+
+
+# ----------------------------------------------------------------------------------------------
+# KL ESTIMATORS
+# ----------------------------------------------------------------------------------------------
+
+
+def _rows_per_chunk(num_rows, chunk_size):
+    """The largest divisor of num_rows that is <= chunk_size, so chunks are free reshapes."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    rows = max(1, min(chunk_size, num_rows))
+    while num_rows % rows:
+        rows -= 1
+    return rows
+
+
+def _full_kl_chunk(z_rV, zr_rV):
+    """Per-row KL(softmax z || softmax zr) = sum p (z - zr) - lse(z) + lse(zr), and residuals."""
+    z_rV, zr_rV = z_rV.astype(jnp.float32), zr_rV.astype(jnp.float32)
+    lse_r = jax.nn.logsumexp(z_rV, axis=-1)
+    p_rV = jnp.exp(z_rV - lse_r[:, None])
+    a_r = jnp.sum(p_rV * (z_rV - zr_rV), axis=-1)
+    return a_r - lse_r + jax.nn.logsumexp(zr_rV, axis=-1), lse_r, a_r
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _full_kl_rows(z_NV, zr_NV, rows):
+    return _full_kl_rows_fwd(z_NV, zr_NV, rows)[0]
+
+
+def _full_kl_rows_fwd(z_NV, zr_NV, rows):
+    (num, vocab), chunks = z_NV.shape, z_NV.shape[0] // rows
+    z_CrV, zr_CrV = z_NV.reshape(chunks, rows, vocab), zr_NV.reshape(chunks, rows, vocab)
+    _, (kl_Cr, lse_Cr, a_Cr) = jax.lax.scan(
+        lambda carry, x: (carry, _full_kl_chunk(*x)), None, (z_CrV, zr_CrV)
+    )
+    return kl_Cr.reshape(num), (z_NV, zr_NV, lse_Cr, a_Cr)
+
+
+def _full_kl_rows_bwd(rows, res, g_N):
+    z_NV, zr_NV, lse_Cr, a_Cr = res
+    (num, vocab), chunks = z_NV.shape, z_NV.shape[0] // rows
+
+    def chunk_grad(carry, x):
+        z_rV, zr_rV, lse_r, a_r, g_r = x
+        z_rV = z_rV.astype(jnp.float32)
+        p_rV = jnp.exp(z_rV - lse_r[:, None])
+        # d KL / d z_j = p_j ((z_j - zr_j) - sum_k p_k (z_k - zr_k)).
+        grad_rV = g_r[:, None] * p_rV * (z_rV - zr_rV.astype(jnp.float32) - a_r[:, None])
+        return carry, grad_rV.astype(z_NV.dtype)
+
+    xs = (
+        z_NV.reshape(chunks, rows, vocab),
+        zr_NV.reshape(chunks, rows, vocab),
+        lse_Cr,
+        a_Cr,
+        g_N.reshape(chunks, rows),
+    )
+    _, grad_CrV = jax.lax.scan(chunk_grad, None, xs)
+    # The reference model is frozen: ref_logits get no gradient.
+    return grad_CrV.reshape(num, vocab), None
+
+
+_full_kl_rows.defvjp(_full_kl_rows_fwd, _full_kl_rows_bwd)
+
+
+def _full_kl(logits, ref_logits, chunk_size=1024):
+    if logits is None or ref_logits is None:
+        raise ValueError("kl_type 'full' needs logits and ref_logits ([B, T, V])")
+    if logits.shape != ref_logits.shape:
+        raise ValueError(f"logits {logits.shape} and ref_logits {ref_logits.shape} differ")
+    *lead, vocab = logits.shape
+    num = 1
+    for n in lead:
+        num *= n
+    rows = _rows_per_chunk(num, chunk_size)
+    kl_N = _full_kl_rows(logits.reshape(num, vocab), ref_logits.reshape(num, vocab), rows)
+    return kl_N.reshape(lead)
+
+
+def kl_penalty(log_prob, ref_log_prob, kl_type, *, logits=None, ref_logits=None):
+    """Per-token KL estimate between the policy and the reference, as verl's ``kl_penalty``.
+
+    With d = log_prob - ref_log_prob:
+
+    * ``kl``/``k1``: d.  ``abs``: |d|.  ``mse``/``k2``: d^2 / 2.
+    * ``low_var_kl``/``k3``: x = clamp(-d, -20, 20); clamp(e^x - x - 1, -10, 10). The gradient
+      is 0 where either clamp binds.
+    * ``full``: exact KL(pi || pi_ref) = sum_v p_v (log p_v - log q_v) from ``logits`` and
+      ``ref_logits`` [B, T, V] (already divided by the temperature), computed over row chunks
+      with a hand-written backward, so no float32 [B, T, V] copy is made. Gradient flows to
+      ``logits`` only (the reference is frozen). ``log_prob``/``ref_log_prob`` may be None.
+    * ``<name>+``: the value of ``<name>`` with the gradient of k2 with respect to the log-probs
+      (straight-through: k2 - sg(k2) + sg(value)); needs the log-probs, also for ``full+``.
+
+    Args:
+        log_prob: [B, T] policy log-probs of the sampled tokens.
+        ref_log_prob: [B, T] reference-model log-probs of the same tokens.
+        kl_type: one of ``KL_TYPES`` (config ``actor.kl_loss_type`` or
+            ``algorithm.kl_penalty``).
+        logits: [B, T, V] policy logits, only for ``full``/``full+``.
+        ref_logits: [B, T, V] reference logits, only for ``full``/``full+``.
+
+    Returns:
+        [B, T] float32 estimate (no masking inside).
+    """
+    _check_choice("kl_type", kl_type, KL_TYPES)
+    straight_through = kl_type.endswith("+")
+    base = kl_type[:-1] if straight_through else kl_type
+    if (base != "full" or straight_through) and (log_prob is None or ref_log_prob is None):
+        raise ValueError(f"kl_type {kl_type!r} needs log_prob and ref_log_prob")
+    if base == "full":
+        value = _full_kl(logits, ref_logits)
+    else:
+        d = log_prob.astype(jnp.float32) - ref_log_prob.astype(jnp.float32)
+        match base:
+            case "kl" | "k1":
+                value = d
+            case "abs":
+                value = jnp.abs(d)
+            case "mse" | "k2":
+                value = 0.5 * d * d
+            case "low_var_kl" | "k3":
+                x = _clamp(-d, -20.0, 20.0)
+                value = _clamp(jnp.exp(x) - x - 1.0, -10.0, 10.0)
+    if not straight_through or base in ("mse", "k2"):
+        return value
+    d = log_prob.astype(jnp.float32) - ref_log_prob.astype(jnp.float32)
+    k2 = 0.5 * d * d
+    return k2 - jax.lax.stop_gradient(k2) + jax.lax.stop_gradient(value)
+
+
+# ----------------------------------------------------------------------------------------------
+# POLICY LOSSES
+# ----------------------------------------------------------------------------------------------
+
+
+def _vanilla_token_losses(old_BT, lp_BT, adv_BT, mask_BT, *, clip_low, clip_high, clip_ratio_c):
+    """PPO clip with clip-higher and dual clip; returns (loss_BT, metrics)."""
+    log_ratio_BT = _clamp(lp_BT - old_BT, -20.0, 20.0)
+    ratio_BT = jnp.exp(log_ratio_BT)
+    loss1_BT = -adv_BT * ratio_BT
+    loss2_BT = -adv_BT * _clamp(ratio_BT, 1.0 - clip_low, 1.0 + clip_high)
+    clipped_BT = jnp.maximum(loss1_BT, loss2_BT)
+    # Dual clip (arXiv 1912.09729): for A < 0 the loss is capped at -A * c once ratio > c.
+    loss3_BT = -adv_BT * clip_ratio_c
+    negative_BT = adv_BT < 0
+    loss_BT = jnp.where(negative_BT, jnp.minimum(loss3_BT, clipped_BT), clipped_BT)
+    metrics = {
+        "actor/pg_clipfrac": _masked_mean(loss2_BT > loss1_BT, mask_BT),
+        "actor/ppo_kl": _masked_mean(-log_ratio_BT, mask_BT),
+        "actor/pg_clipfrac_lower": _masked_mean((clipped_BT > loss3_BT) & negative_BT, mask_BT),
+    }
+    return loss_BT, metrics
+
+
+def _gspo_token_losses(old_BT, lp_BT, adv_BT, mask_BT, *, clip_low, clip_high):
+    """GSPO: token ratio exp(sg(mean_t log r) + lp - sg(lp)), PPO clip, no dual clip."""
+    log_ratio_BT = lp_BT - old_BT
+    length_B = jnp.maximum(jnp.sum(mask_BT.astype(jnp.float32), axis=-1), 1.0)
+    seq_log_ratio_B = jnp.sum(jnp.where(mask_BT, log_ratio_BT, 0.0), axis=-1) / length_B
+    log_seq_ratio_BT = (
+        lp_BT - jax.lax.stop_gradient(lp_BT) + jax.lax.stop_gradient(seq_log_ratio_B)[:, None]
+    )
+    ratio_BT = jnp.exp(_clamp(log_seq_ratio_BT, hi=10.0))
+    loss1_BT = -adv_BT * ratio_BT
+    loss2_BT = -adv_BT * _clamp(ratio_BT, 1.0 - clip_low, 1.0 + clip_high)
+    metrics = {
+        "actor/pg_clipfrac": _masked_mean(loss2_BT > loss1_BT, mask_BT),
+        "actor/ppo_kl": _masked_mean(-log_ratio_BT, mask_BT),
+        "actor/pg_clipfrac_lower": jnp.zeros((), jnp.float32),
+    }
+    return jnp.maximum(loss1_BT, loss2_BT), metrics
+
+
+def _cispo_token_losses(old_BT, lp_BT, adv_BT, mask_BT, *, clip_low, clip_high):
+    """CISPO: -sg(clamp(ratio, 1 - eps_low, 1 + eps_high)) * A * log_prob."""
+    log_ratio_BT = _clamp(lp_BT - old_BT, -20.0, 20.0)
+    ratio_BT = jnp.exp(log_ratio_BT)
+    clipped_ratio_BT = _clamp(ratio_BT, 1.0 - clip_low, 1.0 + clip_high)
+    metrics = {
+        "actor/pg_clipfrac": _masked_mean(ratio_BT != clipped_ratio_BT, mask_BT),
+        "actor/ppo_kl": _masked_mean(-log_ratio_BT, mask_BT),
+        "actor/pg_clipfrac_lower": jnp.zeros((), jnp.float32),
+    }
+    return -jax.lax.stop_gradient(clipped_ratio_BT) * adv_BT * lp_BT, metrics
+
+
+def compute_policy_loss(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    *,
+    loss_agg_mode="token-mean",
+    clip_ratio=0.2,
+    clip_ratio_low=None,
+    clip_ratio_high=None,
+    clip_ratio_c=3.0,
+    rollout_is_weights=None,
+    policy_loss_mode="vanilla",
+    dp_size=1,
+    batch_num_tokens=None,
+    global_batch_size=None,
+    loss_scale_factor=None,
+):
+    """Policy-gradient loss and its metrics, as verl's registered policy losses.
+
+    ``policy_loss_mode`` (config ``actor.policy_loss.loss_mode``) selects the per-token loss,
+    with r = exp(clamp(log_prob - old_log_prob, -20, 20)) and A the advantage:
+
+    * ``vanilla``: L = max(-A r, -A clamp(r, 1 - eps_low, 1 + eps_high)), and for A < 0
+      additionally min(-A c, L) (dual clip, c = ``clip_ratio_c`` > 1).
+    * ``gspo``: the same clip (no dual clip) on the sequence-level ratio
+      exp(sg(masked mean of log r) + log_prob - sg(log_prob)), log clamped at 10, no +-20 clamp.
+    * ``cispo``: L = -sg(clamp(r, 1 - eps_low, 1 + eps_high)) A log_prob.
+    * ``gpg``: L = -A log_prob (REINFORCE; no ratio, no metrics).
+
+    L is multiplied by ``rollout_is_weights`` when given, then aggregated with ``agg_loss``.
+
+    Args:
+        old_log_prob: [B, T] log-probs of the policy that sampled (or recomputed old policy).
+        log_prob: [B, T] log-probs of the current policy (differentiated).
+        advantages: [B, T] advantages.
+        response_mask: [B, T] 0/1 (or bool) response mask.
+        loss_agg_mode: aggregation mode, see ``agg_loss``.
+        clip_ratio: eps, the default for both sides (config ``actor.clip_ratio``).
+        clip_ratio_low: eps_low; None means ``clip_ratio``.
+        clip_ratio_high: eps_high (DAPO clip-higher); None means ``clip_ratio``.
+        clip_ratio_c: dual-clip cap c; must be > 1 for ``vanilla``.
+        rollout_is_weights: optional [B, T] importance weights (treated as given; pass constants).
+        policy_loss_mode: one of ``POLICY_LOSS_MODES``.
+        dp_size, batch_num_tokens, global_batch_size, loss_scale_factor: see ``agg_loss``
+            (verl's ``global_batch_info``).
+
+    Returns:
+        (pg_loss, metrics): float32 scalar, and a dict of float32 scalars with verl's keys
+        ``actor/pg_clipfrac``, ``actor/ppo_kl`` and ``actor/pg_clipfrac_lower`` (empty for gpg).
+        Metrics are masked means over valid tokens with denominator (sum of mask + 1e-8).
+    """
+    _check_choice("policy_loss_mode", policy_loss_mode, POLICY_LOSS_MODES)
+    clip_low = clip_ratio if clip_ratio_low is None else clip_ratio_low
+    clip_high = clip_ratio if clip_ratio_high is None else clip_ratio_high
+    if policy_loss_mode == "vanilla" and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 for the dual clip, got {clip_ratio_c}")
+    mask_BT = response_mask != 0
+    # Zero the inputs at masked positions so NaN/inf padding cannot reach values or gradients.
+    old_BT, lp_BT, adv_BT = (
+        jnp.where(mask_BT, x.astype(jnp.float32), 0.0) for x in (old_log_prob, log_prob, advantages)
+    )
+    match policy_loss_mode:
+        case "vanilla":
+            loss_BT, metrics = _vanilla_token_losses(
+                old_BT,
+                lp_BT,
+                adv_BT,
+                mask_BT,
+                clip_low=clip_low,
+                clip_high=clip_high,
+                clip_ratio_c=clip_ratio_c,
+            )
+        case "gspo":
+            loss_BT, metrics = _gspo_token_losses(
+                old_BT, lp_BT, adv_BT, mask_BT, clip_low=clip_low, clip_high=clip_high
+            )
+        case "cispo":
+            loss_BT, metrics = _cispo_token_losses(
+                old_BT, lp_BT, adv_BT, mask_BT, clip_low=clip_low, clip_high=clip_high
+            )
+        case "gpg":
+            loss_BT, metrics = -lp_BT * adv_BT, {}
+    if rollout_is_weights is not None:
+        loss_BT = loss_BT * jnp.where(mask_BT, rollout_is_weights.astype(jnp.float32), 0.0)
+    pg_loss = agg_loss(
+        loss_BT,
+        response_mask,
+        loss_agg_mode,
+        dp_size=dp_size,
+        batch_num_tokens=batch_num_tokens,
+        global_batch_size=global_batch_size,
+        loss_scale_factor=loss_scale_factor,
+    )
+    return pg_loss, metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# LOG-PROBS AND ENTROPY
+# ----------------------------------------------------------------------------------------------
+
+
+def logprobs_from_logits(logits, labels):
+    """log softmax(logits)[labels], in float32 (verl's naive path; plain autodiff).
+
+    Args:
+        logits: [..., V] logits (already divided by the temperature).
+        labels: [...] int token ids.
+
+    Returns:
+        [...] float32 log-probs.
+    """
+    z = logits.astype(jnp.float32)
+    picked = jnp.take_along_axis(z, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return picked - jax.nn.logsumexp(z, axis=-1)
+
+
+def entropy_from_logits(logits):
+    """Entropy of softmax(logits): logsumexp(z) - sum softmax(z) z, in float32.
+
+    Args:
+        logits: [..., V] logits.
+
+    Returns:
+        [...] float32 entropies.
+    """
+    z = logits.astype(jnp.float32)
+    return jax.nn.logsumexp(z, axis=-1) - jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
+
+
+def _logprob_entropy_chunk(z_rV, labels_r, inv_temperature):
+    """Forward on one chunk of rows: (log-prob, entropy, logsumexp, E_p[z]), all float32 [r]."""
+    z_rV = z_rV.astype(jnp.float32) * inv_temperature
+    lse_r = jax.nn.logsumexp(z_rV, axis=-1)
+    mean_z_r = jnp.sum(jnp.exp(z_rV - lse_r[:, None]) * z_rV, axis=-1)
+    picked_r = jnp.take_along_axis(z_rV, labels_r[:, None], axis=-1)[:, 0]
+    return picked_r - lse_r, lse_r - mean_z_r, lse_r, mean_z_r
+
+
+def _logprob_entropy_chunk_grad(z_rV, labels_r, lse_r, mean_z_r, g_lp_r, g_ent_r, inv_temp):
+    """d/dz of sum(g_lp * logp + g_ent * H): g_lp (onehot - p) - g_ent p (z - E_p[z])."""
+    zs_rV = z_rV.astype(jnp.float32) * inv_temp
+    p_rV = jnp.exp(zs_rV - lse_r[:, None])
+    onehot_rV = (jnp.arange(z_rV.shape[-1], dtype=jnp.int32)[None, :] == labels_r[:, None]).astype(
+        jnp.float32
+    )
+    grad_rV = g_lp_r[:, None] * (onehot_rV - p_rV) - g_ent_r[:, None] * p_rV * (
+        zs_rV - mean_z_r[:, None]
+    )
+    return (grad_rV * inv_temp).astype(z_rV.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _logprob_entropy_rows(z_NV, labels_N, rows, inv_temperature):
+    return _logprob_entropy_rows_fwd(z_NV, labels_N, rows, inv_temperature)[0]
+
+
+def _logprob_entropy_rows_fwd(z_NV, labels_N, rows, inv_temperature):
+    (num, vocab), chunks = z_NV.shape, z_NV.shape[0] // rows
+
+    def chunk(carry, x):
+        return carry, _logprob_entropy_chunk(*x, inv_temperature)
+
+    xs = (z_NV.reshape(chunks, rows, vocab), labels_N.reshape(chunks, rows))
+    _, (lp_Cr, ent_Cr, lse_Cr, mean_z_Cr) = jax.lax.scan(chunk, None, xs)
+    # Residuals are the logits themselves plus two floats per row: nothing [N, V] is saved.
+    return (lp_Cr.reshape(num), ent_Cr.reshape(num)), (z_NV, labels_N, lse_Cr, mean_z_Cr)
+
+
+def _logprob_entropy_rows_bwd(rows, inv_temperature, res, g):
+    z_NV, labels_N, lse_Cr, mean_z_Cr = res
+    g_lp_N, g_ent_N = g
+    (num, vocab), chunks = z_NV.shape, z_NV.shape[0] // rows
+
+    def chunk(carry, x):
+        return carry, _logprob_entropy_chunk_grad(*x, inv_temperature)
+
+    xs = (
+        z_NV.reshape(chunks, rows, vocab),
+        labels_N.reshape(chunks, rows),
+        lse_Cr,
+        mean_z_Cr,
+        g_lp_N.reshape(chunks, rows),
+        g_ent_N.reshape(chunks, rows),
+    )
+    _, grad_CrV = jax.lax.scan(chunk, None, xs)
+    return grad_CrV.reshape(num, vocab), None
+
+
+_logprob_entropy_rows.defvjp(_logprob_entropy_rows_fwd, _logprob_entropy_rows_bwd)
+
+
+def _check_temperature(temperature):
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    return 1.0 / float(temperature)
+
+
+def logprobs_and_entropy_chunked(
+    logits, labels, *, chunk_size=1024, temperature=1.0, calculate_entropy=True
+):
+    """Log-probs and entropy of softmax(logits / temperature), chunked over token rows.
+
+    The B*T token rows are processed ``chunk_size`` at a time (the largest divisor of B*T not
+    above ``chunk_size``, so chunks are free reshapes), in float32 whatever the logits dtype.
+    Forward and backward are each one pass over the logits; the backward writes the gradient
+    chunk by chunk, so the only [B, T, V] arrays are the logits and their gradient.
+
+    Args:
+        logits: [B, T, V] logits (any float dtype), not yet divided by the temperature.
+        labels: [B, T] int token ids.
+        chunk_size: maximum token rows per chunk.
+        temperature: Python float > 0 (config ``rollout.temperature``); logits are divided by it.
+        calculate_entropy: also return the entropy (verl's ``calculate_entropy``).
+
+    Returns:
+        (log_probs [B, T] float32, entropy [B, T] float32 or None).
+    """
+    inv_temperature = _check_temperature(temperature)
+    *lead, vocab = logits.shape
+    if tuple(lead) != labels.shape:
+        raise ValueError(f"labels {labels.shape} do not match logits {logits.shape}")
+    num = 1
+    for n in lead:
+        num *= n
+    rows = _rows_per_chunk(num, chunk_size)
+    lp_N, ent_N = _logprob_entropy_rows(
+        logits.reshape(num, vocab), labels.reshape(num).astype(jnp.int32), rows, inv_temperature
+    )
+    return lp_N.reshape(lead), (ent_N.reshape(lead) if calculate_entropy else None)
+
+
+def logprobs_and_entropy_from_hidden(
+    h_BTD, unembed, labels, *, chunk_size=1024, temperature=1.0, calculate_entropy=True
+):
+    """Log-probs and entropy straight from final hidden states, never building [B, T, V].
+
+    Token rows are processed ``chunk_size`` at a time in a ``lax.scan``; each chunk's logits
+    come from ``unembed`` and are dropped after use. The chunk body is ``jax.checkpoint``-ed, so
+    the backward recomputes one chunk's logits at a time too: peak extra memory is about two
+    [chunk_size, V] float32 arrays, whatever B and T are. Gradients flow to ``h_BTD`` and to
+    any arrays ``unembed`` closes over (e.g. the unembedding matrix).
+
+    Args:
+        h_BTD: [B, T, D] final (normed) hidden states at the positions that predict ``labels``.
+        unembed: callable mapping [r, D] hidden states to [r, V] logits, e.g.
+            ``functools.partial(model.unembed, config, params)`` or ``lambda h: h @ w_DV``.
+        labels: [B, T] int token ids.
+        chunk_size: token rows per chunk (B*T is zero-padded up to a multiple of it).
+        temperature: Python float > 0; logits are divided by it.
+        calculate_entropy: also return the entropy.
+
+    Returns:
+        (log_probs [B, T] float32, entropy [B, T] float32 or None).
+    """
+    inv_temperature = _check_temperature(temperature)
+    if h_BTD.shape[:-1] != labels.shape:
+        raise ValueError(f"labels {labels.shape} do not match hidden states {h_BTD.shape}")
+    batch, length, dim = h_BTD.shape
+    num = batch * length
+    rows = max(1, min(chunk_size, num))
+    chunks = -(-num // rows)
+    pad = chunks * rows - num
+    h_ND = jnp.pad(h_BTD.reshape(num, dim), ((0, pad), (0, 0)))
+    labels_N = jnp.pad(labels.reshape(num).astype(jnp.int32), (0, pad))
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def chunk(h_rD, labels_r):
+        z_rV = unembed(h_rD)
+        return _logprob_entropy_rows(z_rV, labels_r, rows, inv_temperature)
+
+    _, (lp_Cr, ent_Cr) = jax.lax.scan(
+        lambda carry, x: (carry, chunk(*x)),
+        None,
+        (h_ND.reshape(chunks, rows, dim), labels_N.reshape(chunks, rows)),
+    )
+    lp_BT = lp_Cr.reshape(-1)[:num].reshape(batch, length)
+    ent_BT = ent_Cr.reshape(-1)[:num].reshape(batch, length) if calculate_entropy else None
+    return lp_BT, ent_BT
+
+
+# ----------------------------------------------------------------------------------------------
+# ACTOR LOSS
+# ----------------------------------------------------------------------------------------------
+
+
+def actor_loss(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    *,
+    ref_log_prob=None,
+    entropy=None,
+    logits=None,
+    ref_logits=None,
+    policy_loss_mode="vanilla",
+    loss_agg_mode="token-mean",
+    clip_ratio=0.2,
+    clip_ratio_low=None,
+    clip_ratio_high=None,
+    clip_ratio_c=3.0,
+    entropy_coeff=0.0,
+    use_kl_loss=False,
+    kl_loss_coef=0.001,
+    kl_loss_type="low_var_kl",
+    rollout_is_weights=None,
+    dp_size=1,
+    batch_num_tokens=None,
+    global_batch_size=None,
+    loss_scale_factor=None,
+):
+    """verl's actor loss: pg_loss - entropy_coeff * entropy_loss (+ kl_loss_coef * kl_loss).
+
+    All three terms use ``loss_agg_mode`` and the same global-batch arguments (verl 0.9.1
+    engine ``ppo_loss``). The keyword names are verl's ``actor.*`` config fields.
+
+    Args:
+        old_log_prob, log_prob, advantages, response_mask: [B, T], see ``compute_policy_loss``.
+        ref_log_prob: [B, T] reference log-probs; required when ``use_kl_loss``.
+        entropy: [B, T] per-token entropy of the current policy (e.g. from
+            ``logprobs_and_entropy_from_hidden``); required when ``entropy_coeff != 0``. When
+            given, its aggregate is reported as ``actor/entropy``.
+        logits, ref_logits: [B, T, V], only for ``kl_loss_type`` ``full``/``full+``.
+        policy_loss_mode, loss_agg_mode, clip_ratio, clip_ratio_low, clip_ratio_high,
+            clip_ratio_c, rollout_is_weights: see ``compute_policy_loss``.
+        entropy_coeff: weight of the entropy bonus (config ``actor.entropy_coeff``).
+        use_kl_loss: add the KL-to-reference loss (config ``actor.use_kl_loss``).
+        kl_loss_coef: its weight beta (config ``actor.kl_loss_coef``).
+        kl_loss_type: ``kl_penalty`` estimator (config ``actor.kl_loss_type``).
+        dp_size, batch_num_tokens, global_batch_size, loss_scale_factor: see ``agg_loss``.
+
+    Returns:
+        (loss, metrics): float32 scalar, and float32 scalar metrics ``actor/pg_loss``,
+        ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower`` (not for gpg),
+        ``actor/entropy`` (when ``entropy`` is given), ``actor/kl_loss`` and ``actor/kl_coef``
+        (when ``use_kl_loss``).
+    """
+    _check_choice("kl_loss_type", kl_loss_type, KL_TYPES)
+    if entropy_coeff != 0 and entropy is None:
+        raise ValueError("actor_loss: entropy_coeff != 0 needs the per-token entropy")
+    needs_log_probs = kl_loss_type not in ("full",)
+    if use_kl_loss and needs_log_probs and ref_log_prob is None:
+        raise ValueError(f"actor_loss: use_kl_loss with {kl_loss_type!r} needs ref_log_prob")
+    global_batch_info = dict(
+        dp_size=dp_size,
+        batch_num_tokens=batch_num_tokens,
+        global_batch_size=global_batch_size,
+        loss_scale_factor=loss_scale_factor,
+    )
+    pg_loss, pg_metrics = compute_policy_loss(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode=loss_agg_mode,
+        clip_ratio=clip_ratio,
+        clip_ratio_low=clip_ratio_low,
+        clip_ratio_high=clip_ratio_high,
+        clip_ratio_c=clip_ratio_c,
+        rollout_is_weights=rollout_is_weights,
+        policy_loss_mode=policy_loss_mode,
+        **global_batch_info,
+    )
+    metrics = {"actor/pg_loss": jax.lax.stop_gradient(pg_loss), **pg_metrics}
+    loss = pg_loss
+    if entropy is not None:
+        entropy_loss = agg_loss(entropy, response_mask, loss_agg_mode, **global_batch_info)
+        loss = loss - entropy_coeff * entropy_loss
+        metrics["actor/entropy"] = jax.lax.stop_gradient(entropy_loss)
+    if use_kl_loss:
+        mask_BT = response_mask != 0
+        kld_BT = kl_penalty(
+            None if ref_log_prob is None else jnp.where(mask_BT, log_prob, 0.0),
+            None if ref_log_prob is None else jnp.where(mask_BT, ref_log_prob, 0.0),
+            kl_loss_type,
+            logits=logits,
+            ref_logits=ref_logits,
+        )
+        kl_loss = agg_loss(kld_BT, response_mask, loss_agg_mode, **global_batch_info)
+        loss = loss + kl_loss_coef * kl_loss
+        metrics["actor/kl_loss"] = jax.lax.stop_gradient(kl_loss)
+        metrics["actor/kl_coef"] = jnp.asarray(kl_loss_coef, jnp.float32)
+    return loss, metrics
