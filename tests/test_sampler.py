@@ -158,3 +158,18 @@ def test_sampled_distribution_chi_square(temperature, top_k, top_p, expected):
     # log_probs are log_softmax(logits / T) at the token, never renormalised by the filters.
     full_logp_V = np.log(probs_V ** (1 / temperature) / (probs_V ** (1 / temperature)).sum())
     np.testing.assert_allclose(logp_B, full_logp_V[np.asarray(tokens_B)], rtol=1e-5)
+
+
+def test_inverse_cdf_sparse_support_and_edges():
+    # V = 300 is not a multiple of the 128-token chunk; only tokens 5 (weight 1) and 290 (weight 3)
+    # can be drawn, so u < 1/4 gives 5 and u >= 1/4 gives 290 (cumulative weights 1, 4).
+    probs_V = np.zeros(300, np.float32)
+    probs_V[[5, 290]] = [1.0, 3.0]
+    u_B = jnp.asarray([0.0, 0.2, 0.2499, 0.2501, 0.9, np.nextafter(np.float32(1), 0)], jnp.float32)
+    probs_BV = jnp.broadcast_to(jnp.asarray(probs_V), (6, 300))
+    tokens_B = sampler.categorical_inverse_cdf(probs_BV, u_B)
+    np.testing.assert_array_equal(tokens_B, [5, 5, 5, 290, 290, 290])
+    # Rounding can push u * total past the last cumulative sum: the last positive token wins,
+    # never the zero-weight tail (tokens 291..383 of the padded last chunk).
+    tokens_B = sampler.categorical_inverse_cdf(probs_BV[:1] * 1e-30, jnp.asarray([0.9999999]))
+    np.testing.assert_array_equal(tokens_B, [290])
