@@ -1,11 +1,14 @@
 """Tests for grpo_jax.sampler: token selection, bucketing, and the grouped KV-cache sampler."""
 
+import types
+
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax import sampler
+from grpo_jax import model, sampler
 
 # ---------------------------------------------------------------------------------------------
 # Bucketing.
@@ -173,3 +176,243 @@ def test_inverse_cdf_sparse_support_and_edges():
     # never the zero-weight tail (tokens 291..383 of the padded last chunk).
     tokens_B = sampler.categorical_inverse_cdf(probs_BV[:1] * 1e-30, jnp.asarray([0.9999999]))
     np.testing.assert_array_equal(tokens_B, [290])
+
+
+# ---------------------------------------------------------------------------------------------
+# The sampler on a tiny model.
+
+_PAD = 0
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    config = model.ModelConfig.tiny()
+    params = model.init_params(config, jax.random.key(0))
+    return config, params
+
+
+def _left_padded(lengths, width, vocab, seed):
+    """[P,width] left-padded random prompts (ids in [1, vocab)) and their masks."""
+    rng = np.random.default_rng(seed)
+    ids_PT = np.full((len(lengths), width), _PAD, np.int32)
+    mask_PT = np.zeros((len(lengths), width), np.int32)
+    for i, length in enumerate(lengths):
+        ids_PT[i, width - length :] = rng.integers(1, vocab, size=length)
+        mask_PT[i, width - length :] = 1
+    return ids_PT, mask_PT
+
+
+def test_rollout_layout_and_bucketing(tiny):
+    config, params = tiny
+    ids_PT, mask_PT = _left_padded([5, 9, 3], 9, config.vocab_size, seed=1)
+    out = sampler.sample(
+        config,
+        params,
+        ids_PT,
+        mask_PT,
+        jax.random.key(0),
+        n=2,
+        max_new_tokens=4,
+        weights_version=7,
+    )
+    # Tp = 9 is bucketed to 64: 55 extra pad columns on the left, mask 0; prompt i at rows 2i, 2i+1.
+    expected_ids = np.concatenate([np.full((3, 55), _PAD, np.int32), ids_PT], axis=1)
+    expected_mask = np.concatenate([np.zeros((3, 55), np.int32), mask_PT], axis=1)
+    np.testing.assert_array_equal(out.prompt_ids, np.repeat(expected_ids, 2, axis=0))
+    np.testing.assert_array_equal(out.prompt_mask, np.repeat(expected_mask, 2, axis=0))
+    np.testing.assert_array_equal(out.group_ids, [0, 0, 1, 1, 2, 2])
+    assert int(out.weights_version) == 7
+    assert out.response_ids.shape == (6, 4) and out.response_ids.dtype == jnp.int32
+    # No EOS ids: every position is a response token.
+    np.testing.assert_array_equal(out.response_mask, np.ones((6, 4), np.int32))
+    assert out.log_probs.dtype == jnp.float32 and bool(jnp.all(out.log_probs < 0))
+
+
+def test_log_probs_match_teacher_forced_forward(tiny):
+    config, params = tiny
+    ids_PT, mask_PT = _left_padded([6, 2], 6, config.vocab_size, seed=2)
+    temperature = 0.7
+    out = sampler.sample(
+        config,
+        params,
+        ids_PT,
+        mask_PT,
+        jax.random.key(1),
+        n=3,
+        max_new_tokens=8,
+        temperature=temperature,
+        top_k=20,
+        top_p=0.9,
+        eos_token_ids=(3, 4, 5),
+        pad_token_id=_PAD,
+    )
+    seq_BS = jnp.concatenate([out.prompt_ids, out.response_ids], axis=1)
+    mask_BS = jnp.concatenate([out.prompt_mask, out.response_mask], axis=1)
+    logits_BSV = model.forward(config, params, seq_BS, mask_BS)
+    # The logits at position Tb - 1 + t predict response token t; log_probs are the full
+    # (unfiltered) log_softmax(logits / T) there.
+    prompt_len = out.prompt_ids.shape[1]
+    logp_BRV = jax.nn.log_softmax(logits_BSV[:, prompt_len - 1 : -1] / temperature, axis=-1)
+    expected_BR = jnp.take_along_axis(logp_BRV, out.response_ids[..., None], axis=-1)[..., 0]
+    expected_BR = jnp.where(out.response_mask == 1, expected_BR, 0.0)
+    np.testing.assert_allclose(out.log_probs, expected_BR, atol=1e-4)
+    # top-k=20 kept every drawn token inside the top 20 of its row.
+    rank_BR = jnp.sum(logp_BRV > jnp.take_along_axis(logp_BRV, out.response_ids[..., None], -1), -1)
+    assert bool(jnp.all(jnp.where(out.response_mask == 1, rank_BR < 20, True)))
+
+
+def test_same_rng_same_rollout_different_rng_different(tiny):
+    config, params = tiny
+    ids_PT, mask_PT = _left_padded([4, 7], 7, config.vocab_size, seed=3)
+    kwargs = {"n": 4, "max_new_tokens": 6, "temperature": 1.0}
+    first = sampler.sample(config, params, ids_PT, mask_PT, jax.random.key(5), **kwargs)
+    again = sampler.sample(config, params, ids_PT, mask_PT, jax.random.key(5), **kwargs)
+    legacy = sampler.sample(config, params, ids_PT, mask_PT, jax.random.PRNGKey(5), **kwargs)
+    other = sampler.sample(config, params, ids_PT, mask_PT, jax.random.key(6), **kwargs)
+    for a, b in ((first, again), (first, legacy)):
+        np.testing.assert_array_equal(a.response_ids, b.response_ids)
+        np.testing.assert_array_equal(a.log_probs, b.log_probs)
+    assert not np.array_equal(first.response_ids, other.response_ids)
+    # Rows of one group draw independently: with V=128 and 6 tokens, 4 identical copies of a
+    # prompt's response would mean shared randomness.
+    groups = np.asarray(first.response_ids).reshape(2, 4, 6)
+    assert all(len({tuple(r) for r in g}) > 1 for g in groups)
+
+
+def test_top_k_one_equals_greedy(tiny):
+    config, params = tiny
+    ids_PT, mask_PT = _left_padded([3, 8], 8, config.vocab_size, seed=4)
+    greedy = sampler.sample(
+        config, params, ids_PT, mask_PT, jax.random.key(0), n=2, max_new_tokens=6, temperature=0.0
+    )
+    top1 = sampler.sample(
+        config, params, ids_PT, mask_PT, jax.random.key(9), n=2, max_new_tokens=6, top_k=1
+    )
+    np.testing.assert_array_equal(top1.response_ids, greedy.response_ids)
+
+
+def test_everything_after_the_first_eos_is_masked(tiny):
+    config, params = tiny
+    ids_PT, mask_PT = _left_padded([5, 5, 2, 4], 5, config.vocab_size, seed=5)
+    # 8 of 128 ids: with near-uniform random logits P(no EOS in 12 tokens) ~ (15/16)^12 ~ 0.46.
+    eos = tuple(range(10, 18))
+    pad = 7
+    out = sampler.sample(
+        config,
+        params,
+        ids_PT,
+        mask_PT,
+        jax.random.key(3),
+        n=4,
+        max_new_tokens=12,
+        eos_token_ids=eos,
+        pad_token_id=pad,
+    )
+    ids_BR, mask_BR, logp_BR = map(np.asarray, (out.response_ids, out.response_mask, out.log_probs))
+    is_eos_BR = np.isin(ids_BR, eos)
+    ended_B = is_eos_BR.any(axis=1)
+    first_B = np.where(ended_B, is_eos_BR.argmax(axis=1), 12)
+    assert 0 < ended_B.sum() < len(ended_B)  # the workload has both kinds of rows
+    assert (first_B[ended_B] < 11).any()  # and some EOS well inside the response
+    for b in range(len(ids_BR)):
+        live = first_B[b] + 1  # 1 up to and including the first EOS
+        np.testing.assert_array_equal(mask_BR[b], np.arange(12) < live)
+        assert (ids_BR[b, live:] == pad).all()
+        assert (logp_BR[b, live:] == 0).all() and (logp_BR[b, :live] < 0).all()
+    # No EOS id, or pad, in a live position before the first EOS.
+    assert not np.isin(ids_BR[~is_eos_BR & (mask_BR == 1)], eos).any()
+
+
+def test_early_stop_when_every_row_ends_at_once(tiny):
+    config, params = tiny
+    ids_PT, mask_PT = _left_padded([3, 6], 6, config.vocab_size, seed=6)
+    # Every id is an EOS, so the first token ends every row: mask [1, 0, 0, 0, 0], pad after.
+    out = sampler.sample(
+        config,
+        params,
+        ids_PT,
+        mask_PT,
+        jax.random.key(0),
+        n=2,
+        max_new_tokens=5,
+        eos_token_ids=tuple(range(config.vocab_size)),
+        pad_token_id=9,
+    )
+    np.testing.assert_array_equal(out.response_mask, np.tile([1, 0, 0, 0, 0], (4, 1)))
+    np.testing.assert_array_equal(out.response_ids[:, 1:], np.full((4, 4), 9))
+
+
+def test_prefill_runs_once_on_prompt_rows_and_no_retrace(tiny, monkeypatch):
+    config, params = tiny
+    calls = []
+    real_prefill, real_decode = model.prefill, model.decode_step
+
+    @chex.assert_max_traces(n=1)
+    def counting_prefill(config, params, input_ids, attention_mask, cache):
+        calls.append(("prefill", input_ids.shape))
+        return real_prefill(config, params, input_ids, attention_mask, cache)
+
+    def counting_decode(config, params, tokens, cache):
+        calls.append(("decode", tokens.shape))
+        return real_decode(config, params, tokens, cache)
+
+    # Swap the sampler's view of the model module only: model internals keep the real functions.
+    proxy = types.SimpleNamespace(**vars(model))
+    proxy.prefill, proxy.decode_step = counting_prefill, counting_decode
+    monkeypatch.setattr(sampler, "model_lib", proxy)
+    # Settings used by no other test, so the first call traces; the second batch has other
+    # prompts, widths (11 and 30 both bucket to 64), params, rng and weights_version.
+    kwargs = {"n": 5, "max_new_tokens": 3, "temperature": 0.9}
+    a_PT, a_mask_PT = _left_padded([11, 4], 11, config.vocab_size, seed=7)
+    b_PT, b_mask_PT = _left_padded([30, 1], 30, config.vocab_size, seed=8)
+    other_params = model.init_params(config, jax.random.key(1))
+    sampler.sample(config, params, a_PT, a_mask_PT, jax.random.key(0), **kwargs)
+    sampler.sample(
+        config, other_params, b_PT, b_mask_PT, jax.random.key(1), weights_version=3, **kwargs
+    )
+    # One trace in all; the prefill sees the P=2 prompts (not P*n=10 rows), decode all 10 rows.
+    assert calls == [("prefill", (2, 64)), ("decode", (10,))]
+
+
+def test_batch_sharded_over_a_mesh_matches_unsharded(tiny):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    config, params = tiny
+    mesh = Mesh(np.asarray(jax.devices()[:4]), ("data",))
+    rows = NamedSharding(mesh, PartitionSpec("data", None))
+    ids_PT, mask_PT = _left_padded([5, 2, 8, 3], 8, config.vocab_size, seed=9)
+    for temperature in (0.0, 1.0):
+        kwargs = {"n": 2, "max_new_tokens": 5, "temperature": temperature, "eos_token_ids": (1,)}
+        plain = sampler.sample(config, params, ids_PT, mask_PT, jax.random.key(2), **kwargs)
+        sharded = sampler.sample(
+            config,
+            jax.device_put(params, NamedSharding(mesh, PartitionSpec())),
+            jax.device_put(ids_PT, rows),
+            jax.device_put(mask_PT, rows),
+            jax.random.key(2),
+            **kwargs,
+        )
+        assert len(sharded.response_ids.sharding.device_set) == 4
+        np.testing.assert_array_equal(sharded.response_ids, plain.response_ids)
+        np.testing.assert_allclose(sharded.log_probs, plain.log_probs, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"n": 0},
+        {"max_new_tokens": 0},
+        {"temperature": -0.5},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"top_k": -2},
+        {"eos_token_ids": (128,)},
+        {"pad_token_id": -1},
+    ],
+)
+def test_sample_rejects_bad_settings(tiny, bad):
+    config, params = tiny
+    ids_PT, mask_PT = _left_padded([2], 2, config.vocab_size, seed=0)
+    kwargs = {"n": 1, "max_new_tokens": 1} | bad
+    with pytest.raises(ValueError):
+        sampler.sample(config, params, ids_PT, mask_PT, jax.random.key(0), **kwargs)
