@@ -1,0 +1,835 @@
+"""Decoder-only transformers (Qwen2/Qwen2.5, Qwen3, Llama 3.x) and their Hugging Face checkpoints.
+
+This module owns the policy/reference model of grpo_jax: the Flax NNX modules, the functional
+facade the trainer and the sampler call (``forward``, ``hidden_states``, ``unembed``, ``prefill``,
+``decode_step``), the KV cache pytree, and the mapping to and from Hugging Face safetensors.
+
+Design:
+  * The modules are Flax NNX, used functionally: the module tree is built once (abstractly) per
+    ``ModelConfig``, and every public function takes the parameters as a plain nested dict of
+    arrays (``params``) and merges them into the module graph inside the trace. So params are an
+    ordinary pytree for optax, orbax and ``jax.jit``.
+  * The decoder layers are stacked on a leading ``L`` axis and run with ``jax.lax.scan`` (one layer
+    is compiled once, whatever the depth). Optional per-layer rematerialisation wraps the scan body
+    in ``jax.checkpoint``.
+  * Every parameter carries logical axis names (``vocab``, ``embed``, ``heads``, ``kv_heads``,
+    ``head_dim``, ``mlp``; the stacked layer axis is ``None``) as ``nnx.with_partitioning``
+    metadata; ``logical_axes(config)`` exposes them as a pytree of ``PartitionSpec``.
+  * Positions come from the attention mask (cumsum - 1), so a left-padded row gives exactly the
+    logits of the unpadded row on its real tokens.
+  * Computation happens in ``config.dtype`` (float32 unless the caller asks otherwise); softmax,
+    RMSNorm statistics and the logits are always float32.
+
+Params structure (``N`` query heads, ``K`` kv heads, ``H`` head dim, ``F`` MLP width)::
+
+    embed/embedding                [V, D]        (vocab, embed)
+    layers/input_norm/scale        [L, D]        (None, embed)
+    layers/attn/q_proj/kernel      [L, D, N, H]  (None, embed, heads, head_dim)
+    layers/attn/q_proj/bias        [L, N, H]     only when config.qkv_bias
+    layers/attn/k_proj/kernel      [L, D, K, H]  (None, embed, kv_heads, head_dim)  (+ bias)
+    layers/attn/v_proj/kernel      [L, D, K, H]  (+ bias)
+    layers/attn/o_proj/kernel      [L, N, H, D]  (None, heads, head_dim, embed)
+    layers/attn/q_norm/scale       [L, H]        only when config.qk_norm (Qwen3)
+    layers/attn/k_norm/scale       [L, H]
+    layers/post_attn_norm/scale    [L, D]
+    layers/mlp/gate_proj/kernel    [L, D, F]     (None, embed, mlp)
+    layers/mlp/up_proj/kernel      [L, D, F]
+    layers/mlp/down_proj/kernel    [L, F, D]     (None, mlp, embed)
+    final_norm/scale               [D]
+    lm_head/kernel                 [D, V]        only when not config.tie_word_embeddings
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import flax
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ARCHITECTURES = {
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "LlamaForCausalLM": "llama",
+}
+_ARCH_TO_HF = {arch: hf for hf, arch in ARCHITECTURES.items()}
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+# ----------------------------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of one decoder; frozen and hashable, so it is a valid ``jit`` static arg.
+
+    Dimension letters (house style): V vocab_size, D hidden_size, F intermediate_size, L num_layers,
+    N num_heads, K num_kv_heads, H head_dim.
+
+    Attributes:
+      arch: "qwen2" (q/k/v bias), "qwen3" (q/k RMSNorm) or "llama" (Llama 3.x, SmolLM2).
+      rope_scaling: None, or the HF ``rope_scaling`` dict as a sorted tuple of (key, value) pairs
+        (a dict passed here is converted). Supported ``rope_type``: default, linear, llama3.
+      dtype: compute dtype (activations, matmul inputs). float32 unless asked otherwise.
+      param_dtype: storage dtype of the parameters.
+      remat: rematerialise each decoder layer in the backward pass (``jax.checkpoint``).
+      eos_token_ids: every EOS id from config.json (an int or list there).
+    """
+
+    arch: str = "qwen2"
+    vocab_size: int = 128
+    hidden_size: int = 32
+    intermediate_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 8
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    qkv_bias: bool = True
+    qk_norm: bool = False
+    max_position_embeddings: int = 2048
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    remat: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    initializer_range: float = 0.02
+
+    def __post_init__(self):
+        if self.arch not in _ARCH_TO_HF:
+            raise ValueError(
+                f"ModelConfig.arch={self.arch!r} is not supported; expected one of "
+                f"{sorted(_ARCH_TO_HF)}"
+            )
+        # Normalise to hashable, comparable values (np.dtype, tuples).
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+        object.__setattr__(self, "param_dtype", np.dtype(self.param_dtype))
+        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+        if isinstance(self.rope_scaling, Mapping):
+            object.__setattr__(self, "rope_scaling", _freeze(self.rope_scaling))
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16)):
+                raise ValueError(
+                    f"ModelConfig.{name}={getattr(self, name)} is not supported; "
+                    "expected float32 or bfloat16"
+                )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig: num_heads={self.num_heads} is not a multiple of "
+                f"num_kv_heads={self.num_kv_heads} (grouped-query attention)"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig: head_dim={self.head_dim} must be even for RoPE")
+        rope_type = self.rope_scaling_dict.get("rope_type", "default")
+        if rope_type not in _SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"ModelConfig: rope_type={rope_type!r} is not supported for arch={self.arch!r}; "
+                f"expected one of {_SUPPORTED_ROPE_TYPES}"
+            )
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any]:
+        """rope_scaling as a plain dict ({} when there is none)."""
+        return {k: _thaw(v) for k, v in (self.rope_scaling or ())}
+
+    @classmethod
+    def tiny(cls, **overrides) -> ModelConfig:
+        """The test model: L=2, D=32, N=4, K=2, H=8, F=64, V=128 (Qwen2-style, tied)."""
+        return cls(**overrides)
+
+    @classmethod
+    def from_hf(cls, path_or_dict: str | os.PathLike | Mapping[str, Any] | Any) -> ModelConfig:
+        """Builds the config from a HF checkpoint dir, a config.json dict or a PretrainedConfig.
+
+        The config is read through ``transformers.AutoConfig``, which understands both config.json
+        layouts: transformers 5 (``rope_parameters``, ``dtype``) and the older hub one (top-level
+        ``rope_theta``/``rope_scaling``, ``torch_dtype``, Qwen2 without ``head_dim``). The
+        checkpoint's ``torch_dtype`` is ignored: the compute and param dtypes stay float32 unless
+        changed with ``dataclasses.replace``.
+
+        Raises:
+          ValueError: unknown architecture, or a feature this model does not implement (sliding
+            window attention, o_proj / MLP biases, activations other than SiLU).
+        """
+        import transformers  # Deferred: only checkpoint IO needs it.
+
+        if isinstance(path_or_dict, transformers.PretrainedConfig):
+            hf = path_or_dict
+        elif isinstance(path_or_dict, Mapping):
+            raw = dict(path_or_dict)
+            if "model_type" not in raw:
+                raise ValueError("ModelConfig.from_hf: config dict has no 'model_type'")
+            hf = transformers.AutoConfig.for_model(**raw)
+        else:
+            hf = transformers.AutoConfig.from_pretrained(os.fspath(path_or_dict))
+        archs = list(getattr(hf, "architectures", None) or [])
+        if not archs:
+            by_type = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+            by_type["llama"] = "LlamaForCausalLM"
+            archs = [by_type.get(hf.model_type, f"<model_type {hf.model_type!r}>")]
+        if archs[0] not in ARCHITECTURES:
+            raise ValueError(
+                f"Unsupported architecture {archs[0]!r}; grpo_jax.model supports "
+                f"{sorted(ARCHITECTURES)}"
+            )
+        arch = ARCHITECTURES[archs[0]]
+        if getattr(hf, "use_sliding_window", False):
+            raise ValueError(f"{archs[0]}: sliding-window attention (use_sliding_window) is unsupported")
+        if getattr(hf, "hidden_act", "silu") != "silu":
+            raise ValueError(f"{archs[0]}: hidden_act={hf.hidden_act!r} is unsupported (only silu)")
+        if getattr(hf, "mlp_bias", False):
+            raise ValueError(f"{archs[0]}: mlp_bias=True is unsupported")
+        if arch == "qwen2":
+            qkv_bias = True  # Qwen2 always has q/k/v bias and no o_proj bias.
+        else:
+            if getattr(hf, "attention_bias", False):
+                raise ValueError(f"{archs[0]}: attention_bias=True (o_proj bias) is unsupported")
+            qkv_bias = False
+        rope = _rope_from_hf(hf)
+        rope_theta = float(rope.pop("rope_theta"))
+        if rope.get("rope_type", "default") == "default":
+            rope_scaling = None
+        else:
+            rope_scaling = rope
+        eos = hf.eos_token_id
+        eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, (list, tuple)) else (eos,))
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        return cls(
+            arch=arch,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=hf.num_attention_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+            head_dim=head_dim,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            rms_norm_eps=hf.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            qk_norm=arch == "qwen3",
+            max_position_embeddings=hf.max_position_embeddings,
+            bos_token_id=getattr(hf, "bos_token_id", None),
+            eos_token_ids=eos_ids,
+            pad_token_id=getattr(hf, "pad_token_id", None),
+            initializer_range=getattr(hf, "initializer_range", 0.02),
+        )
+
+    def to_hf_dict(self, *, untie_embeddings: bool = False) -> dict[str, Any]:
+        """config.json contents (transformers 5 layout) that transformers and vLLM load."""
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta} | self.rope_scaling_dict
+        out = {
+            "architectures": [_ARCH_TO_HF[self.arch]],
+            "model_type": self.arch,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": rope,
+            # Older readers (vLLM, transformers 4) look here.
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling_dict or None,
+            "tie_word_embeddings": self.tie_word_embeddings and not untie_embeddings,
+            "initializer_range": self.initializer_range,
+            "dtype": self.param_dtype.name,
+            "torch_dtype": self.param_dtype.name,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": (
+                list(self.eos_token_ids)
+                if len(self.eos_token_ids) > 1
+                else (self.eos_token_ids[0] if self.eos_token_ids else None)
+            ),
+            "pad_token_id": self.pad_token_id,
+            "use_cache": True,
+        }
+        if self.arch in ("qwen2", "qwen3"):
+            out |= {"use_sliding_window": False, "sliding_window": None, "max_window_layers": 0}
+        if self.arch in ("llama", "qwen3"):
+            out["attention_bias"] = False
+        if self.arch == "llama":
+            out["mlp_bias"] = False
+        return out
+
+
+def _freeze(d: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    def freeze_value(v):
+        if isinstance(v, Mapping):
+            return _freeze(v)
+        if isinstance(v, list):
+            return tuple(freeze_value(x) for x in v)
+        return v
+
+    return tuple(sorted((str(k), freeze_value(v)) for k, v in d.items()))
+
+
+def _thaw(v):
+    return list(v) if isinstance(v, tuple) else v
+
+
+def _rope_from_hf(hf) -> dict[str, Any]:
+    """{rope_theta, rope_type, ...scaling keys} from either config layout."""
+    params = getattr(hf, "rope_parameters", None)
+    if params:  # transformers 5 (also what AutoConfig builds from the older layout).
+        rope = dict(params)
+        if "full_attention" in rope and isinstance(rope["full_attention"], Mapping):
+            rope = dict(rope["full_attention"])
+    else:
+        rope = dict(getattr(hf, "rope_scaling", None) or {})
+        rope["rope_theta"] = hf.rope_theta
+    if "type" in rope and "rope_type" not in rope:
+        rope["rope_type"] = rope.pop("type")
+    rope.pop("type", None)
+    rope.setdefault("rope_type", "default")
+    if rope.get("rope_theta") is None:
+        rope["rope_theta"] = getattr(hf, "rope_theta", 10000.0)
+    return rope
+
+
+# ----------------------------------------------------------------------------------------------
+# Modules
+# ----------------------------------------------------------------------------------------------
+
+
+def _param(rngs, init, shape, axes, dtype) -> nnx.Param:
+    """A parameter with logical axis names as metadata (not sharded here: names are logical)."""
+    init = nnx.with_partitioning(init, axes)
+    return nnx.Param(init(rngs.params(), shape, dtype), eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    """HF LlamaRMSNorm: float32 statistics, then the weight times the input-dtype result."""
+
+    def __init__(self, dim: int, axis: str, *, eps: float, dtype, param_dtype, rngs: nnx.Rngs):
+        self.scale = _param(rngs, nnx.initializers.ones, (dim,), (axis,), param_dtype)
+        self.eps, self.dtype = eps, dtype
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        scale = self.scale[...].astype(self.dtype)
+        return y.astype(self.dtype) * scale.reshape((1,) * (y.ndim - 1) + scale.shape)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention projections (with Qwen2 bias, Qwen3 q/k norm)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+        w_init = nnx.initializers.normal(c.initializer_range)
+        pdt = c.param_dtype
+        q_axes, kv_axes, bias = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim"), c.qkv_bias
+        self.q_proj = _Proj(rngs, w_init, (D, N, H), q_axes, pdt, bias=bias)
+        self.k_proj = _Proj(rngs, w_init, (D, K, H), kv_axes, pdt, bias=bias)
+        self.v_proj = _Proj(rngs, w_init, (D, K, H), kv_axes, pdt, bias=bias)
+        self.o_proj = _Proj(rngs, w_init, (N, H, D), ("heads", "head_dim", "embed"), pdt)
+        if c.qk_norm:
+            kw = dict(eps=c.rms_norm_eps, dtype=c.dtype, param_dtype=pdt, rngs=rngs)
+            self.q_norm = RMSNorm(H, "head_dim", **kw)
+            self.k_norm = RMSNorm(H, "head_dim", **kw)
+        self.config = config
+
+    def qkv(self, x_BTD, cos_BTH, sin_BTH):
+        """Rotary-embedded queries [B,T,N,H] and keys/values [B,T,K,H]."""
+        dt = self.config.dtype
+        q_BTNH = self.q_proj("BTD,DNH->BTNH", x_BTD, dt)
+        k_BTKH = self.k_proj("BTD,DKH->BTKH", x_BTD, dt)
+        v_BTKH = self.v_proj("BTD,DKH->BTKH", x_BTD, dt)
+        if self.config.qk_norm:  # Qwen3: per-head RMSNorm before RoPE.
+            q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
+        return _rope(q_BTNH, cos_BTH, sin_BTH), _rope(k_BTKH, cos_BTH, sin_BTH), v_BTKH
+
+    def out(self, o_BTNH):
+        return self.o_proj("BTNH,NHD->BTD", o_BTNH, self.config.dtype)
+
+
+class _Proj(nnx.Module):
+    """An einsum projection; the optional (zero-initialised) bias spans the output axes."""
+
+    def __init__(self, rngs, init, shape, axes, param_dtype, *, bias: bool = False):
+        self.kernel = _param(rngs, init, shape, axes, param_dtype)
+        self.use_bias = bias
+        if bias:
+            self.bias = _param(rngs, nnx.initializers.zeros, shape[1:], axes[1:], param_dtype)
+
+    def __call__(self, spec: str, x, dtype):
+        y = jnp.einsum(spec, x.astype(dtype), self.kernel[...].astype(dtype))
+        if self.use_bias:
+            bias = self.bias[...].astype(dtype)
+            y = y + bias.reshape((1,) * (y.ndim - bias.ndim) + bias.shape)
+        return y
+
+
+class MLP(nnx.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        D, F, pdt = config.hidden_size, config.intermediate_size, config.param_dtype
+        w_init = nnx.initializers.normal(config.initializer_range)
+        self.gate_proj = _Proj(rngs, w_init, (D, F), ("embed", "mlp"), pdt)
+        self.up_proj = _Proj(rngs, w_init, (D, F), ("embed", "mlp"), pdt)
+        self.down_proj = _Proj(rngs, w_init, (F, D), ("mlp", "embed"), pdt)
+        self.dtype = config.dtype
+
+    def __call__(self, x_BTD):
+        dt = self.dtype
+        h_BTF = jax.nn.silu(self.gate_proj("BTD,DF->BTF", x_BTD, dt))
+        h_BTF = h_BTF * self.up_proj("BTD,DF->BTF", x_BTD, dt)
+        return self.down_proj("BTF,FD->BTD", h_BTF, dt)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        kw = dict(eps=c.rms_norm_eps, dtype=c.dtype, param_dtype=c.param_dtype, rngs=rngs)
+        self.input_norm = RMSNorm(c.hidden_size, "embed", **kw)
+        self.attn = Attention(c, rngs=rngs)
+        self.post_attn_norm = RMSNorm(c.hidden_size, "embed", **kw)
+        self.mlp = MLP(c, rngs=rngs)
+
+
+class Decoder(nnx.Module):
+    """Embedding, L stacked decoder layers (scanned) and the final norm / unembedding."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        self.embed = nnx.Module()
+        self.embed.embedding = _param(
+            rngs,
+            nnx.initializers.normal(c.initializer_range),
+            (c.vocab_size, c.hidden_size),
+            ("vocab", "embed"),
+            c.param_dtype,
+        )
+
+        # The stacked layer axis gets the logical name None (replicated, never sharded).
+        @nnx.split_rngs(splits=c.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+        def make_layers(rngs):
+            return DecoderLayer(c, rngs=rngs)
+
+        self.layers = make_layers(rngs)
+        kw = dict(eps=c.rms_norm_eps, dtype=c.dtype, param_dtype=c.param_dtype, rngs=rngs)
+        self.final_norm = RMSNorm(c.hidden_size, "embed", **kw)
+        if not c.tie_word_embeddings:
+            self.lm_head = nnx.Module()
+            self.lm_head.kernel = _param(
+                rngs,
+                nnx.initializers.normal(c.initializer_range),
+                (c.hidden_size, c.vocab_size),
+                ("embed", "vocab"),
+                c.param_dtype,
+            )
+        self.config = config
+
+    def __call__(self, ids_BT, positions_BT, visible_BTS, kv=None, index=None):
+        """Final-normed hidden states [B,T,D], and the updated (k_LBSKH, v_LBSKH) when kv is given.
+
+        Args:
+          ids_BT: token ids.
+          positions_BT: rotary position of each token.
+          visible_BTS: bool, query t may attend to key slot s (S = T without a cache).
+          kv: optional (k_LBSKH, v_LBSKH) cache; the new keys/values are written at slots
+            [index, index + T) before attending.
+          index: int32 scalar write slot (with kv).
+        """
+        c = self.config
+        x_BTD = jnp.take(self.embed.embedding[...], ids_BT, axis=0).astype(c.dtype)
+        cos_BTH, sin_BTH = _rope_tables(c, positions_BT)
+        layer_def, layer_state = nnx.split(self.layers)
+
+        def body(carry, xs):
+            x_BTD, kv = carry
+            state, layer_idx = xs
+            layer = nnx.merge(layer_def, state)
+            q_BTNH, k_BTKH, v_BTKH = layer.attn.qkv(layer.input_norm(x_BTD), cos_BTH, sin_BTH)
+            if kv is None:
+                k_BSKH, v_BSKH = k_BTKH, v_BTKH
+            else:
+                k_LBSKH, v_LBSKH = kv
+                at = (layer_idx, 0, index, 0, 0)
+                k_LBSKH = jax.lax.dynamic_update_slice(k_LBSKH, k_BTKH[None].astype(k_LBSKH.dtype), at)
+                v_LBSKH = jax.lax.dynamic_update_slice(v_LBSKH, v_BTKH[None].astype(v_LBSKH.dtype), at)
+                k_BSKH, v_BSKH = k_LBSKH[layer_idx], v_LBSKH[layer_idx]
+                kv = (k_LBSKH, v_LBSKH)
+            o_BTNH = _attend(q_BTNH, k_BSKH.astype(c.dtype), v_BSKH.astype(c.dtype), visible_BTS)
+            x_BTD = x_BTD + layer.attn.out(o_BTNH)
+            x_BTD = x_BTD + layer.mlp(layer.post_attn_norm(x_BTD))
+            return (x_BTD, kv), None
+
+        if c.remat:
+            body = jax.checkpoint(body)
+        layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
+        (x_BTD, kv), _ = jax.lax.scan(body, (x_BTD, kv), (layer_state, layer_ids))
+        return self.final_norm(x_BTD), kv
+
+    def unembed(self, h_xD):
+        c = self.config
+        if c.tie_word_embeddings:
+            w_VD = self.embed.embedding[...].astype(c.dtype)
+            return jnp.einsum(
+                "...D,VD->...V", h_xD.astype(c.dtype), w_VD, preferred_element_type=jnp.float32
+            )
+        w_DV = self.lm_head.kernel[...].astype(c.dtype)
+        return jnp.einsum(
+            "...D,DV->...V", h_xD.astype(c.dtype), w_DV, preferred_element_type=jnp.float32
+        )
+
+
+def _rotate_half(x):
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([-x2, x1], axis=-1)
+
+
+def _rope(x_BTnH, cos_BTH, sin_BTH):
+    """HF apply_rotary_pos_emb on one of q [B,T,N,H] / k [B,T,K,H] (tables cast to x's dtype)."""
+    cos_BT1H = cos_BTH[:, :, None, :].astype(x_BTnH.dtype)
+    sin_BT1H = sin_BTH[:, :, None, :].astype(x_BTnH.dtype)
+    return x_BTnH * cos_BT1H + _rotate_half(x_BTnH) * sin_BT1H
+
+
+def _inv_freq(config: ModelConfig) -> np.ndarray:
+    """Rotary inverse frequencies [H/2] (float32), with HF's "linear" / "llama3" scaling."""
+    H = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, H, 2, dtype=np.int64).astype(np.float32) / H))
+    inv_freq = inv_freq.astype(np.float32)
+    rope = config.rope_scaling_dict
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "linear":
+        inv_freq = inv_freq / np.float32(rope["factor"])
+    elif rope_type == "llama3":
+        # transformers _compute_llama3_parameters: keep high frequencies, divide low frequencies
+        # by `factor`, and interpolate smoothly in between.
+        factor = rope["factor"]
+        low_freq_factor = rope["low_freq_factor"]
+        high_freq_factor = rope["high_freq_factor"]
+        old_len = rope["original_max_position_embeddings"]
+        low_freq_wavelen = old_len / low_freq_factor
+        high_freq_wavelen = old_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        inv_freq = np.where(is_medium, smoothed, scaled).astype(np.float32)
+    return inv_freq
+
+
+def _rope_tables(config: ModelConfig, positions_BT):
+    """cos/sin [B,T,H] in float32 (HF layout: the H/2 frequencies repeated twice)."""
+    inv_freq = jnp.asarray(_inv_freq(config))
+    freqs_BTh = positions_BT.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
+    emb_BTH = jnp.concatenate([freqs_BTh, freqs_BTh], axis=-1)
+    return jnp.cos(emb_BTH), jnp.sin(emb_BTH)
+
+
+def _attend(q_BTNH, k_BSKH, v_BSKH, visible_BTS):
+    """Softmax attention with GQA (query head n uses kv head n // G); float32 softmax.
+
+    Fully masked rows (padding queries) get a uniform distribution instead of NaN.
+    """
+    B, T, N, H = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
+    s_BKGTS = jnp.einsum(
+        "BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32
+    ) * (H**-0.5)
+    s_BKGTS = jnp.where(visible_BTS[:, None, None], s_BKGTS, jnp.finfo(jnp.float32).min)
+    p_BKGTS = jax.nn.softmax(s_BKGTS, axis=-1).astype(v_BSKH.dtype)
+    o_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", p_BKGTS, v_BSKH)
+    return o_BTKGH.reshape(B, T, N, H)
+
+
+# ----------------------------------------------------------------------------------------------
+# Functional facade
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=64)
+def _skeleton(config: ModelConfig):
+    """(graphdef, abstract Param state) of the module tree, built once per config."""
+    abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
+    return nnx.split(abstract, nnx.Param)[:2]
+
+
+def _merge(config: ModelConfig, params) -> Decoder:
+    """The Decoder module holding `params` (called inside a trace; checks the structure)."""
+    graphdef, abstract_state = _skeleton(config)
+    _check_params(config, params)
+    state = jax.tree.map(lambda x: x, abstract_state)  # Fresh Variables; the cache stays clean.
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
+
+
+def _check_params(config: ModelConfig, params) -> None:
+    expected = abstract_params(config)
+    want = dict(_flatten(expected))
+    got = dict(_flatten(params))
+    if want.keys() != got.keys():
+        missing, extra = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
+        raise ValueError(
+            f"params do not match arch={config.arch!r}: missing {missing}, unexpected {extra}"
+        )
+    for name, spec in want.items():
+        if tuple(got[name].shape) != tuple(spec.shape):
+            raise ValueError(
+                f"param {name!r} has shape {tuple(got[name].shape)}, expected {tuple(spec.shape)} "
+                f"for arch={config.arch!r}"
+            )
+
+
+def _flatten(tree, prefix: str = ""):
+    for key in sorted(tree):
+        value = tree[key]
+        name = f"{prefix}/{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            yield from _flatten(value, name)
+        else:
+            yield name, value
+
+
+def init_params(config: ModelConfig, rng) -> dict:
+    """Random parameters (normal(initializer_range) weights, zero biases, unit norms).
+
+    Returns:
+      Nested dict of arrays in ``config.param_dtype`` (structure in the module docstring).
+    """
+    return _init_params(config, rng)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init_params(config: ModelConfig, rng) -> dict:
+    # One normal draw sliced into every weight: a single threefry call compiles in about a second,
+    # where one draw per (vmapped) parameter took over 10 s to compile on a 2-core CPU.
+    shapes = dict(_flatten(abstract_params(config)))
+    sizes = {name: math.prod(s.shape) for name, s in shapes.items() if _init_kind(name) == "normal"}
+    noise = jax.random.normal(rng, (sum(sizes.values()),), jnp.float32) * config.initializer_range
+    flat, offset = {}, 0
+    for name, spec in shapes.items():
+        match _init_kind(name):
+            case "normal":
+                value = noise[offset : offset + sizes[name]].reshape(spec.shape)
+                offset += sizes[name]
+            case "zeros":
+                value = jnp.zeros(spec.shape)
+            case "ones":
+                value = jnp.ones(spec.shape)
+        flat[name] = value.astype(spec.dtype)
+    return _unflatten(flat)
+
+
+def _init_kind(name: str) -> str:
+    """Initialiser of a flat param name: unit norm scales, zero biases, normal weights."""
+    if name.endswith("/scale"):
+        return "ones"
+    if name.endswith("/bias"):
+        return "zeros"
+    return "normal"
+
+
+def _unflatten(flat: Mapping[str, Any]) -> dict:
+    tree: dict = {}
+    for name, value in flat.items():
+        *parents, leaf = name.split("/")
+        node = tree
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return tree
+
+
+def abstract_params(config: ModelConfig) -> dict:
+    """Shapes and dtypes of the params (jax.ShapeDtypeStruct leaves), without allocating."""
+    return _abstract_params(config)
+
+
+@functools.lru_cache(maxsize=64)
+def _abstract_params(config: ModelConfig) -> dict:
+    _, abstract_state = _skeleton(config)
+    return nnx.to_pure_dict(abstract_state)
+
+
+def logical_axes(config: ModelConfig) -> dict:
+    """PartitionSpecs of logical axis names, same structure as the params."""
+    _, abstract_state = _skeleton(config)
+    return nnx.to_pure_dict(nnx.get_partition_spec(abstract_state))
+
+
+def _check_inputs(input_ids, attention_mask):
+    if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"input_ids must be [B,T] and attention_mask the same shape; got "
+            f"input_ids{tuple(input_ids.shape)}, attention_mask{tuple(attention_mask.shape)}"
+        )
+
+
+def _positions(attention_mask_BT):
+    """Position ids cumsum(mask) - 1 (0 on left padding, which is masked out anyway)."""
+    return jnp.maximum(jnp.cumsum(attention_mask_BT.astype(jnp.int32), axis=1) - 1, 0)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def hidden_states(config: ModelConfig, params, input_ids, attention_mask):
+    """Final-normed hidden states h_BTD in config.dtype (``forward == unembed(hidden_states)``).
+
+    Args:
+      input_ids: [B,T] int token ids; ids under mask 0 are ignored.
+      attention_mask: [B,T], 1 for real tokens and 0 for padding (left or right).
+    """
+    _check_inputs(input_ids, attention_mask)
+    T = input_ids.shape[1]
+    mask_BT = attention_mask.astype(bool)
+    causal_TT = jnp.tril(jnp.ones((T, T), dtype=bool))
+    visible_BTS = causal_TT[None] & mask_BT[:, None, :]
+    h_BTD, _ = _merge(config, params)(input_ids, _positions(attention_mask), visible_BTS)
+    return h_BTD
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def unembed(config: ModelConfig, params, h_xD):
+    """Logits [..., V] in float32 from hidden states [..., D] (tied or untied head)."""
+    return _merge(config, params).unembed(h_xD)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def forward(config: ModelConfig, params, input_ids, attention_mask):
+    """Logits [B,T,V] float32 of every position (see ``hidden_states`` for the arguments)."""
+    return unembed(config, params, hidden_states(config, params, input_ids, attention_mask))
+
+
+# ----------------------------------------------------------------------------------------------
+# KV cache and incremental decoding
+# ----------------------------------------------------------------------------------------------
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Per-layer keys and values for incremental decoding (a pytree, passed in and returned).
+
+    Attributes:
+      k_LBSKH: keys [L,B,S,K,H] in the cache dtype, rotary-embedded.
+      v_LBSKH: values [L,B,S,K,H].
+      mask_BS: int32 [B,S], 1 where slot s holds a real token of row b.
+      pos_B: int32 [B], the position id the next token of row b gets.
+      index: int32 scalar, the next slot to write (shared by all rows).
+    """
+
+    k_LBSKH: jax.Array
+    v_LBSKH: jax.Array
+    mask_BS: jax.Array
+    pos_B: jax.Array
+    index: jax.Array
+
+
+def init_cache(config: ModelConfig, batch_size: int, max_len: int, *, dtype=None) -> KVCache:
+    """An empty cache of ``max_len`` slots (dtype defaults to the compute dtype)."""
+    dtype = config.dtype if dtype is None else dtype
+    shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
+    return KVCache(
+        k_LBSKH=jnp.zeros(shape, dtype),
+        v_LBSKH=jnp.zeros(shape, dtype),
+        mask_BS=jnp.zeros((batch_size, max_len), jnp.int32),
+        pos_B=jnp.zeros((batch_size,), jnp.int32),
+        index=jnp.zeros((), jnp.int32),
+    )
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def prefill(config: ModelConfig, params, input_ids_BT, attention_mask_BT, cache: KVCache):
+    """Runs T tokens through the model, writing slots [index, index + T) of the cache.
+
+    The input is left-padded, so column T-1 is each row's last real token. Positions continue from
+    ``cache.pos_B`` (cumsum of the mask), so prefilling in chunks equals one prefill. The caller
+    keeps ``index + T <= S``: the write is a ``dynamic_update_slice``, which clamps rather than
+    raising when it would run past the end.
+
+    Returns:
+      (logits_BV float32 at the last column, updated cache).
+    """
+    _check_inputs(input_ids_BT, attention_mask_BT)
+    T, S = input_ids_BT.shape[1], cache.mask_BS.shape[1]
+    if T > S:
+        raise ValueError(f"prefill of T={T} tokens does not fit a KV cache of S={S} slots")
+    if cache.k_LBSKH.shape[0] != config.num_layers or cache.mask_BS.shape[0] != input_ids_BT.shape[0]:
+        raise ValueError(
+            f"KV cache k_LBSKH{tuple(cache.k_LBSKH.shape)} does not match L={config.num_layers}, "
+            f"B={input_ids_BT.shape[0]}"
+        )
+    mask_BT = attention_mask_BT.astype(jnp.int32)
+    positions_BT = cache.pos_B[:, None] + _positions(mask_BT)
+    mask_BS = jax.lax.dynamic_update_slice(cache.mask_BS, mask_BT, (0, cache.index))
+    query_slot_T = cache.index + jnp.arange(T, dtype=jnp.int32)
+    key_slot_S = jnp.arange(S, dtype=jnp.int32)
+    visible_BTS = (key_slot_S[None, :] <= query_slot_T[:, None])[None] & (mask_BS[:, None, :] > 0)
+    model = _merge(config, params)
+    h_BTD, (k_LBSKH, v_LBSKH) = model(
+        input_ids_BT, positions_BT, visible_BTS, (cache.k_LBSKH, cache.v_LBSKH), cache.index
+    )
+    logits_BV = model.unembed(h_BTD[:, -1])
+    new_cache = KVCache(
+        k_LBSKH=k_LBSKH,
+        v_LBSKH=v_LBSKH,
+        mask_BS=mask_BS,
+        pos_B=cache.pos_B + jnp.sum(mask_BT, axis=1),
+        index=cache.index + T,
+    )
+    return logits_BV, new_cache
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def decode_step(config: ModelConfig, params, tokens_B, cache: KVCache):
+    """Feeds one token per row (a real token, mask 1) at slot ``cache.index``.
+
+    Returns:
+      (logits_BV float32 for the next token, updated cache).
+    """
+    if tokens_B.ndim != 1:
+        raise ValueError(f"decode_step expects tokens_B of shape [B], got {tuple(tokens_B.shape)}")
+    tokens_B1 = tokens_B[:, None]
+    return prefill(config, params, tokens_B1, jnp.ones_like(tokens_B1, jnp.int32), cache)
+
+
+def repeat_cache(cache: KVCache, n: int) -> KVCache:
+    """Each row repeated n times with copies adjacent (row b becomes rows b*n .. b*n+n-1)."""
+    return KVCache(
+        k_LBSKH=jnp.repeat(cache.k_LBSKH, n, axis=1),
+        v_LBSKH=jnp.repeat(cache.v_LBSKH, n, axis=1),
+        mask_BS=jnp.repeat(cache.mask_BS, n, axis=0),
+        pos_B=jnp.repeat(cache.pos_B, n, axis=0),
+        index=cache.index,
+    )
