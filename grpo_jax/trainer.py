@@ -1,0 +1,415 @@
+"""The GRPO update: train state, batch, optimizer, log-prob passes and the jitted train step.
+
+Owns the device side of one GRPO step after the rewards are known (verl-semantics.md sections 1
+and 6, verl 0.9.1 engine workers):
+
+* `TrainState(step, params, opt_state)` and `TrainBatch` (prompt + response tokens, advantages,
+  old and reference log-probs) are pytrees; `train_step` is a pure top-level function that
+  train.py jits with the state donated.
+* One `train_step` call is one optimizer step on one mini-batch (a slice of the batch chosen by
+  `mini_batch_index`); train.py runs ppo_epochs x mini-batches as a plain Python loop.
+  Inside, the mini-batch is split into micro-batches whose gradients are summed in a
+  `lax.scan`. Each micro-batch loss is normalised with the mini-batch's global counts
+  (`batch_num_tokens` = valid tokens of the whole mini-batch, `global_batch_size` = its
+  sequences), so the summed gradient is exactly that of the mini-batch loss: token-mean is a
+  true token mean over the mini-batch, as in verl 0.9.1's engine workers (not the legacy
+  mean of micro-batch means). The mesh gives a global view, so dp_size is 1 here.
+* Log-probs come from `model.hidden_states` and `loss.logprobs_and_entropy_from_hidden`
+  (chunked over token rows, never a [B, T, V] array), from logits divided by the rollout
+  temperature as verl does.
+* Optimizer: AdamW as verl/torch (decoupled weight decay scaled by the lr) after a global-norm
+  clip. The learning rate is an argument of the step (verl steps its scheduler once per training
+  step, not per mini-batch). When the gradient norm or the loss is not finite the update is
+  skipped (params and optimizer state unchanged) and `actor/update_skipped` is 1.
+
+Shapes: B sequences, P prompts, S = prompt + response tokens (the model input), T response
+tokens, D hidden size, M micro-batches per mini-batch.
+"""
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from grpo_jax import loss as loss_lib
+from grpo_jax import model as model_lib
+
+LR_SCHEDULES = ("constant", "cosine")
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything the optimizer updates; checkpointed together with the host-side state.
+
+    Attributes:
+      step: int32 scalar, optimizer updates attempted (skipped ones included).
+      params: the policy parameters (model.py's nested dict).
+      opt_state: optax state of `make_optimizer`.
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+@flax.struct.dataclass
+class TrainBatch:
+    """One GRPO batch, B = P * G rows, the G samples of a prompt adjacent.
+
+    Attributes:
+      input_ids_BS: int32, left-padded prompt followed by the response (S = Tp + T).
+      attention_mask_BS: int32, prompt mask followed by the response mask.
+      response_ids_BT: int32, the sampled tokens.
+      response_mask_BT: int32, 1 up to and including the first EOS.
+      advantages_BT: float32, masked advantages.
+      old_log_probs_BT: float32 log-probs of the rollout policy recomputed by the trainer, or
+        None when on-policy (then the current log-probs under stop_gradient are used).
+      ref_log_probs_BT: float32 reference-model log-probs, or None without a KL loss.
+    """
+
+    input_ids_BS: jax.Array
+    attention_mask_BS: jax.Array
+    response_ids_BT: jax.Array
+    response_mask_BT: jax.Array
+    advantages_BT: jax.Array
+    old_log_probs_BT: jax.Array | None = None
+    ref_log_probs_BT: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Static actor-loss settings (config section `actor`, plus `rollout.temperature`).
+
+    Paper symbols: clip_ratio_low/high = epsilon_low/high (DAPO clip-higher when they differ),
+    kl_loss_coef = beta (GRPO eq. 3 uses k3 = "low_var_kl"), clip_ratio_c = dual-clip c.
+    """
+
+    policy_loss_mode: str = "vanilla"
+    loss_agg_mode: str = "token-mean"
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    clip_ratio_c: float = 3.0
+    entropy_coeff: float = 0.0
+    calculate_entropy: bool = True
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    loss_scale_factor: float | None = None
+    temperature: float = 1.0
+    chunk_size: int = 1024  # token rows per log-prob chunk (memory vs. speed)
+
+    def __post_init__(self):
+        for field, value, allowed in (
+            ("actor.policy_loss.loss_mode", self.policy_loss_mode, loss_lib.POLICY_LOSS_MODES),
+            ("actor.loss_agg_mode", self.loss_agg_mode, loss_lib.AGG_MODES),
+            ("actor.kl_loss_type", self.kl_loss_type, loss_lib.KL_TYPES),
+        ):
+            if value not in allowed:
+                raise ValueError(f"{field} must be one of {allowed}, got {value!r}")
+        if self.kl_loss_type.startswith("full"):
+            raise ValueError(
+                "actor.kl_loss_type 'full'/'full+' needs full reference logits, which the "
+                "chunked trainer never materialises; use kl, abs, mse or low_var_kl (+ variants)"
+            )
+        if self.clip_ratio_c <= 1.0:
+            raise ValueError(f"actor.clip_ratio_c must be > 1, got {self.clip_ratio_c}")
+        if self.temperature <= 0:
+            raise ValueError(f"rollout.temperature must be > 0 for training, got {self.temperature}")
+
+
+def response_log_probs(
+    model_config: model_lib.ModelConfig,
+    params,
+    input_ids_BS,
+    attention_mask_BS,
+    response_ids_BT,
+    *,
+    temperature: float,
+    chunk_size: int,
+    calculate_entropy: bool,
+):
+    """Per-token log-probs (and entropy) of the response under `params`.
+
+    Position Tp - 1 + t of the input predicts response token t, so the hidden states of columns
+    [Tp - 1, S - 1) are unembedded chunk by chunk (loss.logprobs_and_entropy_from_hidden).
+
+    Returns:
+      (log_probs_BT float32, entropy_BT float32 or None).
+    """
+    num_response = response_ids_BT.shape[1]
+    prompt_len = input_ids_BS.shape[1] - num_response
+    h_BSD = model_lib.hidden_states(model_config, params, input_ids_BS, attention_mask_BS)
+    h_BTD = h_BSD[:, prompt_len - 1 : prompt_len - 1 + num_response]
+    return loss_lib.logprobs_and_entropy_from_hidden(
+        h_BTD,
+        functools.partial(model_lib.unembed, model_config, params),
+        response_ids_BT,
+        chunk_size=chunk_size,
+        temperature=temperature,
+        calculate_entropy=calculate_entropy,
+    )
+
+
+def _micro_batches(tree, num_micro: int):
+    """[B, ...] leaves -> [M, B/M, ...] for a scan over micro-batches (None leaves stay None)."""
+    return jax.tree.map(lambda x: x.reshape(num_micro, -1, *x.shape[1:]), tree)
+
+
+def compute_log_probs(
+    model_config: model_lib.ModelConfig,
+    params,
+    batch: TrainBatch,
+    *,
+    micro_batch_size: int,
+    temperature: float,
+    chunk_size: int,
+    calculate_entropy: bool,
+):
+    """Log-probs (and entropy) of every response of `batch`, micro-batch by micro-batch.
+
+    Used for the old log-probs (when off-policy) and the reference log-probs; train.py jits it.
+
+    Returns:
+      (log_probs_BT, entropy_BT or None), float32.
+    """
+    num_rows = batch.input_ids_BS.shape[0]
+    num_micro = _num_chunks(num_rows, micro_batch_size, "rollout.log_prob_micro_batch_size")
+    inputs = _micro_batches(
+        (batch.input_ids_BS, batch.attention_mask_BS, batch.response_ids_BT), num_micro
+    )
+
+    def body(_, xs):
+        return None, response_log_probs(
+            model_config,
+            params,
+            *xs,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            calculate_entropy=calculate_entropy,
+        )
+
+    _, (lp_MbT, ent_MbT) = jax.lax.scan(body, None, inputs)
+    lp_BT = lp_MbT.reshape(num_rows, -1)
+    return lp_BT, None if ent_MbT is None else ent_MbT.reshape(num_rows, -1)
+
+
+def _num_chunks(num_rows: int, chunk: int, field: str) -> int:
+    chunk = min(chunk, num_rows)
+    if num_rows % chunk:
+        raise ValueError(f"{field}={chunk} must divide the {num_rows} rows of the (mini-)batch")
+    return num_rows // chunk
+
+
+def make_optimizer(*, grad_clip: float, betas: tuple[float, float], weight_decay: float):
+    """torch-style AdamW without the learning rate (applied in `apply_gradients`).
+
+    Global-norm clip, Adam moments (eps 1e-8 as torch), then decoupled weight decay; the
+    update is finally scaled by -lr, so the decay is lr * weight_decay * p, as torch.AdamW.
+    """
+    return optax.chain(
+        optax.clip_by_global_norm(grad_clip),
+        optax.scale_by_adam(b1=betas[0], b2=betas[1], eps=1e-8),
+        optax.add_decayed_weights(weight_decay),
+    )
+
+
+def lr_schedule(
+    *, lr: float, warmup_steps: int, total_steps: int, kind: str, min_lr_ratio: float = 0.0
+):
+    """Learning rate per training step: linear warm-up from 0, then constant or cosine decay.
+
+    Args:
+      lr: peak learning rate (actor.optim.lr).
+      warmup_steps: linear warm-up length (actor.optim.lr_warmup_steps).
+      total_steps: training steps of the run (cosine reaches min_lr_ratio * lr there).
+      kind: "constant" or "cosine" (actor.optim.lr_scheduler_type).
+      min_lr_ratio: cosine floor as a fraction of lr.
+    """
+    if kind not in LR_SCHEDULES:
+        raise ValueError(f"actor.optim.lr_scheduler_type must be one of {LR_SCHEDULES}, got {kind!r}")
+    if kind == "constant":
+        after = optax.constant_schedule(lr)
+    else:
+        after = optax.cosine_decay_schedule(
+            lr, max(total_steps - warmup_steps, 1), alpha=min_lr_ratio
+        )
+    if warmup_steps <= 0:
+        return after
+    warm = optax.linear_schedule(0.0, lr, warmup_steps)
+    return optax.join_schedules([warm, after], [warmup_steps])
+
+
+def init_state(params, tx) -> TrainState:
+    """A fresh TrainState (step 0, optimizer state of `tx` on `params`)."""
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+
+
+def apply_gradients(state: TrainState, grads, loss_value, lr, tx):
+    """One optimizer step, skipped when the gradient norm or the loss is not finite.
+
+    Returns:
+      (new_state, metrics) with actor/grad_norm (before clipping), actor/lr and
+      actor/update_skipped (1.0 when skipped).
+    """
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss_value)
+    updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(
+        state.params, jax.tree.map(lambda u: (-lr * u).astype(u.dtype), updates)
+    )
+    keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
+    new_state = TrainState(
+        state.step + 1, keep(new_params, state.params), keep(new_opt_state, state.opt_state)
+    )
+    metrics = {
+        "actor/grad_norm": grad_norm,
+        "actor/lr": jnp.asarray(lr, jnp.float32),
+        "actor/update_skipped": 1.0 - finite.astype(jnp.float32),
+    }
+    return new_state, metrics
+
+
+# Metrics that are global-count-normalised partial sums per micro-batch (summed over the
+# micro-batches they give the mini-batch value); the others are per-micro-batch means.
+_SUMMED_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/loss")
+
+
+def _accumulate(loss_fn, params, micro_MB):
+    """Sums the gradients and combines the metrics of `loss_fn` over the micro-batches."""
+
+    def body(grads, micro):
+        (value, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params, micro)
+        metrics = {**metrics, "actor/loss": value}
+        return jax.tree.map(jnp.add, grads, g), metrics
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grads, metrics_M = jax.lax.scan(body, zeros, micro_MB)
+    metrics = {
+        k: (jnp.sum(v) if k in _SUMMED_METRICS else jnp.mean(v)) for k, v in metrics_M.items()
+    }
+    if "actor/kl_coef" in metrics_M:
+        metrics["actor/kl_coef"] = metrics_M["actor/kl_coef"][0]
+    return grads, metrics
+
+
+def train_step(
+    state: TrainState,
+    batch: TrainBatch,
+    mini_batch_index,
+    lr,
+    *,
+    model_config: model_lib.ModelConfig,
+    loss_config: LossConfig,
+    tx,
+    mini_batch_size: int,
+    micro_batch_size: int,
+):
+    """One PPO/GRPO optimizer step on mini-batch `mini_batch_index` of `batch`.
+
+    Args:
+      state: donated by train.py.
+      batch: the whole step's batch (B rows); not donated (reused by later mini-batches).
+      mini_batch_index: int32 scalar; rows [i * mini_batch_size, (i + 1) * mini_batch_size).
+      lr: float32 scalar learning rate of this training step.
+      model_config, loss_config, tx: static.
+      mini_batch_size: sequences per mini-batch (actor.ppo_mini_batch_size x rollout.n).
+      micro_batch_size: sequences per micro-batch (global; must divide mini_batch_size).
+
+    Returns:
+      (new_state, metrics): float32 scalars with verl's actor/* names.
+    """
+    mini = jax.tree.map(
+        lambda x: jax.lax.dynamic_slice_in_dim(x, mini_batch_index * mini_batch_size, mini_batch_size),
+        batch,
+    )
+    num_micro = _num_chunks(mini_batch_size, micro_batch_size, "actor.ppo_micro_batch_size")
+    # verl 0.9.1 engine normalisation: the global counts of the whole mini-batch.
+    batch_num_tokens = jnp.sum(mini.response_mask_BT.astype(jnp.float32))
+    lc = loss_config
+
+    def loss_fn(params, micro: TrainBatch):
+        lp_BT, ent_BT = response_log_probs(
+            model_config,
+            params,
+            micro.input_ids_BS,
+            micro.attention_mask_BS,
+            micro.response_ids_BT,
+            temperature=lc.temperature,
+            chunk_size=lc.chunk_size,
+            calculate_entropy=lc.calculate_entropy or lc.entropy_coeff != 0,
+        )
+        old_BT = micro.old_log_probs_BT
+        if old_BT is None:  # on-policy: ratio 1 in value, gradient of log pi (verl skips old)
+            old_BT = jax.lax.stop_gradient(lp_BT)
+        return loss_lib.actor_loss(
+            old_BT,
+            lp_BT,
+            micro.advantages_BT,
+            micro.response_mask_BT,
+            ref_log_prob=micro.ref_log_probs_BT,
+            entropy=ent_BT,
+            policy_loss_mode=lc.policy_loss_mode,
+            loss_agg_mode=lc.loss_agg_mode,
+            clip_ratio=lc.clip_ratio,
+            clip_ratio_low=lc.clip_ratio_low,
+            clip_ratio_high=lc.clip_ratio_high,
+            clip_ratio_c=lc.clip_ratio_c,
+            entropy_coeff=lc.entropy_coeff,
+            use_kl_loss=lc.use_kl_loss,
+            kl_loss_coef=lc.kl_loss_coef,
+            kl_loss_type=lc.kl_loss_type,
+            batch_num_tokens=batch_num_tokens,
+            global_batch_size=mini_batch_size,
+            loss_scale_factor=lc.loss_scale_factor,
+        )
+
+    grads, metrics = _accumulate(loss_fn, state.params, _micro_batches(mini, num_micro))
+    state, opt_metrics = apply_gradients(state, grads, metrics["actor/loss"], lr, tx)
+    return state, {**metrics, **opt_metrics}
+
+
+def sft_step(
+    state: TrainState,
+    batch: TrainBatch,
+    lr,
+    *,
+    model_config: model_lib.ModelConfig,
+    tx,
+    micro_batch_size: int,
+    chunk_size: int = 1024,
+):
+    """One supervised step: token-mean negative log-likelihood of the responses (warm-up).
+
+    `batch.response_ids_BT` holds the reference answers; advantages and old log-probs are unused.
+
+    Returns:
+      (new_state, metrics) with sft/nll, actor/grad_norm, actor/lr, actor/update_skipped.
+    """
+    num_rows = batch.input_ids_BS.shape[0]
+    num_micro = _num_chunks(num_rows, micro_batch_size, "actor.ppo_micro_batch_size")
+    num_tokens = jnp.sum(batch.response_mask_BT.astype(jnp.float32))
+
+    def loss_fn(params, micro: TrainBatch):
+        lp_BT, _ = response_log_probs(
+            model_config,
+            params,
+            micro.input_ids_BS,
+            micro.attention_mask_BS,
+            micro.response_ids_BT,
+            temperature=1.0,
+            chunk_size=chunk_size,
+            calculate_entropy=False,
+        )
+        nll = loss_lib.agg_loss(
+            -lp_BT, micro.response_mask_BT, "token-mean", batch_num_tokens=num_tokens
+        )
+        return nll, {}
+
+    grads, metrics = _accumulate(loss_fn, state.params, _micro_batches(batch, num_micro))
+    state, opt_metrics = apply_gradients(state, grads, metrics["actor/loss"], lr, tx)
+    return state, {"sft/nll": metrics["actor/loss"], **opt_metrics}

@@ -1,0 +1,193 @@
+"""train_step invariants: exact micro-batch accumulation, REINFORCE gradient, skipped updates."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from grpo_jax import model, trainer
+
+CFG = model.ModelConfig.tiny()
+
+
+def _batch(rng=0, *, B=8, Tp=3, T=5):
+    """A batch with ragged response masks (lengths 1..5) and distinct advantages per row."""
+    r = np.random.default_rng(rng)
+    prompt_BP = r.integers(1, CFG.vocab_size, (B, Tp)).astype(np.int32)
+    prompt_mask_BP = np.ones((B, Tp), np.int32)
+    prompt_mask_BP[::2, 0] = 0  # some left padding
+    resp_BT = r.integers(1, CFG.vocab_size, (B, T)).astype(np.int32)
+    lengths_B = 1 + np.arange(B) % T
+    mask_BT = (np.arange(T)[None] < lengths_B[:, None]).astype(np.int32)
+    adv_B = np.linspace(-1.0, 1.5, B).astype(np.float32)
+    return trainer.TrainBatch(
+        input_ids_BS=jnp.asarray(np.concatenate([prompt_BP, resp_BT], 1)),
+        attention_mask_BS=jnp.asarray(np.concatenate([prompt_mask_BP, mask_BT], 1)),
+        response_ids_BT=jnp.asarray(resp_BT),
+        response_mask_BT=jnp.asarray(mask_BT),
+        advantages_BT=jnp.asarray(adv_B[:, None] * mask_BT),
+    )
+
+
+def _step(state, batch, *, micro, mini=8, index=0, lr=1e-2, loss_config=None, tx=None):
+    return _jit_step(
+        state,
+        batch,
+        jnp.int32(index),
+        jnp.float32(lr),
+        loss_config=loss_config or trainer.LossConfig(),
+        tx=tx or _ADAM,
+        mini_batch_size=mini,
+        micro_batch_size=micro,
+    )
+
+
+_ADAM = trainer.make_optimizer(grad_clip=1e9, betas=(0.9, 0.999), weight_decay=0.0)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("loss_config", "tx", "mini_batch_size", "micro_batch_size")
+)
+def _jit_step(state, batch, index, lr, *, loss_config, tx, mini_batch_size, micro_batch_size):
+    return trainer.train_step(
+        state,
+        batch,
+        index,
+        lr,
+        model_config=CFG,
+        loss_config=loss_config,
+        tx=tx,
+        mini_batch_size=mini_batch_size,
+        micro_batch_size=micro_batch_size,
+    )
+
+
+_SGD = optax.identity()
+
+
+@pytest.fixture(scope="module")
+def params():
+    return model.init_params(CFG, jax.random.key(0))
+
+
+def _grads_via_sgd(params, batch, **kw):
+    """Gradient recovered from one SGD step (lr 1, no clip, no Adam): g = p0 - p1."""
+    tx = _SGD
+    state = trainer.init_state(params, tx)
+    new, metrics = _step(state, batch, lr=1.0, tx=tx, **kw)
+    return jax.tree.map(lambda a, b: a - b, params, new.params), metrics
+
+
+def test_micro_batches_give_the_exact_mini_batch_token_mean(params):
+    # token-mean over the mini-batch: sum of all masked token losses / all valid tokens. With
+    # per-micro-batch normalisation (legacy verl) 4 micro-batches of unequal token counts would
+    # give a different gradient; with global counts the sum over micro-batches is exact.
+    batch = _batch()
+    g1, m1 = _grads_via_sgd(params, batch, micro=8)
+    g4, m4 = _grads_via_sgd(params, batch, micro=2)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g4)):
+        np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-4)
+    np.testing.assert_allclose(m1["actor/pg_loss"], m4["actor/pg_loss"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(m1["actor/entropy"], m4["actor/entropy"], rtol=1e-5)
+
+
+def test_on_policy_gradient_is_reinforce(params):
+    # ratio = 1, beta = 0, token-mean: L = -sum_bt m A logp / sum m, so the gradient is the
+    # REINFORCE one; compare with jax.grad of that formula written directly from the logits.
+    batch = _batch(1)
+    g, metrics = _grads_via_sgd(params, batch, micro=4)
+
+    def reinforce(p):
+        logits_BSV = model.forward(CFG, p, batch.input_ids_BS, batch.attention_mask_BS)
+        logits_BTV = logits_BSV[:, 2:-1]  # Tp=3: column 2 predicts response token 0
+        lp_BT = jnp.take_along_axis(
+            jax.nn.log_softmax(logits_BTV), batch.response_ids_BT[..., None], -1
+        )[..., 0]
+        m_BT = batch.response_mask_BT
+        return -jnp.sum(m_BT * batch.advantages_BT * lp_BT) / jnp.sum(m_BT)
+
+    expected = jax.grad(reinforce)(params)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-4)
+    assert float(metrics["actor/pg_clipfrac"]) == 0.0  # ratio exactly 1
+
+
+def test_off_policy_old_log_probs_equal_to_current_match_on_policy(params):
+    batch = _batch(2)
+    lp_BT, _ = trainer.compute_log_probs(
+        CFG, params, batch, micro_batch_size=4, temperature=1.0, chunk_size=16,
+        calculate_entropy=False,
+    )
+    off = batch.replace(old_log_probs_BT=lp_BT)
+    g_on, _ = _grads_via_sgd(params, batch, micro=8)
+    g_off, m_off = _grads_via_sgd(params, off, micro=8)
+    for a, b in zip(jax.tree.leaves(g_on), jax.tree.leaves(g_off)):
+        np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-4)
+    assert abs(float(m_off["actor/ppo_kl"])) < 1e-6
+
+
+def test_mini_batch_index_selects_rows(params):
+    # Mini-batch 1 of size 4 of the batch == mini-batch 0 of the batch's second half.
+    batch = _batch(3)
+    half = jax.tree.map(lambda x: x[4:], batch)
+    g_a, _ = _grads_via_sgd(params, batch, micro=4, mini=4, index=1)
+    g_b, _ = _grads_via_sgd(params, half, micro=4, mini=4, index=0)
+    for a, b in zip(jax.tree.leaves(g_a), jax.tree.leaves(g_b)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_non_finite_update_is_skipped(params):
+    batch = _batch(4)
+    bad = batch.replace(advantages_BT=batch.advantages_BT.at[0, 0].set(jnp.nan))
+    tx = trainer.make_optimizer(grad_clip=1.0, betas=(0.9, 0.999), weight_decay=0.01)
+    state = trainer.init_state(params, tx)
+    new, metrics = _step(state, bad, micro=8, tx=tx)
+    assert float(metrics["actor/update_skipped"]) == 1.0
+    assert not np.isfinite(float(metrics["actor/grad_norm"]))
+    assert int(new.step) == 1
+    for a, b in zip(jax.tree.leaves((state.params, state.opt_state)),
+                    jax.tree.leaves((new.params, new.opt_state))):
+        np.testing.assert_array_equal(a, b)
+    _, ok = _step(state, batch, micro=8, tx=tx)
+    assert float(ok["actor/update_skipped"]) == 0.0
+
+
+def test_adamw_first_step_by_hand():
+    # Adam's first step is m_hat / sqrt(v_hat) = g / |g| = sign(g) (eps 1e-8 negligible), then
+    # decoupled decay: p1 = p0 - lr * (sign(g) + wd * p0) = 2 - 0.1 * (1 + 0.01 * 2) = 1.898.
+    tx = trainer.make_optimizer(grad_clip=1.0, betas=(0.9, 0.999), weight_decay=0.01)
+    state = trainer.init_state({"w": jnp.float32(2.0)}, tx)
+    new, m = trainer.apply_gradients(state, {"w": jnp.float32(0.5)}, jnp.float32(0.0), 0.1, tx)
+    np.testing.assert_allclose(float(new.params["w"]), 1.898, rtol=1e-6)
+    np.testing.assert_allclose(float(m["actor/grad_norm"]), 0.5)
+    # Clipping: g = 4 with clip 1 -> clipped to 1, the first Adam step is still sign(g).
+    new, m = trainer.apply_gradients(state, {"w": jnp.float32(-4.0)}, jnp.float32(0.0), 0.1, tx)
+    np.testing.assert_allclose(float(new.params["w"]), 2 - 0.1 * (-1 + 0.02), rtol=1e-6)
+    np.testing.assert_allclose(float(m["actor/grad_norm"]), 4.0)
+
+
+def test_lr_schedule_values():
+    s = trainer.lr_schedule(lr=1.0, warmup_steps=4, total_steps=12, kind="cosine")
+    # warm-up: 0, 0.25, 0.5, 0.75; then cosine over 8 steps: step 8 is halfway -> 0.5.
+    np.testing.assert_allclose([float(s(i)) for i in (0, 2, 4, 8, 12)], [0, 0.5, 1, 0.5, 0], atol=1e-6)
+    c = trainer.lr_schedule(lr=1e-6, warmup_steps=0, total_steps=5, kind="constant")
+    assert float(c(3)) == pytest.approx(1e-6)
+    with pytest.raises(ValueError, match=r"constant.*cosine.*'linear'"):
+        trainer.lr_schedule(lr=1.0, warmup_steps=0, total_steps=1, kind="linear")
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(loss_agg_mode="mean"), r"actor.loss_agg_mode must be one of .*token-mean"),
+        (dict(kl_loss_type="k4"), r"actor.kl_loss_type must be one of .*low_var_kl"),
+        (dict(policy_loss_mode="ppo"), r"actor.policy_loss.loss_mode must be one of .*vanilla"),
+        (dict(clip_ratio_c=1.0), r"clip_ratio_c must be > 1"),
+    ],
+)
+def test_loss_config_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        trainer.LossConfig(**kw)
