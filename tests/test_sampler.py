@@ -416,3 +416,93 @@ def test_sample_rejects_bad_settings(tiny, bad):
     kwargs = {"n": 1, "max_new_tokens": 1} | bad
     with pytest.raises(ValueError):
         sampler.sample(config, params, ids_PT, mask_PT, jax.random.key(0), **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parity with transformers' generate.
+
+
+@pytest.fixture(scope="module")
+def hf_qwen2(tmp_path_factory):
+    """A tiny random Qwen2 in transformers, and the same checkpoint loaded by grpo_jax."""
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    torch.manual_seed(0)
+    hf_config = transformers.Qwen2Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        # Larger than the 0.02 default so that greedy argmax margins are far above float32
+        # noise (checked in the test) and the continuations are not one repeated token.
+        initializer_range=0.3,
+    )
+    hf_model = transformers.Qwen2ForCausalLM(hf_config).eval()
+    path = tmp_path_factory.mktemp("qwen2")
+    hf_model.save_pretrained(path)
+    config, params = model.load_hf_checkpoint(path)
+    return hf_model, config, params
+
+
+def _hf_greedy(hf_model, ids_PT, mask_PT, new_tokens, eos, pad):
+    """HF greedy continuations [P,new_tokens] (pad-filled after EOS / early stop) and margins."""
+    import torch
+
+    with torch.inference_mode():
+        out = hf_model.generate(
+            input_ids=torch.from_numpy(ids_PT).long(),
+            attention_mask=torch.from_numpy(mask_PT).long(),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            eos_token_id=list(eos) if eos else None,
+            pad_token_id=pad,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[:, ids_PT.shape[1] :].numpy()
+    top2 = torch.stack(out.scores, 1).topk(2, dim=-1).values  # [P, steps, 2]
+    margins = (top2[..., 0] - top2[..., 1]).numpy()
+    full = np.full((ids_PT.shape[0], new_tokens), pad, np.int64)
+    full[:, : tokens.shape[1]] = tokens
+    live = np.ones_like(full, bool)
+    live[:, : tokens.shape[1]] = tokens != pad  # pad is never a generated token below
+    return full, margins[live[:, : margins.shape[1]]]
+
+
+def test_greedy_matches_hf_generate_with_eos_inside_outputs(hf_qwen2):
+    hf_model, config, params = hf_qwen2
+    new_tokens, pad = 12, 0
+    ids_PT, mask_PT = _left_padded([7, 3, 10], 10, config.vocab_size, seed=11)
+    # First pass without EOS, then pick as EOS a token that row 0 first emits mid-way (step >= 2)
+    # and that some other row never emits: some outputs then stop early and others run to the end.
+    free, _ = _hf_greedy(hf_model, ids_PT, mask_PT, new_tokens, (), pad)
+    assert not (free == pad).any()  # so pad marks only post-EOS positions below
+    eos = next(
+        int(tok)
+        for t, tok in enumerate(free[0])
+        if t >= 2 and tok not in free[0, :t] and any(tok not in row for row in free[1:])
+    )
+    expected, margins = _hf_greedy(hf_model, ids_PT, mask_PT, new_tokens, (eos,), pad)
+    assert margins.min() > 1e-3  # no near-ties: the comparison below is well defined
+    assert (expected == pad).any() and (expected[:, -1] != pad).any()
+
+    out = sampler.sample(
+        config,
+        params,
+        ids_PT,
+        mask_PT,
+        jax.random.key(0),
+        n=2,
+        max_new_tokens=new_tokens,
+        temperature=0.0,
+        eos_token_ids=(eos,),
+        pad_token_id=pad,
+    )
+    np.testing.assert_array_equal(out.response_ids, np.repeat(expected, 2, axis=0))
+    # Mask: 1 up to and including the EOS, i.e. exactly the non-pad positions of HF's output.
+    np.testing.assert_array_equal(out.response_mask, np.repeat(expected != pad, 2, axis=0))
