@@ -140,12 +140,24 @@ def grpo_config() -> ml_collections.ConfigDict:
             temperature=0.0,  # 0 = greedy (pass@1)
             n=1,  # completions per validation prompt
         ),
-        vllm=dict(
-            python="",  # python of the vLLM venv ("" = scripts/build_vllm_venv.sh default)
-            port=0,  # server port; 0 = pick a free one
-            gpu_memory_utilization=0.5,  # vLLM's memory fraction
-            startup_timeout_s=600.0,  # give up waiting for the server after this
-            max_restarts=3,  # restarts (with back-off) of a dead server before failing
+        vllm=dict(  # rollout.name == "vllm": grpo_jax.vllm_sidecar.VLLMConfig, field by field
+            python="",  # interpreter of the vLLM venv (starts a server); exclusive with url
+            url="",  # attach to a running server instead (e.g. "http://10.0.0.5:8000")
+            host="127.0.0.1",  # interface a started server listens on
+            port=0,  # port of a started server; 0 = pick a free one
+            gpu_memory_utilization=0.4,  # vLLM's GPU memory fraction (JAX shares the GPU)
+            dtype="bfloat16",  # "auto" | "float32" | "bfloat16" | "float16"
+            max_model_len=0,  # prompt + response limit; 0 = the model's max positions
+            seed=0,  # server --seed
+            extra_args="",  # more server flags, shell-split (CPU: "--enforce-eager")
+            env="",  # "NAME=VALUE,..." for the server (CPU: "VLLM_CPU_KVCACHE_SPACE=1")
+            startup_timeout_s=600.0,  # start/restart deadline until /health answers
+            request_timeout_s=600.0,  # one generation request (one prompt, n samples)
+            sync_timeout_s=300.0,  # one weight reload
+            max_restarts=3,  # restarts of a dead server per call before failing
+            restart_backoff_s=5.0,  # first back-off, doubled each restart
+            stop_timeout_s=30.0,  # SIGTERM -> SIGKILL grace period
+            max_concurrent_requests=64,  # prompts in flight at once
         ),
     )
 
@@ -216,8 +228,8 @@ def make_smoke(c: ml_collections.ConfigDict) -> None:
     c.data.max_prompt_length = 32
     c.data.max_response_length = 8
     c.actor.ppo_mini_batch_size = 2
-    c.actor.ppo_micro_batch_size_per_gpu = 4
-    c.rollout.log_prob_micro_batch_size_per_gpu = 8
+    c.actor.ppo_micro_batch_size_per_gpu = 5  # rollout.n = 5 (recipe): 2 micro-batches
+    c.rollout.log_prob_micro_batch_size_per_gpu = 10
     c.trainer.total_training_steps = 2
     c.trainer.test_freq = -1
     c.trainer.save_freq = 1

@@ -1,0 +1,80 @@
+"""Orbax checkpoints of a GRPO run: device state plus the host state needed for exact resume.
+
+A checkpoint at training step s holds two items:
+  * "state": the `trainer.TrainState` (params, optimizer state, update counter) and the root rng
+    key data, restored straight into their shardings (`abstract_with_shardings`).
+  * "meta": JSON host state: the training step, the data `Position` (epoch, index) and counters
+    (consecutive non-finite updates, finished warm-up steps).
+
+Orbax writes each step into a temporary directory and renames it when complete, so a run killed
+mid-save leaves the previous checkpoint intact, and `max_to_keep` deletes old steps only after a
+newer one is finalised. `restore_latest` walks the steps newest-first and falls back to an older
+one when the newest cannot be read (reporting why), so a corrupt latest checkpoint costs the
+steps since the previous save but never the run.
+"""
+
+import logging
+import os
+
+import orbax.checkpoint as ocp
+
+
+def manager(directory: str, *, max_to_keep: int) -> ocp.CheckpointManager:
+    """A CheckpointManager for `directory` (created if missing) keeping `max_to_keep` steps."""
+    if max_to_keep < 1:
+        raise ValueError(f"checkpoint.max_to_keep must be >= 1, got {max_to_keep}")
+    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+    return ocp.CheckpointManager(
+        os.path.abspath(directory), options=options, item_names=("state", "meta")
+    )
+
+
+def save(mngr: ocp.CheckpointManager, step: int, state_tree, meta: dict) -> None:
+    """Saves `state_tree` (device pytree) and `meta` (JSON dict) as step `step`, and waits.
+
+    Waiting makes the save durable before the loop goes on, so "steps lost beyond the last save"
+    is exactly the steps after it.
+    """
+    mngr.save(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state_tree), meta=ocp.args.JsonSave(meta)
+        ),
+        force=True,
+    )
+    mngr.wait_until_finished()
+
+
+def restore_latest(mngr: ocp.CheckpointManager, abstract_state_tree):
+    """Restores the newest readable checkpoint.
+
+    Args:
+      mngr: from `manager`.
+      abstract_state_tree: ShapeDtypeStruct tree (with shardings) of the "state" item.
+
+    Returns:
+      (step, state_tree, meta), or None when the directory holds no checkpoint.
+
+    Raises:
+      RuntimeError: checkpoints exist but none could be restored (every error is listed).
+    """
+    steps = sorted(mngr.all_steps(), reverse=True)
+    if not steps:
+        return None
+    errors = []
+    for step in steps:
+        try:
+            restored = mngr.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state_tree),
+                    meta=ocp.args.JsonRestore(),
+                ),
+            )
+        except Exception as e:  # noqa: BLE001 - any unreadable checkpoint falls back
+            logging.error("checkpoint step %d in %s is unreadable (%r); trying an older one",
+                          step, mngr.directory, e)
+            errors.append(f"step {step}: {e!r}")
+            continue
+        return step, restored["state"], dict(restored["meta"])
+    raise RuntimeError(f"no readable checkpoint in {mngr.directory}: " + "; ".join(errors))
