@@ -41,6 +41,7 @@ Params structure (``N`` query heads, ``K`` kv heads, ``H`` head dim, ``F`` MLP w
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -51,10 +52,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax
-import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
@@ -200,7 +201,9 @@ class ModelConfig:
             )
         arch = ARCHITECTURES[archs[0]]
         if getattr(hf, "use_sliding_window", False):
-            raise ValueError(f"{archs[0]}: sliding-window attention (use_sliding_window) is unsupported")
+            raise ValueError(
+                f"{archs[0]}: sliding-window attention (use_sliding_window) is unsupported"
+            )
         if getattr(hf, "hidden_act", "silu") != "silu":
             raise ValueError(f"{archs[0]}: hidden_act={hf.hidden_act!r} is unsupported (only silu)")
         if getattr(hf, "mlp_bias", False):
@@ -351,13 +354,17 @@ class Attention(nnx.Module):
         D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
         w_init = nnx.initializers.normal(c.initializer_range)
         pdt = c.param_dtype
-        q_axes, kv_axes, bias = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim"), c.qkv_bias
+        q_axes, kv_axes, bias = (
+            ("embed", "heads", "head_dim"),
+            ("embed", "kv_heads", "head_dim"),
+            c.qkv_bias,
+        )
         self.q_proj = _Proj(rngs, w_init, (D, N, H), q_axes, pdt, bias=bias)
         self.k_proj = _Proj(rngs, w_init, (D, K, H), kv_axes, pdt, bias=bias)
         self.v_proj = _Proj(rngs, w_init, (D, K, H), kv_axes, pdt, bias=bias)
         self.o_proj = _Proj(rngs, w_init, (N, H, D), ("heads", "head_dim", "embed"), pdt)
         if c.qk_norm:
-            kw = dict(eps=c.rms_norm_eps, dtype=c.dtype, param_dtype=pdt, rngs=rngs)
+            kw = {"eps": c.rms_norm_eps, "dtype": c.dtype, "param_dtype": pdt, "rngs": rngs}
             self.q_norm = RMSNorm(H, "head_dim", **kw)
             self.k_norm = RMSNorm(H, "head_dim", **kw)
         self.config = config
@@ -416,7 +423,7 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         c = config
-        kw = dict(eps=c.rms_norm_eps, dtype=c.dtype, param_dtype=c.param_dtype, rngs=rngs)
+        kw = {"eps": c.rms_norm_eps, "dtype": c.dtype, "param_dtype": c.param_dtype, "rngs": rngs}
         self.input_norm = RMSNorm(c.hidden_size, "embed", **kw)
         self.attn = Attention(c, rngs=rngs)
         self.post_attn_norm = RMSNorm(c.hidden_size, "embed", **kw)
@@ -444,7 +451,7 @@ class Decoder(nnx.Module):
             return DecoderLayer(c, rngs=rngs)
 
         self.layers = make_layers(rngs)
-        kw = dict(eps=c.rms_norm_eps, dtype=c.dtype, param_dtype=c.param_dtype, rngs=rngs)
+        kw = {"eps": c.rms_norm_eps, "dtype": c.dtype, "param_dtype": c.param_dtype, "rngs": rngs}
         self.final_norm = RMSNorm(c.hidden_size, "embed", **kw)
         if not c.tie_word_embeddings:
             self.lm_head = nnx.Module()
@@ -483,8 +490,12 @@ class Decoder(nnx.Module):
             else:
                 k_LBSKH, v_LBSKH = kv
                 at = (layer_idx, 0, index, 0, 0)
-                k_LBSKH = jax.lax.dynamic_update_slice(k_LBSKH, k_BTKH[None].astype(k_LBSKH.dtype), at)
-                v_LBSKH = jax.lax.dynamic_update_slice(v_LBSKH, v_BTKH[None].astype(v_LBSKH.dtype), at)
+                k_LBSKH = jax.lax.dynamic_update_slice(
+                    k_LBSKH, k_BTKH[None].astype(k_LBSKH.dtype), at
+                )
+                v_LBSKH = jax.lax.dynamic_update_slice(
+                    v_LBSKH, v_BTKH[None].astype(v_LBSKH.dtype), at
+                )
                 k_BSKH, v_BSKH = k_LBSKH[layer_idx], v_LBSKH[layer_idx]
                 kv = (k_LBSKH, v_LBSKH)
             o_BTNH = _attend(q_BTNH, k_BSKH.astype(c.dtype), v_BSKH.astype(c.dtype), visible_BTS)
@@ -526,7 +537,9 @@ def _rope(x_BTnH, cos_BTH, sin_BTH):
 def _inv_freq(config: ModelConfig) -> np.ndarray:
     """Rotary inverse frequencies [H/2] (float32), with HF's "linear" / "llama3" scaling."""
     H = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, H, 2, dtype=np.int64).astype(np.float32) / H))
+    inv_freq = 1.0 / (
+        config.rope_theta ** (np.arange(0, H, 2, dtype=np.int64).astype(np.float32) / H)
+    )
     inv_freq = inv_freq.astype(np.float32)
     rope = config.rope_scaling_dict
     rope_type = rope.get("rope_type", "default")
@@ -785,7 +798,10 @@ def prefill(config: ModelConfig, params, input_ids_BT, attention_mask_BT, cache:
     T, S = input_ids_BT.shape[1], cache.mask_BS.shape[1]
     if T > S:
         raise ValueError(f"prefill of T={T} tokens does not fit a KV cache of S={S} slots")
-    if cache.k_LBSKH.shape[0] != config.num_layers or cache.mask_BS.shape[0] != input_ids_BT.shape[0]:
+    if (
+        cache.k_LBSKH.shape[0] != config.num_layers
+        or cache.mask_BS.shape[0] != input_ids_BT.shape[0]
+    ):
         raise ValueError(
             f"KV cache k_LBSKH{tuple(cache.k_LBSKH.shape)} does not match L={config.num_layers}, "
             f"B={input_ids_BT.shape[0]}"
@@ -833,3 +849,236 @@ def repeat_cache(cache: KVCache, n: int) -> KVCache:
         pos_B=jnp.repeat(cache.pos_B, n, axis=0),
         index=cache.index,
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face checkpoints
+# ----------------------------------------------------------------------------------------------
+
+# (HF tensor name, params path, layout). "{i}" is the layer index: those params are stacked on L.
+# Layouts (HF torch Linear weights are [out, in]):
+#   same:       identical shape (embedding, norm scales)
+#   bias:       HF [n*H]     <-> params [n, H]
+#   linear:     HF [out, in] <-> params [in, *out]   (q/k/v [D,n,H], gate/up [D,F], lm_head [D,V])
+#   linear_out: HF [out, in] <-> params [*in, out]   (o_proj [N,H,D], down [F,D])
+HF_TO_JAX = (
+    ("model.embed_tokens.weight", "embed/embedding", "same"),
+    ("model.norm.weight", "final_norm/scale", "same"),
+    ("lm_head.weight", "lm_head/kernel", "linear"),
+    ("model.layers.{i}.input_layernorm.weight", "layers/input_norm/scale", "same"),
+    ("model.layers.{i}.post_attention_layernorm.weight", "layers/post_attn_norm/scale", "same"),
+    ("model.layers.{i}.self_attn.q_proj.weight", "layers/attn/q_proj/kernel", "linear"),
+    ("model.layers.{i}.self_attn.k_proj.weight", "layers/attn/k_proj/kernel", "linear"),
+    ("model.layers.{i}.self_attn.v_proj.weight", "layers/attn/v_proj/kernel", "linear"),
+    ("model.layers.{i}.self_attn.q_proj.bias", "layers/attn/q_proj/bias", "bias"),
+    ("model.layers.{i}.self_attn.k_proj.bias", "layers/attn/k_proj/bias", "bias"),
+    ("model.layers.{i}.self_attn.v_proj.bias", "layers/attn/v_proj/bias", "bias"),
+    ("model.layers.{i}.self_attn.o_proj.weight", "layers/attn/o_proj/kernel", "linear_out"),
+    ("model.layers.{i}.self_attn.q_norm.weight", "layers/attn/q_norm/scale", "same"),
+    ("model.layers.{i}.self_attn.k_norm.weight", "layers/attn/k_norm/scale", "same"),
+    ("model.layers.{i}.mlp.gate_proj.weight", "layers/mlp/gate_proj/kernel", "linear"),
+    ("model.layers.{i}.mlp.up_proj.weight", "layers/mlp/up_proj/kernel", "linear"),
+    ("model.layers.{i}.mlp.down_proj.weight", "layers/mlp/down_proj/kernel", "linear_out"),
+)
+# Checkpoint entries that carry no weights of their own (HF recomputes them or ties them).
+_IGNORED_HF = re.compile(r"(.*\.rotary_emb\.inv_freq)$")
+
+
+def _hf_regex(template: str) -> re.Pattern:
+    return re.compile(re.escape(template).replace(r"\{i\}", r"(\d+)") + "$")
+
+
+def _hf_shape(layout: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The HF tensor shape of a (per-layer) param of `shape`."""
+    match layout:
+        case "same":
+            return shape
+        case "bias":
+            return (math.prod(shape),)
+        case "linear":
+            return (math.prod(shape[1:]), shape[0])
+        case "linear_out":
+            return (shape[-1], math.prod(shape[:-1]))
+    raise ValueError(f"unknown HF layout {layout!r}")
+
+
+def _from_hf(layout: str, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    if layout in ("linear", "linear_out"):
+        x = x.T
+    return x.reshape(shape)
+
+
+def _to_hf(layout: str, y: np.ndarray) -> np.ndarray:
+    match layout:
+        case "same":
+            return y
+        case "bias":
+            return y.reshape(-1)
+        case "linear":
+            return np.ascontiguousarray(y.reshape(y.shape[0], -1).T)
+        case "linear_out":
+            return np.ascontiguousarray(y.reshape(-1, y.shape[-1]).T)
+    raise ValueError(f"unknown HF layout {layout!r}")
+
+
+def _resolve_checkpoint_dir(path: str | os.PathLike) -> str:
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        raise ValueError(f"HF checkpoint path {path!r} is a file; pass the directory")
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", path):
+        # A hub id: download config and safetensors (needs network access).
+        import huggingface_hub
+
+        return huggingface_hub.snapshot_download(
+            path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]
+        )
+    raise ValueError(f"HF checkpoint {path!r} is neither a local directory nor a hub id")
+
+
+def _safetensors_files(ckpt_dir: str) -> list[str]:
+    index = os.path.join(ckpt_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(ckpt_dir, n) for n in names]
+    names = sorted(n for n in os.listdir(ckpt_dir) if n.endswith(".safetensors"))
+    if not names:
+        raise ValueError(f"no *.safetensors weights in HF checkpoint {ckpt_dir!r}")
+    return [os.path.join(ckpt_dir, n) for n in names]
+
+
+def load_hf_checkpoint(
+    path: str | os.PathLike,
+    *,
+    dtype=jnp.float32,
+    shardings: Callable[[ModelConfig, Any], Any] | None = None,
+) -> tuple[ModelConfig, dict]:
+    """Reads a HF Qwen2/Qwen3/Llama checkpoint (config.json + safetensors) into params.
+
+    Args:
+      path: local directory (single ``model.safetensors`` or sharded with
+        ``model.safetensors.index.json``), or a hub id resolved with huggingface_hub.
+      dtype: param and compute dtype of the returned config; weights are cast to it.
+      shardings: optional ``(config, abstract_params) -> pytree of jax.sharding.Sharding``. Each
+        param is then placed with ``jax.device_put(x, sharding)`` as soon as it is read, so the
+        model never sits whole on one device. Host memory holds one (layer-stacked) param at a
+        time.
+
+    Returns:
+      (config, params).
+
+    Raises:
+      ValueError: unsupported architecture, a missing or unexpected tensor, or a shape mismatch.
+    """
+    from safetensors import safe_open  # Deferred: only checkpoint IO needs it.
+
+    ckpt_dir = _resolve_checkpoint_dir(path)
+    config = ModelConfig.from_hf(ckpt_dir)
+    config = dataclasses.replace(config, dtype=dtype, param_dtype=dtype)
+    abstract = abstract_params(config)
+    flat_abstract = dict(_flatten(abstract))
+    flat_shardings = dict(_flatten(shardings(config, abstract))) if shardings else {}
+    hf_arch = _ARCH_TO_HF[config.arch]
+
+    with contextlib.ExitStack() as stack:
+        handles = [
+            stack.enter_context(safe_open(f, framework="numpy"))
+            for f in _safetensors_files(ckpt_dir)
+        ]
+        where = {key: h for h in handles for key in h.keys()}  # noqa: SIM118 (safe_open handle, not a dict)
+        # Which checkpoint tensors feed which param (and layer).
+        sources: dict[str, dict[int, str]] = {}
+        unexpected = []
+        for key in where:
+            for template, jax_name, _ in HF_TO_JAX:
+                m = _hf_regex(template).match(key)
+                if m and jax_name in flat_abstract:
+                    sources.setdefault(jax_name, {})[int(m.group(1)) if m.groups() else -1] = key
+                    break
+            else:
+                tied_head = key == "lm_head.weight" and config.tie_word_embeddings
+                if not (tied_head or _IGNORED_HF.match(key)):
+                    unexpected.append(key)
+        if unexpected:
+            raise ValueError(
+                f"{hf_arch} checkpoint {ckpt_dir!r} has unexpected tensors {unexpected[:8]}"
+            )
+
+        flat = {}
+        for template, jax_name, layout in HF_TO_JAX:
+            if jax_name not in flat_abstract:
+                continue
+            spec = flat_abstract[jax_name]
+            layered = "{i}" in template
+            indices = range(config.num_layers) if layered else [-1]
+            shape = spec.shape[1:] if layered else spec.shape
+            parts = []
+            for i in indices:
+                key = sources.get(jax_name, {}).get(i)
+                if key is None:
+                    missing = template.format(i=i)
+                    raise ValueError(
+                        f"{hf_arch} checkpoint {ckpt_dir!r} is missing tensor {missing!r}"
+                    )
+                x = where[key].get_tensor(key)
+                if tuple(x.shape) != _hf_shape(layout, shape):
+                    raise ValueError(
+                        f"{hf_arch} tensor {key!r} has shape {tuple(x.shape)}, expected "
+                        f"{_hf_shape(layout, shape)} from config.json"
+                    )
+                parts.append(_from_hf(layout, x, shape).astype(spec.dtype))
+            value = np.stack(parts) if layered else parts[0]
+            if jax_name in flat_shardings:
+                flat[jax_name] = jax.device_put(value, flat_shardings[jax_name])
+            else:
+                flat[jax_name] = jnp.asarray(value)
+            del parts, value
+    return config, _unflatten(flat)
+
+
+def to_hf_state_dict(config: ModelConfig, params, *, untie_embeddings: bool = False) -> dict:
+    """Params as a dict of HF tensor names -> host numpy arrays in the params' dtype.
+
+    Args:
+      untie_embeddings: for a tied model, also emit ``lm_head.weight`` (a copy of the embedding),
+        as vLLM's weight reload expects.
+    """
+    _check_params(config, params)
+    flat = dict(_flatten(params))
+    out = {}
+    for template, jax_name, layout in HF_TO_JAX:
+        if jax_name not in flat:
+            continue
+        host = np.asarray(jax.device_get(flat[jax_name]))
+        if "{i}" in template:
+            for i in range(config.num_layers):
+                out[template.format(i=i)] = _to_hf(layout, host[i])
+        else:
+            out[template] = _to_hf(layout, host)
+    if config.tie_word_embeddings and untie_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"].copy()
+    return out
+
+
+def save_hf_checkpoint(
+    config: ModelConfig, params, path: str | os.PathLike, *, untie_embeddings: bool = False
+) -> None:
+    """Writes ``model.safetensors`` (params dtype, lossless) and ``config.json`` into ``path``.
+
+    transformers' ``AutoModelForCausalLM.from_pretrained(path)`` and vLLM load the result. With
+    ``untie_embeddings`` a tied model is written untied (``lm_head.weight`` plus
+    ``tie_word_embeddings: false``).
+    """
+    from safetensors.numpy import save_file  # Deferred: only checkpoint IO needs it.
+
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    state = to_hf_state_dict(config, params, untie_embeddings=untie_embeddings)
+    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    hf_config = config.to_hf_dict(untie_embeddings=untie_embeddings)
+    # The dtype the weights were written in (params may have been cast after loading).
+    hf_config["dtype"] = hf_config["torch_dtype"] = str(state["model.embed_tokens.weight"].dtype)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2, sort_keys=True)
