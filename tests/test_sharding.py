@@ -341,72 +341,62 @@ def _single_mesh():
 
 
 def _grpo_batch(config, batch_size=8):
-    """A GRPO batch of B=8 rows: left-padded prompts, responses with padding after EOS."""
+    """A trainer.TrainBatch of B=8 rows: left-padded prompts, responses ending early."""
+    from grpo_jax import trainer
+
     rng = np.random.default_rng(0)
-    ids_BT = rng.integers(1, config.vocab_size, (batch_size, TP + TR)).astype(np.int32)
-    mask_BT = np.ones_like(ids_BT)
-    mask_BT[::2, :2] = 0  # even rows: 2 left-pad tokens
-    resp_mask_BR = np.ones((batch_size, TR), np.int32)
-    resp_mask_BR[1::3, 2:] = 0  # some rows stop after 2 response tokens
-    mask_BT[:, TP:] = resp_mask_BR
-    return {
-        "ids_BT": ids_BT,
-        "mask_BT": mask_BT,
-        "response_mask_BR": resp_mask_BR,
-        # Old log-probs away from the current policy so that clipping is active in some tokens.
-        "old_logp_BR": (rng.normal(size=(batch_size, TR)) - 4.8).astype(np.float32),
-        "ref_logp_BR": (rng.normal(size=(batch_size, TR)) - 4.8).astype(np.float32),
-        "adv_B": rng.normal(size=(batch_size,)).astype(np.float32),
-    }
-
-
-def _reference_train_step(config, tx, params, opt_state, batch):
-    """One GRPO update: forward, verl actor loss (clip + KL + entropy), AdamW."""
-    from grpo_jax import loss, model
-
-    def loss_fn(p):
-        logits_BTV = model.forward(config, p, batch["ids_BT"], batch["mask_BT"])
-        # Position t predicts token t+1: response tokens TP.. are predicted by TP-1..T-2.
-        logits_BRV = logits_BTV[:, TP - 1 : -1]
-        logp_BR = loss.logprobs_from_logits(logits_BRV, batch["ids_BT"][:, TP:])
-        entropy_BR = loss.entropy_from_logits(logits_BRV)
-        adv_BR = jnp.broadcast_to(batch["adv_B"][:, None], logp_BR.shape)
-        return loss.actor_loss(
-            batch["old_logp_BR"],
-            logp_BR,
-            adv_BR,
-            batch["response_mask_BR"],
-            ref_log_prob=batch["ref_logp_BR"],
-            entropy=entropy_BR,
-            entropy_coeff=0.01,
-            use_kl_loss=True,
-            kl_loss_coef=0.1,
-        )
-
-    (value, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return value, metrics, grads, optax.apply_updates(params, updates), opt_state
+    ids_BS = rng.integers(1, config.vocab_size, (batch_size, TP + TR)).astype(np.int32)
+    mask_BS = np.ones_like(ids_BS)
+    mask_BS[::2, :2] = 0  # even rows: 2 left-pad tokens
+    resp_mask_BT = np.ones((batch_size, TR), np.int32)
+    resp_mask_BT[1::3, 2:] = 0  # some rows stop after 2 response tokens
+    mask_BS[:, TP:] = resp_mask_BT
+    adv_B1 = rng.normal(size=(batch_size, 1)).astype(np.float32)
+    return trainer.TrainBatch(
+        input_ids_BS=ids_BS,
+        attention_mask_BS=mask_BS,
+        response_ids_BT=ids_BS[:, TP:],
+        response_mask_BT=resp_mask_BT,
+        advantages_BT=adv_B1 * resp_mask_BT,
+        # Old log-probs away from the current policy (about -log V = -4.85) so that clipping is
+        # active on some tokens; reference log-probs make the KL term non-zero.
+        old_log_probs_BT=(rng.normal(size=(batch_size, TR)) - 4.8).astype(np.float32),
+        ref_log_probs_BT=(rng.normal(size=(batch_size, TR)) - 4.8).astype(np.float32),
+    )
 
 
 def _run_step(mesh, config, params_host, batch_host):
+    """trainer.train_step on `mesh`: 2 micro-batches of 4, clip + KL + entropy, AdamW."""
     import functools
 
-    tx = optax.adamw(1e-3, weight_decay=0.01)
-    p_sh = sharding.param_shardings(config, mesh)
-    from grpo_jax import model
+    from grpo_jax import model, trainer
 
+    # A clip threshold that never fires, so Adam's first moment is exactly (1 - b1) * grads.
+    tx = trainer.make_optimizer(grad_clip=1e9, betas=(0.9, 0.999), weight_decay=0.01)
+    loss_config = trainer.LossConfig(
+        entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1, chunk_size=8
+    )
+    p_sh = sharding.param_shardings(config, mesh)
     o_sh = sharding.tx_state_shardings(tx, model.abstract_params(config), p_sh, mesh)
-    b_sh = {k: sharding.batch_sharding(mesh, np.ndim(v)) for k, v in batch_host.items()}
+    state_sh = trainer.TrainState(sharding.replicated(mesh), p_sh, o_sh)
     params = jax.device_put(params_host, p_sh)
-    batch = jax.device_put(batch_host, b_sh)
-    opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
+    batch = jax.tree.map(
+        lambda x: jax.device_put(x, sharding.batch_sharding(mesh, x.ndim)), batch_host
+    )
+    state = jax.jit(functools.partial(trainer.init_state, tx=tx), out_shardings=state_sh)(params)
     step = jax.jit(
-        functools.partial(_reference_train_step, config, tx),
-        in_shardings=(p_sh, o_sh, b_sh),
-        out_shardings=(sharding.replicated(mesh), sharding.replicated(mesh), p_sh, p_sh, o_sh),
+        functools.partial(
+            trainer.train_step,
+            model_config=config,
+            loss_config=loss_config,
+            tx=tx,
+            mini_batch_size=8,
+            micro_batch_size=4,
+        ),
+        out_shardings=(state_sh, sharding.replicated(mesh)),
     )
     with jax.set_mesh(mesh):
-        return step(params, opt_state, batch)
+        return step(state, batch, jnp.int32(0), jnp.float32(1e-3))
 
 
 @pytest.fixture(scope="module")
@@ -419,31 +409,38 @@ def single_device_step():
     return config, params, batch, jax.device_get(_run_step(_single_mesh(), config, params, batch))
 
 
+def _assert_trees_close(got, want, what):
+    assert jax.tree.structure(got) == jax.tree.structure(want), what
+    for path, x in jax.tree_util.tree_leaves_with_path(got):
+        ref = _get(want, path)
+        name = what + jax.tree_util.keystr(path)
+        np.testing.assert_allclose(np.asarray(x), ref, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 @pytest.mark.parametrize("shape", MESH_SHAPES)
 def test_train_step_on_mesh_equals_single_device(shape, single_device_step):
-    config, params, batch, (loss1, metrics1, grads1, new1, _) = single_device_step
+    config, params, batch, (state1, metrics1) = single_device_step
     mesh = sharding.make_mesh(shape)
-    loss_m, metrics_m, grads_m, new_m, opt_m = _run_step(mesh, config, params, batch)
-    # The batch is non-trivial: clipping is active and the loss is not ~0.
+    state_m, metrics_m = _run_step(mesh, config, params, batch)
+    # The batch is not trivial: the update happened, clipping is active, every term is non-zero.
+    assert float(metrics1["actor/update_skipped"]) == 0.0
     assert 0.0 < float(metrics1["actor/pg_clipfrac"]) < 1.0
-    np.testing.assert_allclose(loss_m, loss1, rtol=1e-5, atol=1e-5)
-    for k in metrics1:
+    assert float(metrics1["actor/kl_loss"]) > 0 and float(metrics1["actor/entropy"]) > 0
+    assert set(metrics_m) == set(metrics1)
+    for k in metrics1:  # actor/loss, actor/pg_loss, actor/grad_norm, ...
         np.testing.assert_allclose(metrics_m[k], metrics1[k], rtol=1e-5, atol=1e-5, err_msg=k)
-    assert jax.tree.structure(grads_m) == jax.tree.structure(grads1)
-    for path, g in jax.tree_util.tree_leaves_with_path(grads_m):
-        ref = _get(grads1, path)
-        assert np.max(np.abs(ref)) > 0, jax.tree_util.keystr(path)  # every param gets a gradient
-        np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-5, err_msg=jax.tree_util.keystr(path))
-    for path, p in jax.tree_util.tree_leaves_with_path(new_m):
-        ref = _get(new1, path)
-        np.testing.assert_allclose(p, ref, rtol=1e-5, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+    # Gradients: after one step Adam's mu is (1 - b1) * grads (clip off), nu is (1 - b2) * grads^2.
+    adam1, adam_m = state1.opt_state[1], state_m.opt_state[1]
+    for path, g in jax.tree_util.tree_leaves_with_path(adam1.mu):
+        assert np.max(np.abs(g)) > 0, jax.tree_util.keystr(path)  # every param gets a gradient
+    _assert_trees_close(adam_m.mu, adam1.mu, "grads")
+    _assert_trees_close(adam_m.nu, adam1.nu, "grads^2")
+    _assert_trees_close(state_m.params, state1.params, "params")
     # The updated params and Adam moments came back sharded as declared, not gathered.
     want = sharding.param_shardings(config, mesh)
-    for path, p in jax.tree_util.tree_leaves_with_path(new_m):
+    for path, p in jax.tree_util.tree_leaves_with_path(state_m.params):
         assert p.sharding.spec == _get(want, path).spec, jax.tree_util.keystr(path)
-    assert opt_m[0].mu["layers"]["mlp"]["up_proj"]["kernel"].sharding.spec == P(
-        None, "fsdp", "tensor"
-    )
+        assert _get(adam_m.mu, path).sharding.spec == _get(want, path).spec
 
 
 def _get(tree, path):
