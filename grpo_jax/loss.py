@@ -20,7 +20,9 @@ This module owns everything between per-token log-probs and the scalar actor los
   and the memory-aware ``logprobs_and_entropy_chunked`` (from logits) and
   ``logprobs_and_entropy_from_hidden`` (from final hidden states and an unembedding callable):
   they work on row chunks with hand-written backward passes, so no float32 [B, T, V] array
-  besides the logits themselves (or none at all, from hidden states) is ever live.
+  besides the logits and their gradient (or none at all, from hidden states) is ever live.
+  (16-bit logits pass through the chunk loop bit-cast to uint16; XLA:CPU materialises that
+  bit-cast as one same-width copy, still no float32 one.)
 * ``actor_loss``: pg - entropy_coeff * entropy + kl_loss_coef * kl, with verl's metric names.
 
 Shapes: B sequences, T response tokens, V vocabulary, D hidden size, N = B*T token rows.
@@ -173,9 +175,27 @@ def _rows_per_chunk(num_rows, chunk_size):
     return rows
 
 
-def _full_kl_chunk(z_rV, zr_rV):
+def _to_bits(x):
+    """16-bit floats travel through scans as same-width unsigned ints. XLA:CPU otherwise
+    widens a bf16 loop operand to float32 as a whole (float normalisation), i.e. it builds the
+    float32 [N, V] copy that chunking exists to avoid."""
+    if x.dtype.itemsize != 2:
+        return x
+    return jax.lax.bitcast_convert_type(x, jnp.uint16)
+
+
+def _from_bits(x, dtype):
+    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
+
+
+def _upcast_chunk(x, dtype):
+    """float32 values of one chunk that went through ``_to_bits``."""
+    return _from_bits(x, dtype).astype(jnp.float32)
+
+
+def _full_kl_chunk(z_rV, zr_rV, dtype):
     """Per-row KL(softmax z || softmax zr) = sum p (z - zr) - lse(z) + lse(zr), and residuals."""
-    z_rV, zr_rV = z_rV.astype(jnp.float32), zr_rV.astype(jnp.float32)
+    z_rV, zr_rV = _upcast_chunk(z_rV, dtype), _upcast_chunk(zr_rV, dtype)
     lse_r = jax.nn.logsumexp(z_rV, axis=-1)
     p_rV = jnp.exp(z_rV - lse_r[:, None])
     a_r = jnp.sum(p_rV * (z_rV - zr_rV), axis=-1)
@@ -189,9 +209,10 @@ def _full_kl_rows(z_NV, zr_NV, rows):
 
 def _full_kl_rows_fwd(z_NV, zr_NV, rows):
     (num, vocab), chunks = z_NV.shape, z_NV.shape[0] // rows
-    z_CrV, zr_CrV = z_NV.reshape(chunks, rows, vocab), zr_NV.reshape(chunks, rows, vocab)
+    z_CrV = _to_bits(z_NV).reshape(chunks, rows, vocab)
+    zr_CrV = _to_bits(zr_NV.astype(z_NV.dtype)).reshape(chunks, rows, vocab)
     _, (kl_Cr, lse_Cr, a_Cr) = jax.lax.scan(
-        lambda carry, x: (carry, _full_kl_chunk(*x)), None, (z_CrV, zr_CrV)
+        lambda carry, x: (carry, _full_kl_chunk(*x, z_NV.dtype)), None, (z_CrV, zr_CrV)
     )
     return kl_Cr.reshape(num), (z_NV, zr_NV, lse_Cr, a_Cr)
 
@@ -202,28 +223,28 @@ def _full_kl_rows_bwd(rows, res, g_N):
 
     def chunk_grad(carry, x):
         z_rV, zr_rV, lse_r, a_r, g_r = x
-        z_rV = z_rV.astype(jnp.float32)
+        z_rV = _upcast_chunk(z_rV, z_NV.dtype)
         p_rV = jnp.exp(z_rV - lse_r[:, None])
         # d KL / d z_j = p_j ((z_j - zr_j) - sum_k p_k (z_k - zr_k)).
-        grad_rV = g_r[:, None] * p_rV * (z_rV - zr_rV.astype(jnp.float32) - a_r[:, None])
-        return carry, grad_rV.astype(z_NV.dtype)
+        grad_rV = g_r[:, None] * p_rV * (z_rV - _upcast_chunk(zr_rV, z_NV.dtype) - a_r[:, None])
+        return carry, _to_bits(grad_rV.astype(z_NV.dtype))
 
     xs = (
-        z_NV.reshape(chunks, rows, vocab),
-        zr_NV.reshape(chunks, rows, vocab),
+        _to_bits(z_NV).reshape(chunks, rows, vocab),
+        _to_bits(zr_NV.astype(z_NV.dtype)).reshape(chunks, rows, vocab),
         lse_Cr,
         a_Cr,
         g_N.reshape(chunks, rows),
     )
     _, grad_CrV = jax.lax.scan(chunk_grad, None, xs)
     # The reference model is frozen: ref_logits get no gradient.
-    return grad_CrV.reshape(num, vocab), None
+    return _from_bits(grad_CrV, z_NV.dtype).reshape(num, vocab), None
 
 
 _full_kl_rows.defvjp(_full_kl_rows_fwd, _full_kl_rows_bwd)
 
 
-def _full_kl(logits, ref_logits, chunk_size=1024):
+def _full_kl(logits, ref_logits, chunk_size=512):
     if logits is None or ref_logits is None:
         raise ValueError("kl_type 'full' needs logits and ref_logits ([B, T, V])")
     if logits.shape != ref_logits.shape:
@@ -276,7 +297,7 @@ def kl_penalty(log_prob, ref_log_prob, kl_type, *, logits=None, ref_logits=None)
             case "kl" | "k1":
                 value = d
             case "abs":
-                value = jnp.abs(d)
+                value = d * jnp.sign(d)  # |d| with torch's gradient sign(d), 0 at d = 0
             case "mse" | "k2":
                 value = 0.5 * d * d
             case "low_var_kl" | "k3":
@@ -475,18 +496,18 @@ def entropy_from_logits(logits):
     return jax.nn.logsumexp(z, axis=-1) - jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
 
 
-def _logprob_entropy_chunk(z_rV, labels_r, inv_temperature):
+def _logprob_entropy_chunk(z_rV, labels_r, inv_temperature, dtype):
     """Forward on one chunk of rows: (log-prob, entropy, logsumexp, E_p[z]), all float32 [r]."""
-    z_rV = z_rV.astype(jnp.float32) * inv_temperature
+    z_rV = _upcast_chunk(z_rV, dtype) * inv_temperature
     lse_r = jax.nn.logsumexp(z_rV, axis=-1)
     mean_z_r = jnp.sum(jnp.exp(z_rV - lse_r[:, None]) * z_rV, axis=-1)
     picked_r = jnp.take_along_axis(z_rV, labels_r[:, None], axis=-1)[:, 0]
     return picked_r - lse_r, lse_r - mean_z_r, lse_r, mean_z_r
 
 
-def _logprob_entropy_chunk_grad(z_rV, labels_r, lse_r, mean_z_r, g_lp_r, g_ent_r, inv_temp):
+def _logprob_entropy_chunk_grad(z_rV, labels_r, lse_r, mean_z_r, g_lp_r, g_ent_r, inv_temp, dtype):
     """d/dz of sum(g_lp * logp + g_ent * H): g_lp (onehot - p) - g_ent p (z - E_p[z])."""
-    zs_rV = z_rV.astype(jnp.float32) * inv_temp
+    zs_rV = _upcast_chunk(z_rV, dtype) * inv_temp
     p_rV = jnp.exp(zs_rV - lse_r[:, None])
     onehot_rV = (jnp.arange(z_rV.shape[-1], dtype=jnp.int32)[None, :] == labels_r[:, None]).astype(
         jnp.float32
@@ -494,7 +515,7 @@ def _logprob_entropy_chunk_grad(z_rV, labels_r, lse_r, mean_z_r, g_lp_r, g_ent_r
     grad_rV = g_lp_r[:, None] * (onehot_rV - p_rV) - g_ent_r[:, None] * p_rV * (
         zs_rV - mean_z_r[:, None]
     )
-    return (grad_rV * inv_temp).astype(z_rV.dtype)
+    return _to_bits((grad_rV * inv_temp).astype(dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -506,9 +527,9 @@ def _logprob_entropy_rows_fwd(z_NV, labels_N, rows, inv_temperature):
     (num, vocab), chunks = z_NV.shape, z_NV.shape[0] // rows
 
     def chunk(carry, x):
-        return carry, _logprob_entropy_chunk(*x, inv_temperature)
+        return carry, _logprob_entropy_chunk(*x, inv_temperature, z_NV.dtype)
 
-    xs = (z_NV.reshape(chunks, rows, vocab), labels_N.reshape(chunks, rows))
+    xs = (_to_bits(z_NV).reshape(chunks, rows, vocab), labels_N.reshape(chunks, rows))
     _, (lp_Cr, ent_Cr, lse_Cr, mean_z_Cr) = jax.lax.scan(chunk, None, xs)
     # Residuals are the logits themselves plus two floats per row: nothing [N, V] is saved.
     return (lp_Cr.reshape(num), ent_Cr.reshape(num)), (z_NV, labels_N, lse_Cr, mean_z_Cr)
@@ -520,10 +541,10 @@ def _logprob_entropy_rows_bwd(rows, inv_temperature, res, g):
     (num, vocab), chunks = z_NV.shape, z_NV.shape[0] // rows
 
     def chunk(carry, x):
-        return carry, _logprob_entropy_chunk_grad(*x, inv_temperature)
+        return carry, _logprob_entropy_chunk_grad(*x, inv_temperature, z_NV.dtype)
 
     xs = (
-        z_NV.reshape(chunks, rows, vocab),
+        _to_bits(z_NV).reshape(chunks, rows, vocab),
         labels_N.reshape(chunks, rows),
         lse_Cr,
         mean_z_Cr,
@@ -531,7 +552,7 @@ def _logprob_entropy_rows_bwd(rows, inv_temperature, res, g):
         g_ent_N.reshape(chunks, rows),
     )
     _, grad_CrV = jax.lax.scan(chunk, None, xs)
-    return grad_CrV.reshape(num, vocab), None
+    return _from_bits(grad_CrV, z_NV.dtype).reshape(num, vocab), None
 
 
 _logprob_entropy_rows.defvjp(_logprob_entropy_rows_fwd, _logprob_entropy_rows_bwd)
@@ -689,12 +710,12 @@ def actor_loss(
     needs_log_probs = kl_loss_type not in ("full",)
     if use_kl_loss and needs_log_probs and ref_log_prob is None:
         raise ValueError(f"actor_loss: use_kl_loss with {kl_loss_type!r} needs ref_log_prob")
-    global_batch_info = dict(
-        dp_size=dp_size,
-        batch_num_tokens=batch_num_tokens,
-        global_batch_size=global_batch_size,
-        loss_scale_factor=loss_scale_factor,
-    )
+    global_batch_info = {
+        "dp_size": dp_size,
+        "batch_num_tokens": batch_num_tokens,
+        "global_batch_size": global_batch_size,
+        "loss_scale_factor": loss_scale_factor,
+    }
     pg_loss, pg_metrics = compute_policy_loss(
         old_log_prob,
         log_prob,

@@ -142,7 +142,9 @@ def test_permuting_rows_permutes_advantages(score_B, perm):
     for fn in (_grpo, _rloo):
         adv, _ = fn(rewards_BT, mask_BT, gid_B)
         adv_perm, _ = fn(rewards_BT[perm], mask_BT[perm], gid_B[perm])
-        np.testing.assert_allclose(np.asarray(adv_perm), np.asarray(adv)[perm], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(adv_perm), np.asarray(adv)[perm], rtol=1e-5, atol=1e-5
+        )
 
 
 @_settings

@@ -13,16 +13,16 @@ try:
     from verl.trainer.ppo import core_algos
     from verl.utils import torch_functional as verl_F
     from verl.workers.config import ActorConfig
-except Exception as err:  # verl's import chain needs ray, tensordict, omegaconf, codetiming.
+except Exception as err:  # noqa: BLE001 - any failure in verl's import chain (ray, tensordict, ...)
     pytest.skip(f"verl is not importable: {err!r}", allow_module_level=True)
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-from grpo_jax import advantage, loss  # noqa: E402
+from grpo_jax import advantage, loss
 
 B, T = 12, 9
-TOL = dict(rtol=2e-5, atol=2e-6)
+TOL = {"rtol": 2e-5, "atol": 2e-6}
 
 
 def _inputs(seed):
@@ -96,7 +96,7 @@ def test_rloo_advantage_matches_verl():
     ],
 )
 def test_agg_loss_matches_verl(mode, global_info):
-    lp, _, adv, _, mask, _ = _inputs(2)
+    _lp, _, adv, _, mask, _ = _inputs(2)
     ours, grad = jax.value_and_grad(
         lambda x: loss.agg_loss(x, jnp.asarray(mask), mode, **global_info)
     )(jnp.asarray(adv))
