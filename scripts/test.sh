@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q -r requirements.txt -e .
+export GRPO_JAX_VLLM_PYTHON="${GRPO_JAX_VLLM_PYTHON-$(bash scripts/build_vllm_venv.sh)}"  # vLLM sidecar venv, cached in ~/.cache/grpo_jax; empty if the build fails (tests/test_vllm.py then fails under CI=true)
 python -m pytest -q -ra tests "$@"
