@@ -259,6 +259,7 @@ class VLLMSidecar:
         self._port = config.port
         self._model_name = "grpo_jax-policy"
         self._atexit_registered = False
+        self._closed = False
         if config.url:
             self.url = config.url.rstrip("/")
             self._model_name = ""  # Read from /v1/models on start.
@@ -317,6 +318,7 @@ class VLLMSidecar:
 
     def close(self) -> None:
         """Stops a managed server (process group: SIGTERM, then SIGKILL). Idempotent."""
+        self._closed = True
         self._stop_process()
 
     def _launch(self) -> None:
@@ -460,6 +462,8 @@ class VLLMSidecar:
           VLLMTimeoutError: no answer within `timeout` from a live server.
           VLLMResponseError: HTTP status >= 400 or a body that is not JSON.
         """
+        if self._closed:
+            raise VLLMSidecarError(f"the vLLM sidecar was closed; server log: {self._log_where()}")
         if self.managed and (self._proc is None or self._proc.poll() is not None):
             raise _ServerGone(self._exit_description())
         try:

@@ -316,6 +316,9 @@ def test_fake_server_round_trip(fake, tiny_params, tmp_path):
             vllm_sidecar.check_fresh(r, sc.weights_version)
         pid = sc.pid
     assert sc.pid is None and _wait_dead(pid, timeout=1)
+    # A closed sidecar does not quietly start a new server.
+    with pytest.raises(vllm_sidecar.VLLMSidecarError, match="closed"):
+        sc.sample(_PROMPT_IDS, _PROMPT_MASK, jax.random.key(1), n=2, max_new_tokens=4)
 
 
 def test_fake_server_restarts_after_kill(fake, tiny_params, tmp_path):
