@@ -116,6 +116,11 @@ def validate_rules(rules: Sequence[Sequence[Any]]) -> Rules:
     return tuple(out)
 
 
+def rules_from_config(rules: Sequence[Sequence[Any]] | None) -> Rules:
+    """``config.mesh.rules``: None keeps ``LOGICAL_RULES``; a table replaces it whole (validated)."""
+    return LOGICAL_RULES if rules is None else validate_rules(rules)
+
+
 def logical_to_mesh_spec(
     logical_spec: PartitionSpec, rules: Rules = LOGICAL_RULES
 ) -> PartitionSpec:

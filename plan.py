@@ -1,0 +1,458 @@
+r"""Memory planner: will this GRPO config fit, and how large can the micro-batch be?
+
+Run (on the target hardware, or on any CPU by simulating the device count):
+  python plan.py --config=configs/gsm8k.py --model=qwen2.5-7b --hbm_gib=141 --devices=8 \
+      --config.model.dtype=bfloat16 --config.model.enable_gradient_checkpointing=True
+  python train.py --config=... --plan          # the same report, from the trainer
+
+Nothing is materialised: parameters, optimizer state and batches are ``jax.ShapeDtypeStruct``s
+carrying their ``NamedSharding``s, and each phase of one GRPO step is AOT-lowered and compiled
+for the configured model and mesh (``jax.jit(...).lower(...).compile().memory_analysis()``):
+
+  * sample: ``sampler.sample`` on ``data.train_batch_size`` prompts x ``rollout.n`` (KV cache);
+  * logprob: ``trainer.compute_log_probs`` (reference / old log-probs), when the config needs it;
+  * train: ``trainer.train_step`` on one mini-batch with ``actor.ppo_micro_batch_size_per_gpu``.
+
+Per device it prints parameters, optimizer state and reference parameters (exact, from the
+shardings), XLA's argument / output / temporary sizes for each phase (temporaries are the
+activations, gradients being accumulated and the float32 logits chunks), the KV cache and logits
+sizes (analytic), the peak of each phase, and then searches (compiling each candidate) for the
+largest micro-batch per device, and the largest number of prompts per sampling call, that fit in
+``usable_fraction * hbm_gib``.
+
+--devices=N sets ``--xla_force_host_platform_device_count=N`` on the CPU backend before JAX is
+imported, so an 8-GPU or TPU v5p-8 plan can be computed on a laptop. Caveat: the numbers are then
+XLA:CPU's buffer assignment for the same sharded program. Parameter, optimizer, batch and KV-cache
+bytes are exact; temporaries can differ from the GPU/TPU compilers (other fusion decisions, no
+cuDNN/Pallas flash attention), so keep the default 10 % headroom and re-run on the real hardware
+(without --devices) before a long job.
+
+Peak of a phase = its compiled arguments + outputs - donated (aliased) buffers + temporaries +
+what stays resident outside it (the reference parameters; during sampling and log-prob passes
+also the optimizer state, which is not an argument there).
+"""
+
+import dataclasses
+import functools
+import math
+import os
+import sys
+
+
+def _fake_device_count(argv) -> int:
+    for arg in argv:
+        if arg.startswith("--devices="):
+            return int(arg.split("=", 1)[1])
+    return 0
+
+
+if __name__ == "__main__" and _fake_device_count(sys.argv):
+    # Must happen before JAX initialises its backends (the reason for this module-level code).
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "")
+        + f" --xla_force_host_platform_device_count={_fake_device_count(sys.argv)}"
+    )
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+from ml_collections import config_flags
+
+from grpo_jax import model as model_lib
+from grpo_jax import sampler, sharding, trainer
+
+GIB = 2**30
+
+# Architectures from the models' config.json, so planning needs no download.
+PRESETS = {
+    "tiny": {},  # ModelConfig.tiny()
+    "qwen2.5-0.5b": {
+        "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_layers": 24,
+        "num_heads": 14, "num_kv_heads": 2, "head_dim": 64, "tie_word_embeddings": True,
+    },
+    "qwen2.5-1.5b": {
+        "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960, "num_layers": 28,
+        "num_heads": 12, "num_kv_heads": 2, "head_dim": 128, "tie_word_embeddings": True,
+    },
+    "qwen2.5-3b": {
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 11008, "num_layers": 36,
+        "num_heads": 16, "num_kv_heads": 2, "head_dim": 128, "tie_word_embeddings": True,
+    },
+    "qwen2.5-7b": {
+        "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_layers": 28,
+        "num_heads": 28, "num_kv_heads": 4, "head_dim": 128, "tie_word_embeddings": False,
+    },
+}  # fmt: skip
+_QWEN25 = {"arch": "qwen2", "qkv_bias": True, "rope_theta": 1e6, "rms_norm_eps": 1e-6,
+               "max_position_embeddings": 32768}  # fmt: skip
+
+
+def preset_config(name: str, *, dtype, param_dtype, remat: bool) -> model_lib.ModelConfig:
+    """The ModelConfig of preset ``name`` (see PRESETS) with the run's dtypes and remat."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose from {sorted(PRESETS)}")
+    if name == "tiny":
+        return model_lib.ModelConfig.tiny(dtype=dtype, param_dtype=param_dtype, remat=remat)
+    return model_lib.ModelConfig(
+        **_QWEN25, **PRESETS[name], dtype=dtype, param_dtype=param_dtype, remat=remat
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """The shapes of one GRPO step, read from the train.py config.
+
+    Attributes:
+      prompt_len: Tp, ``data.max_prompt_length`` bucketed as the sampler does.
+      response_len: T, ``data.max_response_length``.
+      n: G, ``rollout.n``.
+      prompts: P, ``data.train_batch_size`` (prompts sampled in one call).
+      mini_rows: ``actor.ppo_mini_batch_size * n`` sequences per optimizer step.
+      micro_per_device: ``actor.ppo_micro_batch_size_per_gpu``.
+      logprob_micro_per_device: ``rollout.log_prob_micro_batch_size_per_gpu``.
+      needs_ref: a KL term needs reference parameters and log-probs.
+      needs_old: several updates per batch need old log-probs (``ppo_epochs > 1`` or more than
+        one mini-batch), computed before the first update.
+    """
+
+    prompt_len: int
+    response_len: int
+    n: int
+    prompts: int
+    mini_rows: int
+    micro_per_device: int
+    logprob_micro_per_device: int
+    needs_ref: bool
+    needs_old: bool
+
+    @classmethod
+    def from_config(cls, c) -> "Workload":
+        n = c.rollout.n
+        return cls(
+            prompt_len=sampler.bucket_length(c.data.max_prompt_length),
+            response_len=c.data.max_response_length,
+            n=n,
+            prompts=c.data.train_batch_size,
+            mini_rows=c.actor.ppo_mini_batch_size * n,
+            micro_per_device=c.actor.ppo_micro_batch_size_per_gpu,
+            logprob_micro_per_device=c.rollout.log_prob_micro_batch_size_per_gpu,
+            needs_ref=bool(c.actor.use_kl_loss or c.algorithm.use_kl_in_reward),
+            needs_old=bool(
+                c.actor.ppo_epochs > 1 or c.actor.ppo_mini_batch_size < c.data.train_batch_size
+            ),
+        )
+
+
+def bytes_per_device(abstract_tree, sharding_tree) -> int:
+    """Bytes one device holds of a sharded pytree (the largest shard of each array)."""
+    leaves = jax.tree.leaves(abstract_tree)
+    shardings = jax.tree.leaves(sharding_tree)
+    return sum(
+        math.prod(s.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+        for x, s in zip(leaves, shardings, strict=True)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseMemory:
+    """XLA's per-device memory analysis of one compiled phase (bytes)."""
+
+    argument: int
+    output: int
+    alias: int
+    temp: int
+
+    @classmethod
+    def of(cls, compiled) -> "PhaseMemory":
+        m = compiled.memory_analysis()
+        return cls(m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes,
+                   m.temp_size_in_bytes)  # fmt: skip
+
+    @property
+    def total(self) -> int:
+        return self.argument + self.output - self.alias + self.temp
+
+
+class Planner:
+    """Compiles the phases of one GRPO step for a model, mesh and workload, without weights."""
+
+    def __init__(self, model_config, mesh, workload: Workload, *, loss_config, tx, rules):
+        self.cfg, self.mesh, self.w = model_config, mesh, workload
+        self.loss_config, self.tx = loss_config, tx
+        self.dp = mesh.shape["data"] * mesh.shape["fsdp"]
+        abstract = model_lib.abstract_params(model_config)
+        self.param_sh = sharding.param_shardings(model_config, mesh, rules)
+        self.params = sharding.abstract_with_shardings(abstract, self.param_sh)
+        abstract_state = jax.eval_shape(functools.partial(trainer.init_state, tx=tx), abstract)
+        state_sh = trainer.TrainState(
+            sharding.replicated(mesh),
+            self.param_sh,
+            sharding.tx_state_shardings(tx, abstract, self.param_sh, mesh),
+        )
+        self.state = sharding.abstract_with_shardings(abstract_state, state_sh)
+        self.param_bytes = bytes_per_device(abstract, self.param_sh)
+        self.opt_bytes = bytes_per_device(abstract_state.opt_state, state_sh.opt_state)
+        self.ref_bytes = self.param_bytes if workload.needs_ref else 0
+
+    def _batch(self, rows: int) -> trainer.TrainBatch:
+        w, tp = self.w, self.w.prompt_len
+        s, t = tp + w.response_len, w.response_len
+
+        def arr(shape, dtype):
+            return jax.ShapeDtypeStruct(
+                shape, dtype, sharding=sharding.batch_sharding(self.mesh, 2)
+            )
+
+        return trainer.TrainBatch(
+            input_ids_BS=arr((rows, s), jnp.int32),
+            attention_mask_BS=arr((rows, s), jnp.int32),
+            response_ids_BT=arr((rows, t), jnp.int32),
+            response_mask_BT=arr((rows, t), jnp.int32),
+            advantages_BT=arr((rows, t), jnp.float32),
+            old_log_probs_BT=arr((rows, t), jnp.float32) if w.needs_old else None,
+            ref_log_probs_BT=arr((rows, t), jnp.float32) if w.needs_ref else None,
+        )
+
+    def train(self, micro_per_device: int) -> PhaseMemory:
+        """One ``train_step`` (state donated) on the step's batch, one mini-batch of it."""
+        w = self.w
+        step = jax.jit(
+            functools.partial(
+                trainer.train_step,
+                model_config=self.cfg,
+                loss_config=self.loss_config,
+                tx=self.tx,
+                mini_batch_size=w.mini_rows,
+                micro_batch_size=min(micro_per_device * self.dp, w.mini_rows),
+            ),
+            donate_argnums=0,
+        )
+        scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding.replicated(self.mesh))
+        lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding.replicated(self.mesh))
+        batch = self._batch(w.prompts * w.n)
+        return PhaseMemory.of(step.lower(self.state, batch, scalar, lr).compile())
+
+    def logprob(self) -> PhaseMemory:
+        """``compute_log_probs`` over the step's batch (reference or old policy)."""
+        w = self.w
+        rows = w.prompts * w.n
+        fn = jax.jit(
+            functools.partial(
+                trainer.compute_log_probs,
+                self.cfg,
+                micro_batch_size=min(w.logprob_micro_per_device * self.dp, rows),
+                temperature=self.loss_config.temperature,
+                chunk_size=self.loss_config.chunk_size,
+                calculate_entropy=False,
+            )
+        )
+        return PhaseMemory.of(fn.lower(self.params, self._batch(rows)).compile())
+
+    def sample(self, prompts: int) -> PhaseMemory:
+        """``sampler.sample`` of ``prompts`` x n completions of response_len tokens."""
+        w = self.w
+        ids = jax.ShapeDtypeStruct(
+            (prompts, w.prompt_len), jnp.int32, sharding=sharding.batch_sharding(self.mesh, 2)
+        )
+        rng = jax.eval_shape(lambda: jax.random.key(0))
+        rng = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=sharding.replicated(self.mesh))
+        fn = jax.jit(
+            lambda p, i, m, r: sampler.sample(
+                self.cfg, p, i, m, r, n=w.n, max_new_tokens=w.response_len, temperature=1.0
+            )
+        )
+        return PhaseMemory.of(fn.lower(self.params, ids, ids, rng).compile())
+
+    # Analytic sizes, for the report (the compiled temporaries already contain them).
+    def kv_cache_bytes(self, prompts: int) -> int:
+        c, w = self.cfg, self.w
+        rows = prompts * w.n / self.dp
+        kv_heads = c.num_kv_heads / self.mesh.shape["tensor"]
+        slots = w.prompt_len + w.response_len - 1
+        return int(2 * c.num_layers * rows * slots * kv_heads * c.head_dim * c.dtype.itemsize)
+
+    def sample_logits_bytes(self, prompts: int) -> int:
+        return int(prompts * self.w.n / self.dp * self.cfg.vocab_size * 4)
+
+    def train_logits_bytes(self) -> int:
+        """One float32 [chunk, V] logits chunk of the chunked log-prob pass."""
+        return self.loss_config.chunk_size * self.cfg.vocab_size * 4
+
+    def train_peak(self, m: PhaseMemory) -> int:
+        return m.total + self.ref_bytes
+
+    def side_peak(self, m: PhaseMemory) -> int:
+        """Sampling / log-prob passes: params are an argument, optimizer state stays resident."""
+        return m.total + self.opt_bytes + self.ref_bytes
+
+
+def _largest(candidates, fits) -> tuple[int | None, dict]:
+    """Binary search for the largest candidate (sorted ascending) with fits(c) True.
+
+    Assumes monotonicity (memory grows with the batch). Returns (best or None, {c: result}).
+    """
+    seen = {}
+    lo, hi, best = 0, len(candidates) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        ok, result = fits(candidates[mid])
+        seen[candidates[mid]] = result
+        if ok:
+            best, lo = candidates[mid], mid + 1
+        else:
+            hi = mid - 1
+    return best, seen
+
+
+def _gb(x: float) -> str:
+    return f"{x / GIB:8.2f}"
+
+
+def plan(planner: Planner, *, hbm_bytes: int, search: bool = True, max_micro: int = 64) -> str:
+    """Compiles every phase, searches the batch sizes that fit, returns the report text."""
+    p, w = planner, planner.w
+    budget = hbm_bytes
+    lines = [
+        (
+            f"model: L={p.cfg.num_layers} D={p.cfg.hidden_size} N={p.cfg.num_heads} "
+            f"K={p.cfg.num_kv_heads} H={p.cfg.head_dim} F={p.cfg.intermediate_size} "
+            f"V={p.cfg.vocab_size} params={p.cfg.param_dtype} compute={p.cfg.dtype} remat={p.cfg.remat}"
+        ),
+        (
+            f"mesh: {dict(p.mesh.shape)} on {p.mesh.devices.size} x {p.mesh.devices.flat[0].platform}"
+            f" | budget {budget / GIB:.1f} GiB/device"
+        ),
+        (
+            f"step: P={w.prompts} prompts x n={w.n}, Tp={w.prompt_len}, T={w.response_len}, "
+            f"mini-batch {w.mini_rows} seqs, micro {w.micro_per_device}/device, "
+            f"ref={'yes' if w.needs_ref else 'no'}, old log-probs={'yes' if w.needs_old else 'no'}"
+        ),
+        "",
+        "per-device GiB          | resident | argument |   output |  donated |     temp |     PEAK",
+        "------------------------|----------|----------|----------|----------|----------|---------",
+        f"params                  | {_gb(p.param_bytes)} |",
+        f"optimizer state         | {_gb(p.opt_bytes)} |",
+        f"reference params        | {_gb(p.ref_bytes)} |",
+    ]
+
+    def row(name, m: PhaseMemory, peak):
+        return (f"{name:<24}|          | {_gb(m.argument)} | {_gb(m.output)} | {_gb(m.alias)} |"
+                f" {_gb(m.temp)} | {_gb(peak)}")  # fmt: skip
+
+    sample_m = p.sample(w.prompts)
+    lines.append(row(f"sample (P={w.prompts})", sample_m, p.side_peak(sample_m)))
+    peaks = [p.side_peak(sample_m)]
+    if w.needs_ref or w.needs_old:
+        lp = p.logprob()
+        lines.append(row(f"log-probs ({w.logprob_micro_per_device}/dev)", lp, p.side_peak(lp)))
+        peaks.append(p.side_peak(lp))
+    train_m = p.train(w.micro_per_device)
+    lines.append(row(f"train ({w.micro_per_device}/dev)", train_m, p.train_peak(train_m)))
+    peaks.append(p.train_peak(train_m))
+    lines += [
+        "",
+        f"KV cache (sample, analytic)      {_gb(p.kv_cache_bytes(w.prompts))} GiB/device",
+        f"logits [rows,V] f32 (sample)     {_gb(p.sample_logits_bytes(w.prompts))} GiB/device",
+        (
+            f"logits chunk f32 (train, one)    {_gb(p.train_logits_bytes())} GiB "
+            f"(loss chunk_size={p.loss_config.chunk_size} rows)"
+        ),
+        f"step peak {max(peaks) / GIB:.2f} GiB/device -> "
+        + ("FITS" if max(peaks) <= budget else "DOES NOT FIT")
+        + f" in {budget / GIB:.1f} GiB",
+    ]
+    if search:
+        # Micro-batches per device that divide the mini-batch evenly, powers of two.
+        micro = [m for m in (2**i for i in range(12)) if m <= max_micro
+                 and m * p.dp <= w.mini_rows and w.mini_rows % (m * p.dp) == 0]  # fmt: skip
+        best_micro, seen = _largest(micro, lambda m: _fits(p.train(m), p.train_peak, budget))
+        prompts = [q * p.dp for q in (2**i for i in range(12)) if q * p.dp <= w.prompts]
+        best_p, seen_p = _largest(prompts, lambda q: _fits(p.sample(q), p.side_peak, budget))
+        tried = ", ".join(f"{m}:{v / GIB:.1f}" for m, v in sorted(seen.items()))
+        tried_p = ", ".join(f"{q}:{v / GIB:.1f}" for q, v in sorted(seen_p.items()))
+        lines += [
+            (
+                f"largest micro-batch per device that fits: {best_micro} "
+                f"(tried micro:peak GiB {tried})"
+            ),
+            (
+                f"largest prompts per sampling call (x n={w.n}) that fits: {best_p} "
+                f"(tried P:peak GiB {tried_p})"
+            ),
+        ]
+    return "\n".join(lines)
+
+
+def _fits(m: PhaseMemory, peak_fn, budget) -> tuple[bool, int]:
+    peak = peak_fn(m)
+    return peak <= budget, peak
+
+
+def planner_from_config(c, *, model_name: str = "", mesh=None) -> Planner:
+    """Planner for a train.py config; ``model_name`` picks a PRESET, else config.json at path."""
+    dtype, param_dtype = jnp.dtype(c.model.dtype), jnp.dtype(c.model.param_dtype)
+    remat = bool(c.model.enable_gradient_checkpointing)
+    if model_name:
+        cfg = preset_config(model_name, dtype=dtype, param_dtype=param_dtype, remat=remat)
+    elif c.model.path and os.path.isdir(c.model.path):
+        cfg = dataclasses.replace(
+            model_lib.ModelConfig.from_hf(c.model.path),
+            dtype=dtype,
+            param_dtype=param_dtype,
+            remat=remat,
+        )
+    else:
+        raise ValueError(
+            "plan: give --model=<preset> (one of " + ", ".join(sorted(PRESETS)) + ") or a local "
+            f"HF checkpoint directory in config.model.path (got {c.model.path!r})"
+        )
+    mesh = sharding.make_mesh(tuple(c.mesh.shape)) if mesh is None else mesh
+    a = c.actor
+    loss_config = trainer.LossConfig(
+        policy_loss_mode=a.policy_loss.loss_mode,
+        loss_agg_mode=a.loss_agg_mode,
+        entropy_coeff=a.entropy_coeff,
+        calculate_entropy=a.calculate_entropy,
+        use_kl_loss=a.use_kl_loss,
+        kl_loss_coef=a.kl_loss_coef,
+        kl_loss_type=a.kl_loss_type,
+        temperature=c.rollout.temperature,
+    )
+    tx = trainer.make_optimizer(
+        grad_clip=a.grad_clip, betas=tuple(a.optim.betas), weight_decay=a.optim.weight_decay
+    )
+    # config.mesh.rules (None = sharding.LOGICAL_RULES) overrides the logical-axis rules.
+    rules = sharding.rules_from_config(c.mesh.rules if "rules" in c.mesh else None)
+    return Planner(cfg, mesh, Workload.from_config(c), loss_config=loss_config, tx=tx, rules=rules)
+
+
+def run(c, *, model_name: str = "", hbm_gib: float, usable_fraction: float = 0.9,
+        search: bool = True, max_micro: int = 64) -> str:  # fmt: skip
+    """Entry point for ``train.py --plan``: the report for config ``c`` (see module docstring)."""
+    planner = planner_from_config(c, model_name=model_name)
+    return plan(planner, hbm_bytes=int(hbm_gib * GIB * usable_fraction), search=search,
+                max_micro=max_micro)  # fmt: skip
+
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "train.py config (configs/*.py[:arg]).")
+_MODEL = flags.DEFINE_string("model", "", f"model preset: {', '.join(PRESETS)}")
+_HBM = flags.DEFINE_float("hbm_gib", 80.0, "memory per device in GiB (H200: 141, v5p: 95)")
+_USABLE = flags.DEFINE_float("usable_fraction", 0.9, "fraction of hbm_gib a plan may use")
+_DEVICES = flags.DEFINE_integer("devices", 0, "simulate N devices on CPU (0: the real ones)")
+_SEARCH = flags.DEFINE_bool("search", True, "search the largest micro-batch / sampling batch")
+_MAX_MICRO = flags.DEFINE_integer("max_micro", 64, "largest micro-batch per device to try")
+
+
+def main(argv):
+    del argv
+    if _CONFIG.value is None:
+        raise app.UsageError("--config is required, e.g. --config=configs/gsm8k.py")
+    if _DEVICES.value and len(jax.devices()) != _DEVICES.value:
+        raise app.UsageError(f"--devices={_DEVICES.value} but JAX sees {len(jax.devices())}")
+    print(run(_CONFIG.value, model_name=_MODEL.value, hbm_gib=_HBM.value,
+              usable_fraction=_USABLE.value, search=_SEARCH.value, max_micro=_MAX_MICRO.value))  # fmt: skip
+
+
+if __name__ == "__main__":
+    app.run(main)
