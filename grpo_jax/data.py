@@ -72,6 +72,11 @@ def parse_rows(rows: Sequence[dict], *, source: str, on_malformed: str) -> list[
         except ValueError:
             bad.append((line, "answer has no '#### <number>' line"))
             continue
+        try:
+            float(gt)  # the "####" regex also admits "," or "1.2.3", which are not numbers
+        except ValueError:
+            bad.append((line, f"non-numeric answer {gt!r} after '####'"))
+            continue
         examples.append(Example(question, answer, gt, line))
     if bad:
         listing = "; ".join(f"line {n}: {why}" for n, why in bad[:20])
@@ -94,9 +99,12 @@ def read_jsonl(path: str, *, on_malformed: str) -> list[Example]:
                 rows.append("empty line")
                 continue
             try:
-                rows.append(json.loads(text))
+                row = json.loads(text)
             except json.JSONDecodeError as e:
                 rows.append(f"invalid JSON ({e.msg})")
+                continue
+            is_object = isinstance(row, dict)
+            rows.append(row if is_object else f"not a JSON object (a JSON {type(row).__name__})")
     return parse_rows(rows, source=path, on_malformed=on_malformed)
 
 
