@@ -96,7 +96,8 @@ def check_config(c: ml_collections.ConfigDict) -> None:
          f"rollout.val_kwargs.temperature={r.val_kwargs.temperature} must be >= 0")
     need(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]")
     need(r.top_k == -1 or r.top_k >= 1, f"rollout.top_k={r.top_k} must be -1 (off) or >= 1")
-    need(a.optim.lr > 0, f"actor.optim.lr={a.optim.lr} must be > 0")
+    need(np.isfinite(a.optim.lr) and a.optim.lr > 0,
+         f"actor.optim.lr={a.optim.lr} must be finite and > 0")
     need(len(a.optim.betas) == 2 and all(0 <= b < 1 for b in a.optim.betas),
          f"actor.optim.betas={a.optim.betas} must be two values in [0, 1)")
     need(a.grad_clip > 0, f"actor.grad_clip={a.grad_clip} must be > 0")
@@ -116,6 +117,28 @@ def check_config(c: ml_collections.ConfigDict) -> None:
     need(d.val_max_samples == -1 or d.val_max_samples >= 1,
          f"data.val_max_samples={d.val_max_samples}: -1 (all) or >= 1")
     need(len(c.mesh.shape) == 3, f"mesh.shape={c.mesh.shape} must have 3 entries (data, fsdp, tensor)")
+    # Values that would otherwise fail late (after data or model loading) or without naming
+    # their field (tests/test_bad_input.py).
+    need(c.warmup.lr > 0, f"warmup.lr={c.warmup.lr} must be > 0")
+    need(a.optim.weight_decay >= 0, f"actor.optim.weight_decay={a.optim.weight_decay} must be >= 0")
+    for name in ("actor.optim.lr_warmup_steps_ratio", "actor.optim.min_lr_ratio"):
+        need(0 <= _get(c, name) <= 1, f"{name}={_get(c, name)} must be in [0, 1]")
+    for name in ("actor.clip_ratio_low", "actor.clip_ratio_high"):
+        need(_get(c, name) is None or _get(c, name) > 0,
+             f"{name}={_get(c, name)} must be > 0 or None")
+    need(c.algorithm.kl_ctrl.kl_coef >= 0,
+         f"algorithm.kl_ctrl.kl_coef={c.algorithm.kl_ctrl.kl_coef} must be >= 0")
+    for name in ("data.seed", "data.arithmetic.seed", "data.arithmetic.max_operand"):
+        need(_get(c, name) >= 0, f"{name}={_get(c, name)} must be >= 0")
+    for name in ("data.arithmetic.num_train", "data.arithmetic.num_val", "model.tiny.hidden_size",
+                 "model.tiny.intermediate_size", "model.tiny.num_layers", "model.tiny.num_heads",
+                 "model.tiny.num_kv_heads", "model.tiny.head_dim"):
+        need(_get(c, name) >= 1, f"{name}={_get(c, name)} must be >= 1")
+    tiny = c.model.tiny
+    if tiny.num_heads >= 1 and tiny.num_kv_heads >= 1:
+        need(tiny.num_heads % tiny.num_kv_heads == 0,
+             f"model.tiny.num_heads={tiny.num_heads} must be a multiple of "
+             f"model.tiny.num_kv_heads={tiny.num_kv_heads} (grouped-query attention)")
     if d.source == "jsonl":
         need(bool(d.path) and bool(d.val_path),
              "data.source='jsonl' needs data.path and data.val_path (raw GSM8K jsonl files)")
@@ -127,11 +150,22 @@ def check_config(c: ml_collections.ConfigDict) -> None:
             _vllm_config(c)
         except ValueError as e:
             errors.append(f"rollout.vllm: {e}")
-    for spec in filter(None, (s.strip() for s in c.reward.fn.split(","))):
+    specs = [s.strip() for s in c.reward.fn.split(",") if s.strip()]
+    need(bool(specs), "reward.fn is empty: give at least one 'module:function'")
+    for spec in specs:
         try:
             rewards.load_function(spec)
         except ValueError as e:
             errors.append(f"reward.fn: {e}")
+    if c.reward.weights.strip():
+        try:
+            weights = [float(w) for w in c.reward.weights.split(",")]
+        except ValueError:
+            errors.append(f"reward.weights={c.reward.weights!r} must be comma-separated floats")
+        else:
+            need(len(weights) == len(specs),
+                 f"reward.weights={c.reward.weights!r}: {len(weights)} weights for "
+                 f"{len(specs)} functions in reward.fn")
     if errors:
         raise ValueError("invalid config:\n  " + "\n  ".join(errors))
 
@@ -149,6 +183,19 @@ def _vllm_config(c):
         env.append((name, value))
     v["env"] = tuple(env)
     return vllm_sidecar.VLLMConfig(**v)
+
+
+def check_workdir(workdir: str) -> None:
+    """Creates trainer.default_local_dir and proves it writable, before any heavy work."""
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        probe = os.path.join(workdir, f".write_probe.{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"trainer.default_local_dir={workdir!r} is not writable ({e}); "
+                         "point it at a writable directory") from e
 
 
 def check_mesh(c, dp: int) -> None:
@@ -371,7 +418,7 @@ def main(argv):
     distributed.maybe_initialize()
     is_main = distributed.is_main_process()
     workdir = c.trainer.default_local_dir
-    os.makedirs(workdir, exist_ok=True)
+    check_workdir(workdir)
     if is_main:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(c.to_json_best_effort(indent=2))
