@@ -508,6 +508,8 @@ def main(argv):
         position = data.Position(meta["data_epoch"], meta["data_index"])
         consecutive_bad = meta["consecutive_nonfinite"]
         writer.truncate_after(start_step)
+        if start_step not in [r["step"] for r in metrics.read(workdir)]:
+            writer.write(start_step, meta["metrics"])  # killed between the save and the row
         logging.info("resumed from step %d (data epoch %d, index %d)", start_step,
                      position.epoch, position.index)
     warmup_record = {}
@@ -516,10 +518,12 @@ def main(argv):
         if c.warmup.steps:
             state, warmup_record = warm_up(run, state, tx, micro_rows)
 
-    def save(step):
+    def save(step, row):
         t0 = time.perf_counter()
+        # `row` is the step's metrics row: a kill after the save but before writer.write would
+        # otherwise lose it for good (the resumed run starts after this step).
         meta = {"step": step, "data_epoch": position.epoch, "data_index": position.index,
-                "consecutive_nonfinite": consecutive_bad}
+                "consecutive_nonfinite": consecutive_bad, "metrics": row}
         checkpoint.save(mngr, step, {"train": state, "rng": root_key}, meta)
         return time.perf_counter() - t0
 
@@ -591,12 +595,12 @@ def main(argv):
         if c.trainer.test_freq > 0 and done % c.trainer.test_freq == 0 or done == total_steps:
             last_val = _timed(timing, "testing", evaluate, run, state.params)
             record |= last_val
-        if c.trainer.save_freq > 0 and done % c.trainer.save_freq == 0 or done == total_steps:
-            timing["timing_s/save_checkpoint"] = save(done)
-        timing["timing_s/step"] = time.perf_counter() - t_step
         num_tokens = int(lengths.sum() + prompt_lengths.sum())
-        record |= timing
         record["perf/total_num_tokens"] = num_tokens
+        if c.trainer.save_freq > 0 and done % c.trainer.save_freq == 0 or done == total_steps:
+            timing["timing_s/save_checkpoint"] = save(done, record | timing)
+        timing["timing_s/step"] = time.perf_counter() - t_step
+        record |= timing
         record["perf/throughput"] = num_tokens / timing["timing_s/step"] / jax.device_count()
         writer.write(done, record)
         bar.set_postfix(score=f"{record['critic/score/mean']:.3f}",
