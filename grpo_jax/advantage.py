@@ -19,17 +19,23 @@ Semantics (verl ``compute_grpo_outcome_advantage`` / ``compute_rloo_outcome_adva
 * The advantage is broadcast over T and multiplied by the response mask; the returns are the
   same array.
 
+The public functions return the same array twice without copying it: the maths runs in an
+inner jitted function with one output (a jitted function returning one array twice makes XLA
+write a second [B, T] copy). They can still be called inside an outer jit.
+
 Group statistics use two passes (mean, then the centred sum of squares) like verl 0.9.1's
 ``group_mean_std``, in float32. There is no deviation from verl here: none of these formulas can
 produce NaN or inf for finite inputs.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 
-def _scores_and_group_counts(token_level_rewards, group_ids, num_groups):
-    """Sequence scores s_B (unmasked sum over T) and the per-row group sizes n_B."""
+def _check_groups(token_level_rewards, group_ids, num_groups):
+    """Validates shapes (and the id range, for concrete ids); returns the static group bound."""
     if token_level_rewards.ndim != 2:
         raise ValueError(
             f"token_level_rewards must be [B, T], got shape {token_level_rewards.shape}"
@@ -43,11 +49,16 @@ def _scores_and_group_counts(token_level_rewards, group_ids, num_groups):
         lo, hi = int(jnp.min(group_ids)), int(jnp.max(group_ids))
         if lo < 0 or hi >= num_groups:
             raise ValueError(f"group_ids must lie in [0, {num_groups}), got [{lo}, {hi}]")
+    return int(num_groups)
+
+
+def _scores_and_group_stats(token_level_rewards, group_ids, num_groups):
+    """Sequence scores s_B (unmasked sum over T), group sizes n_P and means (singleton: 0)."""
     score_B = jnp.sum(token_level_rewards.astype(jnp.float32), axis=-1)
     count_P = jax.ops.segment_sum(jnp.ones_like(score_B), group_ids, num_groups)
     sum_P = jax.ops.segment_sum(score_B, group_ids, num_groups)
     mean_P = jnp.where(count_P > 1, sum_P / jnp.maximum(count_P, 1.0), 0.0)
-    return score_B, count_P, mean_P, num_groups
+    return score_B, count_P, mean_P
 
 
 def _broadcast_over_tokens(adv_B, response_mask, dtype):
@@ -71,7 +82,8 @@ def compute_grpo_outcome_advantage(
         group_ids: [B] int, non-negative and below ``num_groups``: rows sharing an id form a
             group (verl's ``index`` uid). The range is checked (ValueError) for concrete arrays;
             under jit it cannot be, and an out-of-range id gives meaningless advantages.
-        num_groups: static Python int bound on the ids; None means B.
+        num_groups: Python int bound on the ids (static: one compilation per value); None
+            means B.
         norm_adv_by_std_in_grpo: divide by (std + epsilon) (GRPO) or not (Dr.GRPO).
             Config field ``algorithm.norm_adv_by_std_in_grpo``.
         epsilon: added to the std, outside the square root (verl default 1e-6).
@@ -79,18 +91,31 @@ def compute_grpo_outcome_advantage(
     Returns:
         (advantages, returns): the same [B, T] array twice, in the dtype of the rewards.
     """
-    score_B, count_P, mean_P, num_groups = _scores_and_group_counts(
-        token_level_rewards, group_ids, num_groups
+    num_groups = _check_groups(token_level_rewards, group_ids, num_groups)
+    adv_BT = _grpo_advantage(
+        token_level_rewards,
+        response_mask,
+        group_ids,
+        epsilon,
+        num_groups=num_groups,
+        norm_by_std=bool(norm_adv_by_std_in_grpo),
     )
+    return adv_BT, adv_BT
+
+
+@functools.partial(jax.jit, static_argnames=("num_groups", "norm_by_std"))
+def _grpo_advantage(
+    token_level_rewards, response_mask, group_ids, epsilon, *, num_groups, norm_by_std
+):
+    score_B, count_P, mean_P = _scores_and_group_stats(token_level_rewards, group_ids, num_groups)
     centered_B = score_B - mean_P[group_ids]
-    if norm_adv_by_std_in_grpo:
+    if norm_by_std:
         sq_P = jax.ops.segment_sum(centered_B * centered_B, group_ids, num_groups)
         std_P = jnp.where(count_P > 1, jnp.sqrt(sq_P / jnp.maximum(count_P - 1.0, 1.0)), 1.0)
         adv_B = centered_B / (std_P[group_ids] + epsilon)
     else:
         adv_B = centered_B
-    adv_BT = _broadcast_over_tokens(adv_B, response_mask, token_level_rewards.dtype)
-    return adv_BT, adv_BT
+    return _broadcast_over_tokens(adv_B, response_mask, token_level_rewards.dtype)
 
 
 def compute_rloo_outcome_advantage(
@@ -114,12 +139,16 @@ def compute_rloo_outcome_advantage(
         (advantages, returns): the same [B, T] array twice. A singleton keeps its raw score.
     """
     del epsilon  # verl's rloo accepts and ignores it too.
-    score_B, count_P, mean_P, _ = _scores_and_group_counts(
-        token_level_rewards, group_ids, num_groups
-    )
+    num_groups = _check_groups(token_level_rewards, group_ids, num_groups)
+    adv_BT = _rloo_advantage(token_level_rewards, response_mask, group_ids, num_groups=num_groups)
+    return adv_BT, adv_BT
+
+
+@functools.partial(jax.jit, static_argnames=("num_groups",))
+def _rloo_advantage(token_level_rewards, response_mask, group_ids, *, num_groups):
+    score_B, count_P, mean_P = _scores_and_group_stats(token_level_rewards, group_ids, num_groups)
     n_B = count_P[group_ids]
     # n/(n-1) * (s - mean) == s - (sum - s)/(n-1): the leave-one-out baseline.
     scale_B = jnp.where(n_B > 1, n_B / jnp.maximum(n_B - 1.0, 1.0), 1.0)
     adv_B = scale_B * (score_B - mean_P[group_ids])
-    adv_BT = _broadcast_over_tokens(adv_B, response_mask, token_level_rewards.dtype)
-    return adv_BT, adv_BT
+    return _broadcast_over_tokens(adv_B, response_mask, token_level_rewards.dtype)

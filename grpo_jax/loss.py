@@ -87,9 +87,12 @@ def _safe_divide(num, den):
 
 
 def _masked_mean(x_BT, mask_BT):
-    """verl_F.masked_mean over all elements: denominator sum(mask) + 1e-8, no gradient."""
-    total = jnp.sum(jnp.where(mask_BT, x_BT.astype(jnp.float32), 0.0))
-    return jax.lax.stop_gradient(total / (jnp.sum(mask_BT.astype(jnp.float32)) + 1e-8))
+    """verl_F.masked_mean over all elements: denominator sum(mask) + 1e-8, no gradient.
+
+    ``mask_BT`` is the float32 mask, so its sum is the same expression as in ``agg_loss`` and
+    XLA computes it once."""
+    total = jnp.sum(jnp.where(mask_BT != 0, x_BT.astype(jnp.float32), 0.0) * mask_BT)
+    return jax.lax.stop_gradient(total / (jnp.sum(mask_BT) + 1e-8))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -338,7 +341,7 @@ def _gspo_token_losses(old_BT, lp_BT, adv_BT, mask_BT, *, clip_low, clip_high):
     """GSPO: token ratio exp(sg(mean_t log r) + lp - sg(lp)), PPO clip, no dual clip."""
     log_ratio_BT = lp_BT - old_BT
     length_B = jnp.maximum(jnp.sum(mask_BT.astype(jnp.float32), axis=-1), 1.0)
-    seq_log_ratio_B = jnp.sum(jnp.where(mask_BT, log_ratio_BT, 0.0), axis=-1) / length_B
+    seq_log_ratio_B = jnp.sum(log_ratio_BT * mask_BT, axis=-1) / length_B
     log_seq_ratio_BT = (
         lp_BT - jax.lax.stop_gradient(lp_BT) + jax.lax.stop_gradient(seq_log_ratio_B)[:, None]
     )
@@ -423,10 +426,11 @@ def compute_policy_loss(
     clip_high = clip_ratio if clip_ratio_high is None else clip_ratio_high
     if policy_loss_mode == "vanilla" and not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 for the dual clip, got {clip_ratio_c}")
-    mask_BT = response_mask != 0
+    mask_BT = response_mask.astype(jnp.float32)
     # Zero the inputs at masked positions so NaN/inf padding cannot reach values or gradients.
     old_BT, lp_BT, adv_BT = (
-        jnp.where(mask_BT, x.astype(jnp.float32), 0.0) for x in (old_log_prob, log_prob, advantages)
+        jnp.where(mask_BT != 0, x.astype(jnp.float32), 0.0)
+        for x in (old_log_prob, log_prob, advantages)
     )
     match policy_loss_mode:
         case "vanilla":
@@ -450,10 +454,10 @@ def compute_policy_loss(
         case "gpg":
             loss_BT, metrics = -lp_BT * adv_BT, {}
     if rollout_is_weights is not None:
-        loss_BT = loss_BT * jnp.where(mask_BT, rollout_is_weights.astype(jnp.float32), 0.0)
+        loss_BT = loss_BT * jnp.where(mask_BT != 0, rollout_is_weights.astype(jnp.float32), 0.0)
     pg_loss = agg_loss(
         loss_BT,
-        response_mask,
+        mask_BT,
         loss_agg_mode,
         dp_size=dp_size,
         batch_num_tokens=batch_num_tokens,
