@@ -1,0 +1,461 @@
+"""Bad input to train.py: invalid config values, malformed data rows, overlong prompts, failing
+reward functions (issue 8).
+
+* Config: a table of invalid values, one field each, on the demo config. `train.check_config`
+  (the first thing `main` does, before any data, model or device work) must raise a ValueError
+  that names the field and what is allowed. Subprocess checks show the CLI path: several bad
+  values are all listed at once, a wrong type or an unknown field is rejected by the flag
+  parser, and nothing is written to the workdir.
+* Data: malformed rows are counted with their line numbers and skipped or rejected per
+  `data.on_malformed`; overlong prompts are filtered or rejected/truncated per
+  `data.filter_overlong_prompts` and `data.truncation`, through train.py's own loaders.
+* Rewards: a reward function that raises (or returns a non-finite value) stops the run with an
+  error naming the function and the sample (`reward.on_error="raise"`), or scores 0 and is
+  counted in `reward/num_errors` (`"zero"`), end to end.
+A vLLM sidecar that dies is restarted with back-off and then fails clearly: tests/test_vllm.py.
+"""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import train
+from configs import demo
+from grpo_jax import data, demo_task, metrics
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+TRIED = {"config values": 0, "data rows": 0, "prompts": 0, "reward failures": 0}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _print_counts():
+    """Prints how many bad inputs this file tried (visible with `pytest -s`)."""
+    yield
+    print("\nbad inputs tried:", json.dumps(TRIED), "total", sum(TRIED.values()))
+
+
+def _set(c, dotted: str, value) -> None:
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        c = c[p]
+    c[leaf] = value
+
+
+def _choices(field):
+    """(field, bad value, every allowed value must appear in the message)."""
+    allowed = train.CHOICES[field]
+    return field, "bogus", [f"{field}='bogus'", *(repr(a) for a in allowed)]
+
+
+# (dotted field, invalid value, substrings the error must contain). The field name is always
+# required; the rest is the allowed range or the fix.
+INVALID = [
+    *[_choices(f) for f in sorted(train.CHOICES)],
+    ("rollout.n", 1, ["rollout.n=1", ">= 2"]),
+    ("data.train_batch_size", 0, ["data.train_batch_size=0", ">= 1"]),
+    ("data.val_batch_size", 0, ["data.val_batch_size=0", ">= 1"]),
+    ("data.max_prompt_length", 0, ["data.max_prompt_length=0", ">= 1"]),
+    ("data.max_response_length", -1, ["data.max_response_length=-1", ">= 1"]),
+    ("actor.ppo_mini_batch_size", 0, ["actor.ppo_mini_batch_size=0", ">= 1"]),
+    (
+        "actor.ppo_mini_batch_size",
+        3,
+        ["actor.ppo_mini_batch_size=3", "must divide", "data.train_batch_size="],
+    ),
+    ("actor.ppo_micro_batch_size_per_gpu", 0, ["actor.ppo_micro_batch_size_per_gpu=0", ">= 1"]),
+    ("actor.ppo_epochs", 0, ["actor.ppo_epochs=0", ">= 1"]),
+    (
+        "rollout.log_prob_micro_batch_size_per_gpu",
+        0,
+        ["rollout.log_prob_micro_batch_size_per_gpu=0", ">= 1"],
+    ),
+    ("rollout.val_kwargs.n", 0, ["rollout.val_kwargs.n=0", ">= 1"]),
+    ("trainer.total_epochs", 0, ["trainer.total_epochs=0", ">= 1"]),
+    ("checkpoint.max_to_keep", 0, ["checkpoint.max_to_keep=0", ">= 1"]),
+    ("warmup.batch_size", 0, ["warmup.batch_size=0", ">= 1"]),
+    ("warmup.steps", -1, ["warmup.steps=-1", ">= 0"]),
+    ("warmup.lr", 0.0, ["warmup.lr=0.0", "> 0"]),
+    ("trainer.max_consecutive_nonfinite", 0, ["trainer.max_consecutive_nonfinite=0", ">= 1"]),
+    ("rollout.temperature", 0.0, ["rollout.temperature=0.0", "> 0"]),
+    ("rollout.temperature", math.nan, ["rollout.temperature=nan", "> 0"]),
+    ("rollout.val_kwargs.temperature", -0.5, ["rollout.val_kwargs.temperature=-0.5", ">= 0"]),
+    ("rollout.top_p", 0.0, ["rollout.top_p=0.0", "(0, 1]"]),
+    ("rollout.top_p", 1.5, ["rollout.top_p=1.5", "(0, 1]"]),
+    ("rollout.top_k", 0, ["rollout.top_k=0", "-1 (off) or >= 1"]),
+    ("actor.optim.lr", 0.0, ["actor.optim.lr=0.0", "> 0"]),
+    ("actor.optim.lr", -1e-3, ["actor.optim.lr=-0.001", "> 0"]),
+    ("actor.optim.lr", math.inf, ["actor.optim.lr=inf", "finite"]),
+    ("actor.optim.lr", math.nan, ["actor.optim.lr=nan", "> 0"]),
+    ("actor.optim.betas", (0.9,), ["actor.optim.betas=(0.9,)", "two values in [0, 1)"]),
+    ("actor.optim.betas", (0.9, 1.0), ["actor.optim.betas=(0.9, 1.0)", "two values in [0, 1)"]),
+    ("actor.optim.weight_decay", -0.1, ["actor.optim.weight_decay=-0.1", ">= 0"]),
+    ("actor.optim.lr_warmup_steps_ratio", 1.5, ["actor.optim.lr_warmup_steps_ratio=1.5", "[0, 1]"]),
+    ("actor.optim.min_lr_ratio", -0.5, ["actor.optim.min_lr_ratio=-0.5", "[0, 1]"]),
+    ("actor.grad_clip", 0.0, ["actor.grad_clip=0.0", "> 0"]),
+    ("actor.clip_ratio", 0.0, ["actor.clip_ratio=0.0", "> 0"]),
+    ("actor.clip_ratio_low", -0.2, ["actor.clip_ratio_low=-0.2", "> 0 or None"]),
+    ("actor.clip_ratio_high", 0.0, ["actor.clip_ratio_high=0.0", "> 0 or None"]),
+    ("actor.clip_ratio_c", 1.0, ["actor.clip_ratio_c=1.0", "> 1"]),
+    ("actor.kl_loss_coef", -0.1, ["actor.kl_loss_coef=-0.1", ">= 0"]),
+    ("actor.kl_loss_type", "full", ["actor.kl_loss_type='full'", "kl, abs, mse or low_var_kl"]),
+    ("actor.loss_scale_factor", 0.0, ["actor.loss_scale_factor=0.0", "> 0 or None"]),
+    ("algorithm.kl_ctrl.kl_coef", -1.0, ["algorithm.kl_ctrl.kl_coef=-1.0", ">= 0"]),
+    ("trainer.save_freq", 0, ["trainer.save_freq=0", "-1 or >= 1"]),
+    ("trainer.save_freq", -2, ["trainer.save_freq=-2", "-1 or >= 1"]),
+    ("trainer.test_freq", 0, ["trainer.test_freq=0", "-1 or >= 1"]),
+    ("trainer.total_training_steps", 0, ["trainer.total_training_steps=0", ">= 1 or None"]),
+    ("data.val_max_samples", 0, ["data.val_max_samples=0", "-1 (all) or >= 1"]),
+    ("data.seed", -1, ["data.seed=-1", ">= 0"]),
+    ("data.arithmetic.num_train", 0, ["data.arithmetic.num_train=0", ">= 1"]),
+    ("data.arithmetic.num_val", 0, ["data.arithmetic.num_val=0", ">= 1"]),
+    ("data.arithmetic.max_operand", -1, ["data.arithmetic.max_operand=-1", ">= 0"]),
+    ("data.arithmetic.seed", -3, ["data.arithmetic.seed=-3", ">= 0"]),
+    ("model.tiny.num_layers", 0, ["model.tiny.num_layers=0", ">= 1"]),
+    (
+        "model.tiny.num_kv_heads",
+        3,
+        ["model.tiny.num_heads=4", "model.tiny.num_kv_heads=3", "multiple"],
+    ),
+    ("mesh.shape", (1, 1), ["mesh.shape=(1, 1)", "3 entries"]),
+    ("data.source", "jsonl", ["data.source='jsonl'", "data.path", "data.val_path"]),
+    ("model.source", "hf", ["model.path is required", "model.source='hf'"]),
+    ("reward.fn", "no_colon", ["reward.fn", "'module:function'"]),
+    ("reward.fn", "no_such_module_xyz:f", ["reward.fn", "cannot import module"]),
+    ("reward.fn", "grpo_jax.rewards:no_such_fn", ["reward.fn", "has no 'no_such_fn'"]),
+    ("reward.weights", "1.0,x", ["reward.weights", "comma-separated floats"]),
+    ("reward.weights", "1.0,2.0", ["reward.weights", "2 weights for 1 functions"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"), INVALID, ids=[f"{f}={v!r}" for f, v, _ in INVALID]
+)
+def test_invalid_config_value_is_named(field, value, expected):
+    c = demo.get_config()
+    _set(c, field, value)
+    with pytest.raises(ValueError) as err:
+        train.check_config(c)
+    msg = str(err.value)
+    for part in expected:
+        assert part in msg, f"{part!r} missing from: {msg}"
+    # Exactly one problem is reported: the one injected (the demo config itself is valid).
+    assert msg.count("\n") == 1, msg
+    TRIED["config values"] += 1
+
+
+def test_demo_and_gsm8k_configs_are_valid():
+    """The table above changes one field of a valid config (else every case would pass)."""
+    from configs import gsm8k
+
+    train.check_config(demo.get_config())
+    c = gsm8k.get_config("smoke")
+    train.check_config(c)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "dp", "expected"),
+    [
+        ("data.train_batch_size", 4, 8, "data.train_batch_size=4 must be a multiple of the 8"),
+        ("data.val_batch_size", 12, 8, "data.val_batch_size=12 must be a multiple of the 8"),
+        ("actor.ppo_micro_batch_size_per_gpu", 3, 1, "actor.ppo_micro_batch_size_per_gpu=3"),
+    ],
+)
+def test_invalid_for_mesh_is_named(field, value, dp, expected):
+    c = demo.get_config()
+    _set(c, field, value)
+    with pytest.raises(ValueError, match="invalid config for the mesh") as err:
+        train.check_mesh(c, dp)
+    assert expected in str(err.value)
+    TRIED["config values"] += 1
+
+
+def _train(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=1",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join([REPO, TESTS, os.environ.get("PYTHONPATH", "")]),
+    )
+    return subprocess.run(
+        [sys.executable, "train.py", "--config=configs/demo.py", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_cli_lists_every_invalid_value_before_any_work(tmp_path):
+    workdir = tmp_path / "run"
+    r = _train(
+        [
+            f"--config.trainer.default_local_dir={workdir}",
+            "--config.rollout.n=1",
+            "--config.actor.loss_agg_mode=mean",
+            "--config.rollout.top_p=2.0",
+        ]
+    )
+    assert r.returncode != 0
+    for part in (
+        "invalid config",
+        "rollout.n=1",
+        "actor.loss_agg_mode='mean' must be one of",
+        "'seq-mean-token-mean'",
+        "rollout.top_p=2.0",
+    ):
+        assert part in r.stderr, r.stderr[-3000:]
+    assert not workdir.exists()  # raised before the workdir, data or model
+    TRIED["config values"] += 3
+
+
+@pytest.mark.parametrize(
+    ("arg", "expected"),
+    [
+        ("--config.rollout.n=five", "rollout.n"),  # wrong type: ml_collections' flag parser
+        ("--config.actor.kl_coef=0.1", "kl_coef"),  # unknown field (typo of kl_loss_coef)
+    ],
+)
+def test_cli_rejects_wrong_type_and_unknown_field(tmp_path, arg, expected):
+    r = _train([f"--config.trainer.default_local_dir={tmp_path / 'run'}", arg])
+    assert r.returncode != 0
+    assert expected in r.stderr, r.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
+    TRIED["config values"] += 1
+
+
+# ------------------------------------------------------------------------------------------
+# DATA ROWS
+# ------------------------------------------------------------------------------------------
+
+GOOD = {"question": "2+3", "answer": "#### 5"}
+# line -> (raw jsonl line, why it is malformed); None marks a valid row.
+ROWS = [
+    (json.dumps(GOOD), None),
+    (json.dumps({"question": "1+1"}), "missing 'answer'"),
+    (json.dumps({"question": "", "answer": "#### 1"}), "empty 'question'"),
+    (json.dumps({"question": "   ", "answer": "#### 1"}), "empty 'question'"),
+    (json.dumps({"answer": "#### 1"}), "missing or empty 'question'"),
+    (json.dumps({"question": "7+1", "answer": "#### eight"}), "no '#### <number>'"),
+    (json.dumps({"question": "7+1", "answer": "8"}), "no '#### <number>'"),
+    (json.dumps({"question": "7+1", "answer": "#### ,"}), "non-numeric"),
+    (json.dumps({"question": "7+1", "answer": "#### 1.2.3"}), "non-numeric"),
+    (json.dumps({"question": "7+1", "answer": None}), "missing 'answer'"),
+    (json.dumps({"question": 12, "answer": "#### 12"}), "missing or empty 'question'"),
+    ('{"question": "3+4", "answer": "#### 7"', "invalid JSON"),
+    ("", "empty line"),
+    (json.dumps([GOOD]), "not a JSON object"),
+    (json.dumps({"question": "10+2", "answer": "10+2=12\n#### 1,2"}), None),  # "12" (commas)
+    (json.dumps({"question": "1-3", "answer": "#### -2"}), None),
+    (json.dumps({"question": "1/2", "answer": "#### 0.5"}), None),
+]
+
+
+def _jsonl(tmp_path, lines, name="rows.jsonl") -> str:
+    p = tmp_path / name
+    p.write_text("\n".join(lines) + "\n")
+    return str(p)
+
+
+def _jsonl_config(path: str, **overrides):
+    c = demo.get_config()
+    c.data.source = "jsonl"
+    c.data.path = c.data.val_path = path
+    for k, v in overrides.items():
+        _set(c, k, v)
+    train.check_config(c)
+    return c
+
+
+def test_malformed_rows_skipped_counted_with_line_numbers(tmp_path, caplog):
+    path = _jsonl(tmp_path, [line for line, _ in ROWS])
+    c = _jsonl_config(path, **{"data.on_malformed": "skip"})
+    with caplog.at_level("WARNING"):
+        examples = train.load_examples(c, "train")
+    good_lines = [i + 1 for i, (_, why) in enumerate(ROWS) if why is None]
+    bad = [(i + 1, why) for i, (_, why) in enumerate(ROWS) if why is not None]
+    assert [ex.line for ex in examples] == good_lines
+    assert [ex.ground_truth for ex in examples] == ["5", "12", "-2", "0.5"]
+    assert f"{path}: {len(bad)} malformed row(s)" in caplog.text
+    for line, why in bad:
+        assert f"line {line}: " in caplog.text
+        assert why in caplog.text.split(f"line {line}: ")[1].split("; line ")[0], (line, why)
+    TRIED["data rows"] += len(bad)
+
+
+def test_malformed_rows_rejected_with_line_numbers(tmp_path):
+    path = _jsonl(tmp_path, [line for line, _ in ROWS])
+    c = _jsonl_config(path, **{"data.on_malformed": "error"})
+    with pytest.raises(ValueError) as err:
+        train.load_examples(c, "train")
+    msg = str(err.value)
+    bad_lines = [i + 1 for i, (_, why) in enumerate(ROWS) if why is not None]
+    assert f"{len(bad_lines)} malformed row(s)" in msg and "data.on_malformed='skip'" in msg
+    assert [int(n) for n in re.findall(r"line (\d+): ", msg)] == bad_lines
+
+
+def test_malformed_rows_rejected_by_train_py_before_the_model(tmp_path):
+    path = _jsonl(tmp_path, [line for line, _ in ROWS[:3]])
+    r = _train(
+        [
+            f"--config.trainer.default_local_dir={tmp_path / 'run'}",
+            "--config.data.source=jsonl",
+            f"--config.data.path={path}",
+            f"--config.data.val_path={path}",
+            "--config.data.on_malformed=error",
+        ]
+    )
+    assert r.returncode != 0
+    assert f"{path}: 2 malformed row(s): line 2: missing 'answer'; line 3:" in r.stderr, r.stderr[
+        -3000:
+    ]
+    assert "model ModelConfig" not in r.stderr
+
+
+# ------------------------------------------------------------------------------------------
+# OVERLONG PROMPTS
+# ------------------------------------------------------------------------------------------
+
+# With the demo's char tokenizer and chat template a prompt is "<|user|>" + question +
+# "<|assistant|>": 1 + len(question) + 1 tokens. max_prompt_length=6 fits 4-character questions.
+QUESTIONS = ["1+1", "12+1", "123+4", "1+2345"]  # 5, 6, 7, 8 tokens
+
+
+def _overlong_config(tmp_path, **overrides):
+    rows = [json.dumps({"question": q, "answer": "#### 0"}) for q in QUESTIONS]
+    return _jsonl_config(
+        _jsonl(tmp_path, rows),
+        **{"data.max_prompt_length": 6, "data.prompt_suffix": "", **overrides},
+    )
+
+
+def test_overlong_prompts_filtered_and_counted(tmp_path, caplog):
+    c = _overlong_config(tmp_path, **{"data.filter_overlong_prompts": True})
+    tok = train.load_tokenizer(c)
+    with caplog.at_level("WARNING"):
+        ps = train.encode_split(c, tok, "train")
+    assert [ex.question for ex in ps.examples] == ["1+1", "12+1"]
+    assert ps.num_filtered == 2 and "filtered 2 prompt(s) longer than 6 tokens" in caplog.text
+    TRIED["prompts"] += 2
+
+
+def test_overlong_prompts_rejected_naming_line_and_fields(tmp_path):
+    c = _overlong_config(
+        tmp_path, **{"data.filter_overlong_prompts": False, "data.truncation": "error"}
+    )
+    with pytest.raises(ValueError) as err:
+        train.encode_split(c, train.load_tokenizer(c), "train")
+    msg = str(err.value)
+    for part in (
+        "line 3",
+        "7 tokens",
+        "data.max_prompt_length=6",
+        "data.filter_overlong_prompts=True",
+        "data.truncation",
+    ):
+        assert part in msg, msg
+    TRIED["prompts"] += 1
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_overlong_prompts_truncated(tmp_path, side):
+    c = _overlong_config(
+        tmp_path, **{"data.filter_overlong_prompts": False, "data.truncation": side}
+    )
+    tok = train.load_tokenizer(c)
+    ps = train.encode_split(c, tok, "train")
+    assert len(ps) == 4 and ps.num_filtered == 0
+    full = [
+        tok(data.chat_prompt(tok, q, suffix=""), add_special_tokens=False)["input_ids"]
+        for q in QUESTIONS
+    ]
+    assert [len(f) for f in full] == [5, 6, 7, 8]
+    # "left" keeps the last 6 tokens (the generation prompt survives), "right" the first 6.
+    want = [f[-6:] if side == "left" else f[:6] for f in full]
+    assert [list(p) for p in ps.prompt_ids] == want
+    assert tok.decode(ps.prompt_ids[3]) == (
+        "+2345" + demo_task.ASSISTANT if side == "left" else demo_task.USER + "1+234"
+    )
+    TRIED["prompts"] += 2
+
+
+def test_every_prompt_overlong_is_an_error(tmp_path):
+    c = _overlong_config(tmp_path, **{"data.max_prompt_length": 4})
+    with pytest.raises(ValueError, match="every prompt is longer than data.max_prompt_length=4"):
+        train.encode_split(c, train.load_tokenizer(c), "train")
+    TRIED["prompts"] += 4
+
+
+# ------------------------------------------------------------------------------------------
+# REWARD FUNCTIONS THAT FAIL (end to end)
+# ------------------------------------------------------------------------------------------
+
+
+def failing_reward(solution_str: str, ground_truth: str) -> float:
+    """Raises on completions of odd length, returns NaN on even ones: every call fails."""
+    del ground_truth
+    if len(solution_str) % 2:
+        raise ZeroDivisionError("odd length")
+    return math.nan
+
+
+REWARD_RUN = (
+    "--config.trainer.total_training_steps=1",
+    "--config.data.arithmetic.num_train=8",
+    "--config.data.arithmetic.num_val=4",
+    "--config.data.val_batch_size=4",
+    "--config.data.train_batch_size=4",
+    "--config.actor.ppo_mini_batch_size=4",
+    "--config.rollout.n=2",
+    "--config.warmup.steps=0",
+    "--config.trainer.val_before_train=False",
+    "--config.trainer.tensorboard=False",
+    "--config.trainer.progress_bar=False",
+    "--config.checkpoint.export_hf=False",
+    "--config.model.tiny.hidden_size=32",
+    "--config.model.tiny.intermediate_size=64",
+    "--config.reward.fn=grpo_jax.rewards:gsm8k_score,test_bad_input:failing_reward",
+)
+
+
+def test_failing_reward_raise_names_function_and_sample(tmp_path):
+    r = _train(
+        [
+            f"--config.trainer.default_local_dir={tmp_path / 'run'}",
+            *REWARD_RUN,
+            "--config.reward.on_error=raise",
+        ]
+    )
+    assert r.returncode != 0
+    assert "reward function test_bad_input:failing_reward failed on sample 0" in r.stderr, r.stderr[
+        -3000:
+    ]
+    assert "ground truth" in r.stderr and "solution tail" in r.stderr
+    assert not metrics.read(str(tmp_path / "run"))  # no step completed
+    TRIED["reward failures"] += 1
+
+
+def test_failing_reward_zero_is_counted(tmp_path):
+    workdir = str(tmp_path / "run")
+    r = _train(
+        [
+            f"--config.trainer.default_local_dir={workdir}",
+            *REWARD_RUN,
+            "--config.reward.on_error=zero",
+        ]
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = metrics.read(workdir)
+    # 4 prompts x rollout.n 2 = 8 samples, each failing once (the gsm8k scorer never fails).
+    assert row["reward/num_errors"] == 8
+    assert row["reward/test_bad_input:failing_reward/mean"] == 0.0
+    assert "reward function test_bad_input:failing_reward failed on sample 7" in r.stderr
+    assert "(scored 0)" in r.stderr
+    TRIED["reward failures"] += 8
