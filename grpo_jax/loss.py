@@ -503,8 +503,13 @@ def entropy_from_logits(logits):
 def _logprob_entropy_chunk(z_rV, labels_r, inv_temperature, dtype):
     """Forward on one chunk of rows: (log-prob, entropy, logsumexp, E_p[z]), all float32 [r]."""
     z_rV = _upcast_chunk(z_rV, dtype) * inv_temperature
-    lse_r = jax.nn.logsumexp(z_rV, axis=-1)
-    mean_z_r = jnp.sum(jnp.exp(z_rV - lse_r[:, None]) * z_rV, axis=-1)
+    max_r = jnp.max(z_rV, axis=-1)
+    max_r = jnp.where(jnp.isfinite(max_r), max_r, 0.0)
+    # One exp per logit serves both sums: sum e and sum e z (exp dominates the CPU cost).
+    e_rV = jnp.exp(z_rV - max_r[:, None])
+    sum_e_r = jnp.sum(e_rV, axis=-1)
+    lse_r = max_r + jnp.log(sum_e_r)
+    mean_z_r = jnp.sum(e_rV * z_rV, axis=-1) / sum_e_r
     picked_r = jnp.take_along_axis(z_rV, labels_r[:, None], axis=-1)[:, 0]
     return picked_r - lse_r, lse_r - mean_z_r, lse_r, mean_z_r
 
