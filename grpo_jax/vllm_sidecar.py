@@ -256,7 +256,6 @@ class VLLMSidecar:
         self.restarts = 0
         self._export_dir: pathlib.Path | None = None
         self._proc: subprocess.Popen | None = None
-        self._port = config.port
         self._model_name = "grpo_jax-policy"
         self._atexit_registered = False
         self._closed = False
@@ -313,8 +312,11 @@ class VLLMSidecar:
             self._reload(export_dir)
             self._export_dir = export_dir
             self.weights_version = 0
-        self.last_sync_s = time.perf_counter() - t0
-        log.info("vLLM sidecar ready at %s (weights version 0, %.1fs)", self.url, self.last_sync_s)
+        log.info(
+            "vLLM sidecar ready at %s (weights version 0, %.1fs)",
+            self.url,
+            time.perf_counter() - t0,
+        )
 
     def close(self) -> None:
         """Stops a managed server (process group: SIGTERM, then SIGKILL). Idempotent."""
@@ -325,7 +327,6 @@ class VLLMSidecar:
         """Starts the managed server from the latest export and waits until it is healthy."""
         assert self._export_dir is not None
         port = self.config.port or _free_port(self.config.host)
-        self._port = port
         self.url = f"http://{self.config.host}:{port}"
         flags = {
             "--model": str(self._export_dir),
