@@ -140,7 +140,14 @@ def _spawn(worker: str, workdir: str, args: argparse.Namespace) -> dict:
         f"--new-tokens={args.new_tokens}",
         f"--repeats={args.repeats}",
     ]
-    done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    # The repository root goes on the path so the benchmark runs without `pip install -e .`.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    )
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{worker} worker failed ({done.returncode}):\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
