@@ -85,7 +85,7 @@ def check_config(c: ml_collections.ConfigDict) -> None:
                  "actor.ppo_micro_batch_size_per_gpu", "actor.ppo_epochs",
                  "rollout.log_prob_micro_batch_size_per_gpu", "rollout.val_kwargs.n",
                  "trainer.total_epochs", "checkpoint.max_to_keep", "warmup.batch_size",
-                 "trainer.max_consecutive_nonfinite"):
+                 "trainer.max_consecutive_nonfinite", "data.prompt_length_bucket"):
         need(_get(c, name) >= 1, f"{name}={_get(c, name)} must be >= 1")
     if a.ppo_mini_batch_size >= 1 and d.train_batch_size >= 1:
         need(d.train_batch_size % a.ppo_mini_batch_size == 0,
@@ -246,7 +246,8 @@ def load_examples(c, split: str) -> list[data.Example]:
                               on_malformed=d.on_malformed)
     ar = d.arithmetic
     train_rows, val_rows = demo_task.arithmetic_rows(ar.num_train, ar.num_val,
-                                                     max_operand=ar.max_operand, seed=ar.seed)
+                                                     max_operand=ar.max_operand, modulus=ar.modulus,
+                                                     seed=ar.seed)
     rows = train_rows if split == "train" else val_rows
     return data.parse_rows(rows, source=f"arithmetic/{split}", on_malformed=d.on_malformed)
 
@@ -559,7 +560,7 @@ def main(argv):
         timing["timing_s/reward"] = time.perf_counter() - t0
 
         batch, extra = build_batch(run, rollout, res.scores_B, state, ref_params, logp_fn, adv_fn,
-                                   on_policy=(c.data.train_batch_size == a.ppo_mini_batch_size
+                                   prompt_width=pb.prompt_ids_PT.shape[1], on_policy=(c.data.train_batch_size == a.ppo_mini_batch_size
                                               and a.ppo_epochs == 1), timing=timing)
         lr = jnp.float32(schedule(step))
         t0 = time.perf_counter()
@@ -623,15 +624,22 @@ def main(argv):
         print(json.dumps({"final": final, "workdir": workdir}))
 
 
-def build_batch(run: Run, rollout, scores_B, state, ref_params, logp_fn, adv_fn, *, on_policy,
-                timing):
-    """Rewards -> advantages, plus old/ref log-probs: the TrainBatch and its extra metrics."""
+def build_batch(run: Run, rollout, scores_B, state, ref_params, logp_fn, adv_fn, *, prompt_width,
+                on_policy, timing):
+    """Rewards -> advantages, plus old/ref log-probs: the TrainBatch and its extra metrics.
+
+    The sampler's prompt columns are bucketed to its own multiple; the model input of the update
+    keeps only the last bucket_length(prompt_width, data.prompt_length_bucket) of them (the
+    dropped ones are all padding), so small prompts do not pay for the sampler's bucket.
+    """
     c = run.c
     n = c.rollout.n
     resp_mask = rollout.response_mask
+    width = min(rollout.prompt_ids.shape[1],
+                sampler.bucket_length(prompt_width, c.data.prompt_length_bucket))
     batch = trainer.TrainBatch(
-        input_ids_BS=jnp.concatenate([rollout.prompt_ids, rollout.response_ids], 1),
-        attention_mask_BS=jnp.concatenate([rollout.prompt_mask, resp_mask], 1),
+        input_ids_BS=jnp.concatenate([rollout.prompt_ids[:, -width:], rollout.response_ids], 1),
+        attention_mask_BS=jnp.concatenate([rollout.prompt_mask[:, -width:], resp_mask], 1),
         response_ids_BT=rollout.response_ids, response_mask_BT=resp_mask,
         advantages_BT=jnp.zeros(resp_mask.shape, jnp.float32))
     extra = {}
@@ -688,5 +696,18 @@ def warm_up(run: Run, state, tx, micro_rows):
     return fresh, {"warmup/nll": nll, "warmup/steps": c.warmup.steps}
 
 
+def parse_flags(argv):
+    """absl flag parsing that turns an unknown `--config.a.b` override into a clear error."""
+    try:
+        return flags.FLAGS(argv)
+    except (AttributeError, KeyError) as e:
+        key = str(e).strip("\"'")
+        bad = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.") and key in a]
+        raise SystemExit(
+            f"unknown config field {key!r} in {bad or argv[1:]}: the config is locked, every "
+            f"field is declared in configs/common.py (verl names; see README 'verl override "
+            f"mapping')") from e
+
+
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

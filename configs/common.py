@@ -69,6 +69,7 @@ def grpo_config() -> ml_collections.ConfigDict:
         val_max_samples=-1,  # -1 = the whole test split (1,319 GSM8K questions)
         max_prompt_length=512,  # tokens, after the chat template; prompts are left-padded to this
         max_response_length=1024,  # generated tokens per completion
+        prompt_length_bucket=64,  # update input's prompt width rounds up to this (fewer compiles)
         filter_overlong_prompts=True,  # drop prompts longer than max_prompt_length
         truncation="error",  # "error" | "left" | "right": what to do with overlong prompts
         shuffle=True,  # reshuffle the train set every epoch (seeded)
@@ -78,6 +79,7 @@ def grpo_config() -> ml_collections.ConfigDict:
             num_train=2000,  # training questions
             num_val=200,  # held-out questions
             max_operand=99,  # operands are drawn from [0, max_operand]
+            modulus=0,  # > 0: the answer is (a + b) mod modulus ("a+b%m")
             seed=0,  # generator seed (train and val are disjoint)
         ),
     )

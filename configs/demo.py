@@ -21,16 +21,17 @@ from configs import common
 
 
 def get_config(arg=None):
-    arg = common.parse_arg(arg, steps=150, seed=0)
+    arg = common.parse_arg(arg, steps=300, seed=0)
     c = common.grpo_config()
     common.use_builtin_task(c)
     c.data.arithmetic.num_train = 4000
-    c.data.arithmetic.num_val = 200
-    c.data.arithmetic.max_operand = 9
-    c.data.train_batch_size = 32
-    c.data.val_batch_size = 200
+    c.data.arithmetic.num_val = 100
+    c.data.arithmetic.max_operand = 4  # 25 questions, answers 0..8: one digit
+    c.data.train_batch_size = 16
+    c.data.val_batch_size = 100
     c.data.max_prompt_length = 16
-    c.data.max_response_length = 12
+    c.data.prompt_length_bucket = 8
+    c.data.max_response_length = 8  # "#### 7" + EOS, room for 1 more
     c.model.tiny.hidden_size = 64
     c.model.tiny.intermediate_size = 256
     c.model.tiny.num_layers = 2
@@ -39,17 +40,17 @@ def get_config(arg=None):
     c.model.tiny.head_dim = 16
     c.model.tiny.seed = arg.seed
     c.rollout.n = 8
-    c.actor.ppo_mini_batch_size = 32
-    c.actor.ppo_micro_batch_size_per_gpu = 256
-    c.rollout.log_prob_micro_batch_size_per_gpu = 256
+    c.actor.ppo_mini_batch_size = 16
+    c.actor.ppo_micro_batch_size_per_gpu = 128
+    c.rollout.log_prob_micro_batch_size_per_gpu = 128
     c.actor.use_kl_loss = False
-    c.actor.optim.lr = 1e-3
+    c.actor.optim.lr = 2e-3
     c.actor.optim.weight_decay = 0.0
-    c.warmup.steps = 20
+    c.warmup.steps = 50
     c.warmup.batch_size = 64
-    c.warmup.lr = 1e-3
+    c.warmup.lr = 3e-3
     c.trainer.total_training_steps = arg.steps
-    c.trainer.test_freq = 25
+    c.trainer.test_freq = 50
     c.trainer.save_freq = 50
     c.trainer.seed = arg.seed
     c.trainer.default_local_dir = "runs/demo"

@@ -1,7 +1,7 @@
 """The embedded demo task: synthetic addition questions and a character-level tokenizer.
 
 Nothing is downloaded. `arithmetic_rows` writes questions in GSM8K's raw format
-({"question": "12+7", "answer": "12+7=19\\n#### 19"}), so the demo goes through exactly the same
+({"question": "12+7", "answer": "#### 19"}), so the demo goes through exactly the same
 data pipeline, chat template, GSM8K scorer and training loop as a real GSM8K run.
 `char_tokenizer` builds a Hugging Face fast tokenizer (one token per printable ASCII character,
 plus pad/eos/unk and two chat-role markers) with a chat template, so train.py treats it like any
@@ -42,9 +42,11 @@ def char_tokenizer() -> transformers.PreTrainedTokenizerFast:
 
 
 def arithmetic_rows(
-    num_train: int, num_val: int, *, max_operand: int, seed: int
+    num_train: int, num_val: int, *, max_operand: int, modulus: int = 0, seed: int
 ) -> tuple[list[dict], list[dict]]:
     """Addition questions "a+b" with a, b uniform in [0, max_operand], as raw GSM8K rows.
+
+    With `modulus` > 0 the question reads "a+b%m" and the answer is (a + b) mod m.
 
     Train and val are drawn from disjoint question sets when there are enough distinct
     questions; otherwise (tiny operand ranges) val may repeat train questions.
@@ -64,7 +66,11 @@ def arithmetic_rows(
         pairs_N2 %= max_operand + 1
 
     def row(a, b):
-        return {"question": f"{a}+{b}", "answer": f"{a}+{b}={a + b}\n#### {a + b}"}
+        # The answer is only the GSM8K final-answer line: the shortest response that verl's strict
+        # scorer accepts, which keeps the demo's rollouts (and the run) short.
+        if modulus:
+            return {"question": f"{a}+{b}%{modulus}", "answer": f"#### {(a + b) % modulus}"}
+        return {"question": f"{a}+{b}", "answer": f"#### {a + b}"}
 
     rows = [row(int(a), int(b)) for a, b in pairs_N2]
     return rows[:num_train], rows[num_train:]

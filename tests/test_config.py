@@ -1,0 +1,121 @@
+"""Config files build, variants parse, and invalid values fail before any heavy work."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import train  # noqa: E402
+from configs import common, demo, gsm8k, gsm8k_drgrpo  # noqa: E402
+
+
+def test_gsm8k_has_verl_recipe_defaults():
+    c = gsm8k.get_config()
+    assert (c.rollout.n, c.actor.use_kl_loss, c.actor.kl_loss_coef) == (5, True, 0.001)
+    assert (c.actor.kl_loss_type, c.actor.loss_agg_mode, c.actor.clip_ratio) == (
+        "low_var_kl", "token-mean", 0.2)
+    assert (c.actor.optim.lr, c.data.max_prompt_length, c.data.max_response_length) == (
+        1e-6, 512, 1024)
+    assert c.data.prompt_suffix == (
+        ' Let\'s think step by step and output the final answer after "####".')
+
+
+def test_variants():
+    assert gsm8k.get_config("model=qwen2.5-0.5b").model.path == "Qwen/Qwen2.5-0.5B-Instruct"
+    smoke = gsm8k.get_config("smoke")
+    assert (smoke.model.source, smoke.trainer.total_training_steps) == ("random", 2)
+    with pytest.raises(ValueError, match=r"model must be one of .*qwen2.5-0.5b"):
+        gsm8k.get_config("model=gpt5")
+    with pytest.raises(ValueError, match=r"unknown config arg\(s\) \['bogus'\]"):
+        gsm8k.get_config("bogus=1")
+    dr = gsm8k_drgrpo.get_config()
+    assert (dr.actor.loss_agg_mode, dr.actor.loss_scale_factor) == ("seq-mean-token-sum-norm", 1024.0)
+    assert dr.algorithm.norm_adv_by_std_in_grpo is False and dr.actor.use_kl_loss is False
+
+
+def test_parse_arg_big_vision_semantics():
+    a = common.parse_arg("", model="", smoke=False)
+    assert (a.model, a.smoke) == ("", False)
+    # A bare word that is a key means key=True; otherwise it is the first key's value.
+    assert common.parse_arg("smoke", model="", smoke=False).smoke is True
+    assert common.parse_arg("qwen3-0.6b", model="", smoke=False).model == "qwen3-0.6b"
+    b = common.parse_arg("steps=7,seed=3", steps=1, seed=0)
+    assert (b.steps, b.seed) == (7, 3)
+    with pytest.raises(ValueError, match="expected a bool"):
+        common.parse_arg("smoke=maybe", smoke=False)
+
+
+@pytest.mark.parametrize("get", [gsm8k.get_config, gsm8k_drgrpo.get_config, demo.get_config])
+def test_shipped_configs_validate(get):
+    c = get()
+    if c.data.source == "tfds":
+        c.model.path = "/some/model"  # the only required field without a default
+    train.check_config(c)
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("rollout.n", 1, r"rollout.n=1 must be >= 2 for grpo"),
+        ("actor.ppo_mini_batch_size", 3, r"ppo_mini_batch_size=3 must divide data.train_batch_size=16"),
+        ("actor.loss_agg_mode", "mean",
+         r"actor.loss_agg_mode='mean' must be one of \['token-mean', 'token-sum'"),
+        ("actor.kl_loss_type", "k4", r"actor.kl_loss_type='k4' must be one of \[.*'low_var_kl'"),
+        ("rollout.name", "sglang", r"rollout.name='sglang' must be one of \['jax', 'vllm'\]"),
+        ("data.truncation", "middle", r"data.truncation='middle' must be one of \['error', 'left', 'right'\]"),
+        ("algorithm.adv_estimator", "gae", r"adv_estimator='gae' must be one of \['grpo', 'rloo'\]"),
+        ("reward.on_error", "ignore", r"reward.on_error='ignore' must be one of \['raise', 'zero'\]"),
+        ("reward.fn", "nope_module:f", r"reward.fn: reward function 'nope_module:f': cannot import"),
+        ("actor.clip_ratio_c", 1.0, r"actor.clip_ratio_c=1.0 must be > 1"),
+        ("trainer.save_freq", 0, r"trainer.save_freq=0: -1 or >= 1"),
+    ],
+)
+def test_invalid_values_name_field_and_allowed(field, value, match):
+    c = demo.get_config()
+    section, _, leaf = field.rpartition(".")
+    train._get(c, section)[leaf] = value
+    with pytest.raises(ValueError, match=match):
+        train.check_config(c)
+
+
+def test_all_problems_reported_together():
+    c = demo.get_config()
+    c.rollout.n = 1
+    c.rollout.name = "tpu"
+    with pytest.raises(ValueError) as e:
+        train.check_config(c)
+    assert "rollout.n=1" in str(e.value) and "rollout.name='tpu'" in str(e.value)
+
+
+def test_jsonl_and_hf_sources_need_paths():
+    c = gsm8k.get_config()
+    c.data.source = "jsonl"
+    with pytest.raises(ValueError, match="needs data.path and data.val_path") as e:
+        train.check_config(c)
+    assert "model.path is required" in str(e.value)
+
+
+def test_mesh_divisibility():
+    c = demo.get_config()  # 16 prompts x 8 samples; micro 128 per device
+    train.check_mesh(c, 1)
+    c.actor.ppo_micro_batch_size_per_gpu = 48
+    with pytest.raises(ValueError, match=r"48 x 2 devices = 96 must divide the mini-batch of "
+                                         r"ppo_mini_batch_size x rollout.n = 128"):
+        train.check_mesh(c, 2)
+    with pytest.raises(ValueError, match=r"train_batch_size=16 must be a multiple of the 3"):
+        train.check_mesh(demo.get_config(), 3)
+
+
+def test_unknown_field_rejected_by_the_cli():
+    # lock_config=True: a typo'd override is an error naming the field, before any work.
+    out = subprocess.run(
+        [sys.executable, "train.py", "--config=configs/demo.py", "--config.actor.kl_coef=0.0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert out.returncode != 0
+    assert "unknown config field 'kl_coef' in ['--config.actor.kl_coef']" in out.stderr
