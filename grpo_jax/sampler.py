@@ -2,7 +2,8 @@
 
 This module owns `Rollout` (the GRPO group batch handed to the trainer), `sample` (the public
 entry point), `bucket_length` (the prompt-length bucketing rule) and the pure token-selection
-functions (`top_k_top_p_filter`, `select_tokens`, `row_keys`) that `sample` is built from.
+functions (`top_k_top_p_filter`, `categorical_inverse_cdf`, `select_tokens`, `row_keys`) that
+`sample` is built from.
 
 How one call runs (a single XLA program per shape and static settings, no host round trip per
 token):
@@ -18,8 +19,9 @@ Sampling semantics (the same as HF `generate` and vLLM):
   * temperature == 0 is greedy (argmax); top-k / top-p are then irrelevant.
   * Otherwise logits are divided by the temperature, then top-k, then top-p filtering is applied
     (HF `TemperatureLogitsWarper` -> `TopKLogitsWarper` -> `TopPLogitsWarper`, vLLM's order too),
-    and a token is drawn from the softmax of what is left. top-p always keeps at least the most
-    likely token. `top_k` in (-1, 0) and `top_p == 1` switch the filters off.
+    and a token is drawn from the softmax of what is left (inverse-CDF sampling with one uniform
+    per row, see `categorical_inverse_cdf`). top-p always keeps at least the most likely token.
+    `top_k` of -1 or 0 and `top_p == 1` switch the filters off.
   * `Rollout.log_probs` is log_softmax(logits / temperature) at the drawn token, WITHOUT top-k /
     top-p renormalisation (at temperature 0: log_softmax(logits)). This is what the trainer
     recomputes as the old log-prob, as in verl.
@@ -323,6 +325,8 @@ def sample(
     Returns:
       A `Rollout` with B = P*n rows, prompt i at rows [i*n, (i+1)*n).
     """
+    prompt_ids = jnp.asarray(prompt_ids, jnp.int32)
+    prompt_mask = jnp.asarray(prompt_mask, jnp.int32)
     if prompt_ids.ndim != 2 or prompt_ids.shape != prompt_mask.shape:
         raise ValueError(
             f"prompt_ids and prompt_mask must both be [P,Tp]; got {prompt_ids.shape} and "
@@ -345,8 +349,6 @@ def sample(
 
     width = prompt_ids.shape[1]
     pad_cols = bucket_length(width) - width
-    prompt_ids = jnp.asarray(prompt_ids, jnp.int32)
-    prompt_mask = jnp.asarray(prompt_mask, jnp.int32)
     if pad_cols:
         prompt_ids = jnp.pad(prompt_ids, ((0, 0), (pad_cols, 0)), constant_values=pad_token_id)
         prompt_mask = jnp.pad(prompt_mask, ((0, 0), (pad_cols, 0)))
