@@ -194,6 +194,7 @@ class Planner:
         self.param_bytes = bytes_per_device(abstract, self.param_sh)
         self.opt_bytes = bytes_per_device(abstract_state.opt_state, state_sh.opt_state)
         self.ref_bytes = self.param_bytes if workload.needs_ref else 0
+        self._compiled = {}
 
     def _batch(self, rows: int) -> trainer.TrainBatch:
         w, tp = self.w, self.w.prompt_len
@@ -216,7 +217,30 @@ class Planner:
 
     def train(self, micro_per_device: int) -> PhaseMemory:
         """One ``train_step`` (state donated) on the step's batch, one mini-batch of it."""
+        return self._memo(("train", micro_per_device), self._train)
+
+    def logprob(self) -> PhaseMemory:
+        """``compute_log_probs`` over the step's batch (reference or old policy)."""
+        return self._memo(("logprob",), self._logprob)
+
+    def sample(self, prompts: int) -> PhaseMemory:
+        """``sampler.sample`` of ``prompts`` x n completions of response_len tokens."""
+        return self._memo(("sample", prompts), self._sample)
+
+    def _memo(self, key, compile_fn) -> PhaseMemory:
+        # Each compile takes seconds to minutes; the report and the searches reuse results.
+        if key not in self._compiled:
+            self._compiled[key] = compile_fn(*key[1:])
+        return self._compiled[key]
+
+    def _train(self, micro_per_device: int) -> PhaseMemory:
         w = self.w
+        micro_rows = min(micro_per_device * self.dp, w.mini_rows)
+        if w.mini_rows % micro_rows:
+            raise ValueError(
+                f"{micro_per_device} sequences/device x {self.dp} devices must divide the "
+                f"mini-batch of {w.mini_rows} sequences"
+            )
         step = jax.jit(
             functools.partial(
                 trainer.train_step,
@@ -224,7 +248,7 @@ class Planner:
                 loss_config=self.loss_config,
                 tx=self.tx,
                 mini_batch_size=w.mini_rows,
-                micro_batch_size=min(micro_per_device * self.dp, w.mini_rows),
+                micro_batch_size=micro_rows,
             ),
             donate_argnums=0,
         )
@@ -233,8 +257,7 @@ class Planner:
         batch = self._batch(w.prompts * w.n)
         return PhaseMemory.of(step.lower(self.state, batch, scalar, lr).compile())
 
-    def logprob(self) -> PhaseMemory:
-        """``compute_log_probs`` over the step's batch (reference or old policy)."""
+    def _logprob(self) -> PhaseMemory:
         w = self.w
         rows = w.prompts * w.n
         fn = jax.jit(
@@ -249,8 +272,7 @@ class Planner:
         )
         return PhaseMemory.of(fn.lower(self.params, self._batch(rows)).compile())
 
-    def sample(self, prompts: int) -> PhaseMemory:
-        """``sampler.sample`` of ``prompts`` x n completions of response_len tokens."""
+    def _sample(self, prompts: int) -> PhaseMemory:
         w = self.w
         ids = jax.ShapeDtypeStruct(
             (prompts, w.prompt_len), jnp.int32, sharding=sharding.batch_sharding(self.mesh, 2)
@@ -435,24 +457,37 @@ def run(c, *, model_name: str = "", hbm_gib: float, usable_fraction: float = 0.9
                 max_micro=max_micro)  # fmt: skip
 
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "train.py config (configs/*.py[:arg]).")
-_MODEL = flags.DEFINE_string("model", "", f"model preset: {', '.join(PRESETS)}")
-_HBM = flags.DEFINE_float("hbm_gib", 80.0, "memory per device in GiB (H200: 141, v5p: 95)")
-_USABLE = flags.DEFINE_float("usable_fraction", 0.9, "fraction of hbm_gib a plan may use")
-_DEVICES = flags.DEFINE_integer("devices", 0, "simulate N devices on CPU (0: the real ones)")
-_SEARCH = flags.DEFINE_bool("search", True, "search the largest micro-batch / sampling batch")
-_MAX_MICRO = flags.DEFINE_integer("max_micro", 64, "largest micro-batch per device to try")
+def _define_flags():
+    """Flags of the plan.py script (not defined on import: train.py imports this module)."""
+    return {
+        "config": config_flags.DEFINE_config_file("config", None, "train.py config file."),
+        "model": flags.DEFINE_string("model", "", f"model preset: {', '.join(PRESETS)}"),
+        "hbm_gib": flags.DEFINE_float("hbm_gib", 80.0, "GiB per device (H200 141, v5p 95)"),
+        "usable_fraction": flags.DEFINE_float("usable_fraction", 0.9, "usable part of hbm_gib"),
+        "devices": flags.DEFINE_integer("devices", 0, "simulate N CPU devices (0: real ones)"),
+        "search": flags.DEFINE_bool("search", True, "search the largest batch sizes that fit"),
+        "max_micro": flags.DEFINE_integer("max_micro", 64, "largest micro-batch/device to try"),
+    }
 
 
-def main(argv):
+def main(argv, fl):
     del argv
-    if _CONFIG.value is None:
+    if fl["config"].value is None:
         raise app.UsageError("--config is required, e.g. --config=configs/gsm8k.py")
-    if _DEVICES.value and len(jax.devices()) != _DEVICES.value:
-        raise app.UsageError(f"--devices={_DEVICES.value} but JAX sees {len(jax.devices())}")
-    print(run(_CONFIG.value, model_name=_MODEL.value, hbm_gib=_HBM.value,
-              usable_fraction=_USABLE.value, search=_SEARCH.value, max_micro=_MAX_MICRO.value))  # fmt: skip
+    devices = fl["devices"].value
+    if devices and len(jax.devices()) != devices:
+        raise app.UsageError(f"--devices={devices} but JAX sees {len(jax.devices())} devices")
+    report = run(
+        fl["config"].value,
+        model_name=fl["model"].value,
+        hbm_gib=fl["hbm_gib"].value,
+        usable_fraction=fl["usable_fraction"].value,
+        search=fl["search"].value,
+        max_micro=fl["max_micro"].value,
+    )
+    print(report)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _flags = _define_flags()
+    app.run(functools.partial(main, fl=_flags))
