@@ -246,7 +246,17 @@ class VLLMSidecar:
           config: the `rollout.vllm` section.
           model_config: the policy's model config (vocabulary and export layout).
           workdir: directory for the server log and the weight exports.
+
+        Raises:
+          ValueError: a model vLLM would serve with other shapes than JAX.
         """
+        c = model_config
+        if c.arch == "qwen2" and c.num_heads * c.head_dim != c.hidden_size:
+            # vLLM's Qwen2 (0.32) ignores config.json's head_dim and uses hidden_size // heads.
+            raise ValueError(
+                f"vLLM serves a qwen2 model only with num_heads * head_dim == hidden_size; got "
+                f"{c.num_heads} * {c.head_dim} != {c.hidden_size}"
+            )
         self.config = config
         self.model_config = model_config
         self.workdir = pathlib.Path(workdir)

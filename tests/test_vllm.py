@@ -131,6 +131,17 @@ def test_config_validation():
     hash(cfg)
 
 
+def test_rejects_a_qwen2_shape_vllm_would_serve_differently(tmp_path):
+    # 4 heads x 32 != hidden 64: vLLM's Qwen2 would use head_dim 64 // 4 = 16.
+    bad = model.ModelConfig.tiny(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32)
+    config = vllm_sidecar.VLLMConfig(python=sys.executable)
+    with pytest.raises(ValueError, match=r"4 \* 32 != 64"):
+        vllm_sidecar.VLLMSidecar(config, bad, tmp_path)
+    vllm_sidecar.VLLMSidecar(
+        config, dataclasses.replace(bad, num_heads=2, num_kv_heads=1), tmp_path
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Managed lifecycle against a stand-in server.
 
