@@ -398,14 +398,9 @@ def test_every_prompt_overlong_is_an_error(tmp_path):
 # ------------------------------------------------------------------------------------------
 
 
-def failing_reward(solution_str: str, ground_truth: str) -> float:
-    """Raises on completions of odd length, returns NaN on even ones: every call fails."""
-    del ground_truth
-    if len(solution_str) % 2:
-        raise ZeroDivisionError("odd length")
-    return math.nan
-
-
+# test_faults.failing_reward raises on odd-length completions and returns NaN on even ones, so
+# every call fails (it lives there because this module imports train.py, whose flags a
+# subprocess train.py would then define twice).
 REWARD_RUN = (
     "--config.trainer.total_training_steps=1",
     "--config.data.arithmetic.num_train=8",
@@ -421,7 +416,7 @@ REWARD_RUN = (
     "--config.checkpoint.export_hf=False",
     "--config.model.tiny.hidden_size=32",
     "--config.model.tiny.intermediate_size=64",
-    "--config.reward.fn=grpo_jax.rewards:gsm8k_score,test_bad_input:failing_reward",
+    "--config.reward.fn=grpo_jax.rewards:gsm8k_score,test_faults:failing_reward",
 )
 
 
@@ -434,7 +429,7 @@ def test_failing_reward_raise_names_function_and_sample(tmp_path):
         ]
     )
     assert r.returncode != 0
-    assert "reward function test_bad_input:failing_reward failed on sample 0" in r.stderr, r.stderr[
+    assert "reward function test_faults:failing_reward failed on sample 0" in r.stderr, r.stderr[
         -3000:
     ]
     assert "ground truth" in r.stderr and "solution tail" in r.stderr
@@ -455,7 +450,7 @@ def test_failing_reward_zero_is_counted(tmp_path):
     (row,) = metrics.read(workdir)
     # 4 prompts x rollout.n 2 = 8 samples, each failing once (the gsm8k scorer never fails).
     assert row["reward/num_errors"] == 8
-    assert row["reward/test_bad_input:failing_reward/mean"] == 0.0
-    assert "reward function test_bad_input:failing_reward failed on sample 7" in r.stderr
+    assert row["reward/test_faults:failing_reward/mean"] == 0.0
+    assert "reward function test_faults:failing_reward failed on sample 7" in r.stderr
     assert "(scored 0)" in r.stderr
     TRIED["reward failures"] += 8

@@ -26,6 +26,7 @@ tests/test_vllm.py.
 import errno
 import glob
 import json
+import math
 import os
 import random
 import re
@@ -81,6 +82,15 @@ def digit_reward(solution_str: str, ground_truth: str) -> float:
     """Fraction of digit characters in the completion: dense and text-dependent (test reward)."""
     del ground_truth
     return sum(ch.isdigit() for ch in solution_str) / max(len(solution_str), 1)
+
+
+def failing_reward(solution_str: str, ground_truth: str) -> float:
+    """Raises on completions of odd length, returns NaN on even ones: every call fails
+    (tests/test_bad_input.py)."""
+    del ground_truth
+    if len(solution_str) % 2:
+        raise ZeroDivisionError("odd length")
+    return math.nan
 
 
 # ------------------------------------------------------------------------------------------
