@@ -40,8 +40,9 @@ Failures raise a `VLLMSidecarError` subclass whose message names the cause and t
 path: `VLLMStartupError` (would not start or become healthy), `VLLMServerDiedError` (exited and
 the restart limit is used up, or an attached server is gone), `VLLMTimeoutError` (a live server
 did not answer in time), `VLLMResponseError` (HTTP error or malformed output). A managed server
-that dies is restarted from the latest weight export, with exponential back-off, at most
-`max_restarts` times per call, and the call is retried; the weights version is unchanged.
+that dies (vLLM answers HTTP 500 and exits when its engine dies) is restarted from the latest
+weight export, with exponential back-off, at most `max_restarts` times per call, and the call is
+retried; the weights version is unchanged.
 
 Lifecycle: the server is started in a new process group and stopped by PID (SIGTERM to the group,
 SIGKILL after `stop_timeout_s`) by `close()`, at interpreter exit (atexit, which also runs when
@@ -79,6 +80,7 @@ _SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _HEALTH_POLL_S = 0.5
 _LOG_TAIL_LINES = 30
+_ENGINE_DEATH_GRACE_S = 10.0
 # Runs in the sidecar interpreter, then execs the server in place (same PID). On Linux it first
 # asks the kernel to SIGTERM the server when the trainer dies, even by SIGKILL (PR_SET_PDEATHSIG,
 # which survives exec), and exits if the trainer (argv[1]) is already gone.
@@ -502,6 +504,13 @@ class VLLMSidecar:
                     f"{self.url} ({e}); server log: {self.log_path}\n{self._log_tail()}"
                 ) from e
             raise _ServerGone(self._exit_description()) from e
+        if r.status_code >= 500 and self.managed:
+            # vLLM answers 500 when its engine died, then shuts the API server down: restart it.
+            try:
+                self._proc.wait(timeout=_ENGINE_DEATH_GRACE_S)
+                raise _ServerGone(f"{self._exit_description()} after HTTP {r.status_code}")
+            except subprocess.TimeoutExpired:
+                pass
         if r.status_code >= 400:
             raise VLLMResponseError(
                 f"vLLM server answered {method} {path} with HTTP {r.status_code}: "

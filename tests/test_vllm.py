@@ -149,7 +149,7 @@ _FAKE_SERVER = '''
 """Stand-in for vllm.entrypoints.openai.api_server (see tests/test_vllm.py).
 
 FAKE_VLLM_CONTROL names a file read at start-up: "exit" -> exit with code 3, "hang" -> never
-serve. /v1/completions: sample s, position t of a prompt is (sum(prompt) + 7 s + 3 t) % 128 with
+serve, "die500" -> answer the first completion request with HTTP 500 and exit. /v1/completions: sample s, position t of a prompt is (sum(prompt) + 7 s + 3 t) % 128 with
 log-prob -0.25 (t + 1), ending after a stop_token_ids token (included) or at max_tokens.
 Every POST is appended to FAKE_VLLM_REQUESTS as a JSON line.
 """
@@ -203,6 +203,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send({"results": [None]})
         elif self.path == "/reset_prefix_cache":
             self.send({"success": True})
+        elif control == "die500":  # like vLLM when its engine dies: 500, then exit
+            self.send_response(500)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            self.wfile.flush()
+            os._exit(1)
         else:
             self.send({"choices": [choice(body, s) for s in range(body["n"])]})
 
@@ -346,6 +352,17 @@ def test_fake_server_restarts_after_kill(fake, tiny_params, tmp_path):
         # The restart loads the latest export and keeps the version.
         assert sc.weights_version == 1 and int(after.weights_version) == 1
         assert "/vllm_weights/v000001" in sc.log_path.read_text().split("=====")[-1]
+
+
+def test_fake_server_restarts_after_engine_death(fake, tiny_params, tmp_path, caplog):
+    fake.control.write_text("die500")
+    with vllm_sidecar.VLLMSidecar(fake.config, _TINY, tmp_path / "work") as sc:
+        sc.start(tiny_params)
+        fake.control.write_text("serve")  # read by the restarted server
+        r = sc.sample(_PROMPT_IDS, _PROMPT_MASK, jax.random.key(1), n=2, max_new_tokens=4)
+        assert sc.restarts == 1
+        np.testing.assert_array_equal(r.response_ids[0], [11, 14, 17, 20])  # see the round trip
+    assert "exited with code 1 after HTTP 500" in caplog.text
 
 
 def test_fake_server_error_after_restart_limit(fake, tiny_params, tmp_path):
