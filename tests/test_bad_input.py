@@ -125,6 +125,7 @@ INVALID = [
     ("mesh.shape", (1, 1), ["mesh.shape=(1, 1)", "3 entries"]),
     ("data.source", "jsonl", ["data.source='jsonl'", "data.path", "data.val_path"]),
     ("model.source", "hf", ["model.path is required", "model.source='hf'"]),
+    ("reward.fn", " , ", ["reward.fn is empty", "'module:function'"]),
     ("reward.fn", "no_colon", ["reward.fn", "'module:function'"]),
     ("reward.fn", "no_such_module_xyz:f", ["reward.fn", "cannot import module"]),
     ("reward.fn", "grpo_jax.rewards:no_such_fn", ["reward.fn", "has no 'no_such_fn'"]),
