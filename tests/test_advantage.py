@@ -133,6 +133,14 @@ def _rewards_at_last_token(score_B):
     return rewards_BT
 
 
+def _grpo_contiguous(score_B, norm):
+    """GRPO advantages [B, T] for P contiguous groups of G rows, all-ones mask."""
+    gid_B = np.repeat(np.arange(P, dtype=np.int32), G)
+    mask_BT = np.ones((P * G, T), np.float32)
+    adv, _ = _grpo(_rewards_at_last_token(score_B), mask_BT, gid_B, norm_adv_by_std_in_grpo=norm)
+    return adv
+
+
 @_settings
 @hypothesis.given(score_B=_scores, perm=st.permutations(range(P * G)))
 def test_permuting_rows_permutes_advantages(score_B, perm):
@@ -155,18 +163,13 @@ def test_contiguous_groups_equal_reshape_reference(score_B, norm):
     centered_PG = score_PG - score_PG.mean(axis=1, keepdims=True)
     expected_PG = centered_PG / (score_PG.std(axis=1, ddof=1, keepdims=True) + EPS)
     expected_PG = expected_PG if norm else centered_PG
-    gid_B = np.repeat(np.arange(P, dtype=np.int32), G)
-    adv, _ = _grpo(
-        _rewards_at_last_token(score_B),
-        np.ones((P * G, T), np.float32),
-        gid_B,
-        norm_adv_by_std_in_grpo=norm,
-    )
+    adv = _grpo_contiguous(score_B, norm)
     # float32 loses ~1e-7 relative on the centred score; divided by a std that can be ~1e-3.
     scale = 1.0 / (score_PG.std(axis=1, ddof=1) + EPS).min() if norm else 1.0
     np.testing.assert_allclose(
         _per_row(adv), expected_PG.reshape(-1), rtol=1e-5, atol=1e-6 * max(1.0, 10 * scale)
     )
+    gid_B = np.repeat(np.arange(P, dtype=np.int32), G)
     rloo, _ = _rloo(_rewards_at_last_token(score_B), np.ones((P * G, T), np.float32), gid_B)
     np.testing.assert_allclose(_per_row(rloo), (centered_PG * G / (G - 1)).reshape(-1), atol=1e-5)
 
@@ -179,14 +182,7 @@ def test_contiguous_groups_equal_reshape_reference(score_B, norm):
 def test_zero_variance_binary_groups_get_exactly_zero(value_P, norm):
     # Every member of a group has the same 0/1 reward: mean is exact, so the advantage is 0, not
     # NaN (std + eps = 1e-6 > 0).
-    score_B = np.repeat(value_P, G)
-    gid_B = np.repeat(np.arange(P, dtype=np.int32), G)
-    adv, _ = _grpo(
-        _rewards_at_last_token(score_B),
-        np.ones((P * G, T), np.float32),
-        gid_B,
-        norm_adv_by_std_in_grpo=norm,
-    )
+    adv = _grpo_contiguous(np.repeat(value_P, G), norm)
     np.testing.assert_array_equal(np.asarray(adv), 0.0)
 
 
