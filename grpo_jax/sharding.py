@@ -27,6 +27,8 @@ Decisions:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -342,6 +344,47 @@ def suffix_shardings(tree: Any, mesh: Mesh, rules: Rules = LOGICAL_RULES) -> Any
 def kv_cache_shardings(cache: Any, mesh: Mesh, rules: Rules = LOGICAL_RULES) -> Any:
     """Shardings for a ``model.KVCache`` (or its ``jax.eval_shape``) on ``mesh``."""
     return suffix_shardings(cache, mesh, rules)
+
+
+_ACTIVE_RULES: contextvars.ContextVar[Rules] = contextvars.ContextVar(
+    "grpo_jax_sharding_rules", default=LOGICAL_RULES
+)
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh, rules: Rules = LOGICAL_RULES):
+    """``jax.set_mesh(mesh)`` plus the rules ``constrain`` applies while tracing inside it.
+
+    train.py traces (calls) every jitted step inside ``with sharding.use_mesh(mesh, rules):``.
+    """
+    token = _ACTIVE_RULES.set(validate_rules(rules))
+    try:
+        with jax.set_mesh(mesh):
+            yield mesh
+    finally:
+        _ACTIVE_RULES.reset(token)
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """Pins activation ``x`` to its logical layout, e.g. ``("batch", "seq", "act_embed")``.
+
+    Why models need it: with FSDP the weights are split on ``embed`` over ``fsdp`` and the
+    batch is split over ``("data", "fsdp")`` too. Left alone, XLA's propagation often keeps the
+    weight layout and all-reduces partial sums instead, which leaves activations replicated over
+    ``fsdp``: every device computes the whole batch (no data parallelism, ~dp x the activation
+    memory; measured by plan.py). Constraining activations to ``batch`` makes XLA all-gather one
+    layer's weights at a time instead (ZeRO-3).
+
+    Uses the mesh of the enclosing ``use_mesh`` / ``jax.set_mesh``. Outside any mesh (plain
+    single-device use) there is nothing to shard and ``x`` is returned as is.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    if len(logical_axes) != x.ndim:
+        raise ValueError(f"logical axes {tuple(logical_axes)} do not match x.ndim={x.ndim}")
+    spec = logical_to_mesh_spec(PartitionSpec(*logical_axes), _ACTIVE_RULES.get())
+    return jax.lax.with_sharding_constraint(x, spec)
 
 
 def shard_fn(mesh: Mesh, rules: Rules = LOGICAL_RULES) -> Callable[[Any, Any], Any]:
