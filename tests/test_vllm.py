@@ -359,7 +359,8 @@ def test_fake_server_restarts_after_engine_death(fake, tiny_params, tmp_path, ca
     with vllm_sidecar.VLLMSidecar(fake.config, _TINY, tmp_path / "work") as sc:
         sc.start(tiny_params)
         fake.control.write_text("serve")  # read by the restarted server
-        r = sc.sample(_PROMPT_IDS, _PROMPT_MASK, jax.random.key(1), n=2, max_new_tokens=4)
+        # One prompt, so the one request sees the 500 (a concurrent one would see the exit).
+        r = sc.sample(_PROMPT_IDS[:1], _PROMPT_MASK[:1], jax.random.key(1), n=2, max_new_tokens=4)
         assert sc.restarts == 1
         np.testing.assert_array_equal(r.response_ids[0], [11, 14, 17, 20])  # see the round trip
     assert "exited with code 1 after HTTP 500" in caplog.text
