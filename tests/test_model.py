@@ -526,3 +526,19 @@ def test_smollm2_real_text_parity(smollm2_dir):
     np.testing.assert_allclose(ours[real], ref[real], atol=5e-4, rtol=0)
     np.testing.assert_array_equal(ours[real].argmax(-1), ref[real].argmax(-1))
     assert tok.decode(int(ours[0, -1].argmax())).strip() == "Paris"
+
+
+def test_save_is_lossless_in_param_dtype(tmp_path):
+    import json
+
+    from safetensors.numpy import load_file
+
+    config = model.ModelConfig.tiny(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _params())
+    model.save_hf_checkpoint(config, params, tmp_path / "new_dir")
+    state = load_file(tmp_path / "new_dir" / "model.safetensors")
+    assert {str(v.dtype) for v in state.values()} == {"bfloat16"}
+    assert json.loads((tmp_path / "new_dir" / "config.json").read_text())["dtype"] == "bfloat16"
+    loaded_config, loaded = model.load_hf_checkpoint(tmp_path / "new_dir", dtype=jnp.bfloat16)
+    assert loaded_config == config
+    chex.assert_trees_all_equal(loaded, params)  # Bit-exact: no float32 detour loses anything.
