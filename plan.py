@@ -181,6 +181,7 @@ class Planner:
         self.cfg, self.mesh, self.w = model_config, mesh, workload
         self.loss_config, self.tx = loss_config, tx
         self.dp = mesh.shape["data"] * mesh.shape["fsdp"]
+        self.rules = rules
         abstract = model_lib.abstract_params(model_config)
         self.param_sh = sharding.param_shardings(model_config, mesh, rules)
         self.params = sharding.abstract_with_shardings(abstract, self.param_sh)
@@ -229,8 +230,10 @@ class Planner:
 
     def _memo(self, key, compile_fn) -> PhaseMemory:
         # Each compile takes seconds to minutes; the report and the searches reuse results.
+        # Traced inside use_mesh so that the model's sharding.constrain calls see the mesh.
         if key not in self._compiled:
-            self._compiled[key] = compile_fn(*key[1:])
+            with sharding.use_mesh(self.mesh, self.rules):
+                self._compiled[key] = compile_fn(*key[1:])
         return self._compiled[key]
 
     def _train(self, micro_per_device: int) -> PhaseMemory:

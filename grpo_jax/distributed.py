@@ -60,7 +60,9 @@ def maybe_initialize(
         (``multiprocess_env``); ``"on"`` always initialises (Cloud TPU pods, where JAX reads the
         TPU metadata); ``"off"`` never does (a single process).
       coordinator_address: ``host:port`` of process 0; requires ``num_processes`` and
-        ``process_id``. Given together they override any detection.
+        ``process_id``. Given together they override any detection. Without them, the
+        environment variables ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
+        ``JAX_PROCESS_ID`` play the same role (a plain launcher script sets them per process).
       num_processes: total process count, with ``coordinator_address``.
       process_id: this process's rank in ``[0, num_processes)``, with ``coordinator_address``.
 
@@ -88,6 +90,15 @@ def maybe_initialize(
         return False
     if mode == "off":
         return False
+    env = os.environ
+    if coordinator_address is None and "JAX_NUM_PROCESSES" in env and "JAX_PROCESS_ID" in env:
+        # Our launcher convention next to JAX's own JAX_COORDINATOR_ADDRESS (JAX reads only that).
+        return maybe_initialize(
+            mode=mode,
+            coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
+            num_processes=int(env["JAX_NUM_PROCESSES"]),
+            process_id=int(env["JAX_PROCESS_ID"]),
+        )
     if coordinator_address is not None:
         jax.distributed.initialize(
             coordinator_address=coordinator_address,

@@ -239,6 +239,13 @@ def test_maybe_initialize_calls_jax_only_when_needed(monkeypatch):
     assert distributed.maybe_initialize(mode="off") is False and len(calls) == 2
     flags = {"coordinator_address": "h:1", "num_processes": 4, "process_id": 3}
     assert distributed.maybe_initialize(**flags) is True and calls[-1] == flags
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:99")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    monkeypatch.setenv("JAX_PROCESS_ID", "1")
+    assert distributed.maybe_initialize() is True
+    assert calls[-1] == {"coordinator_address": "10.0.0.1:99", "num_processes": 2, "process_id": 1}
+    monkeypatch.delenv("JAX_NUM_PROCESSES")
+    assert distributed.maybe_initialize() is True and calls[-1] == {}  # JAX reads the address
     with pytest.raises(ValueError, match="given together"):
         distributed.maybe_initialize(coordinator_address="h:1")
     with pytest.raises(ValueError, match=r"not in \[0, 4\)"):
