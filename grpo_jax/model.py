@@ -17,6 +17,9 @@ Design:
     metadata; ``logical_axes(config)`` exposes them as a pytree of ``PartitionSpec``.
   * Positions come from the attention mask (cumsum - 1), so a left-padded row gives exactly the
     logits of the unpadded row on its real tokens.
+  * Activations carry ``nn.with_logical_constraint`` annotations at five points (embedding out,
+    queries, attention out, MLP hidden, logits). They are no-ops unless the caller activates logical
+    axis rules (``nn.logical_axis_rules``) under a mesh; the mesh and rules belong to sharding.py.
   * Computation happens in ``config.dtype`` (float32 unless the caller asks otherwise); softmax,
     RMSNorm statistics and the logits are always float32.
 
@@ -55,6 +58,7 @@ import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import linen as nn
 from flax import nnx
 
 ARCHITECTURES = {
@@ -415,6 +419,7 @@ class MLP(nnx.Module):
         dt = self.dtype
         h_BTF = jax.nn.silu(self.gate_proj("BTD,DF->BTF", x_BTD, dt))
         h_BTF = h_BTF * self.up_proj("BTD,DF->BTF", x_BTD, dt)
+        h_BTF = nn.with_logical_constraint(h_BTF, ("batch", "seq", "act_mlp"))
         return self.down_proj("BTF,FD->BTD", h_BTF, dt)
 
 
@@ -477,6 +482,7 @@ class Decoder(nnx.Module):
         """
         c = self.config
         x_BTD = jnp.take(self.embed.embedding[...], ids_BT, axis=0).astype(c.dtype)
+        x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "seq", "act_embed"))
         cos_BTH, sin_BTH = _rope_tables(c, positions_BT)
         layer_def, layer_state = nnx.split(self.layers)
 
@@ -485,6 +491,7 @@ class Decoder(nnx.Module):
             state, layer_idx = xs
             layer = nnx.merge(layer_def, state)
             q_BTNH, k_BTKH, v_BTKH = layer.attn.qkv(layer.input_norm(x_BTD), cos_BTH, sin_BTH)
+            q_BTNH = nn.with_logical_constraint(q_BTNH, ("batch", "seq", "act_heads", None))
             if kv is None:
                 k_BSKH, v_BSKH = k_BTKH, v_BTKH
             else:
@@ -499,7 +506,10 @@ class Decoder(nnx.Module):
                 k_BSKH, v_BSKH = k_LBSKH[layer_idx], v_LBSKH[layer_idx]
                 kv = (k_LBSKH, v_LBSKH)
             o_BTNH = _attend(q_BTNH, k_BSKH.astype(c.dtype), v_BSKH.astype(c.dtype), visible_BTS)
-            x_BTD = x_BTD + layer.attn.out(o_BTNH)
+            o_BTD = nn.with_logical_constraint(
+                layer.attn.out(o_BTNH), ("batch", "seq", "act_embed")
+            )
+            x_BTD = x_BTD + o_BTD
             x_BTD = x_BTD + layer.mlp(layer.post_attn_norm(x_BTD))
             return (x_BTD, kv), None
 
@@ -513,13 +523,17 @@ class Decoder(nnx.Module):
         c = self.config
         if c.tie_word_embeddings:
             w_VD = self.embed.embedding[...].astype(c.dtype)
-            return jnp.einsum(
+            logits_xV = jnp.einsum(
                 "...D,VD->...V", h_xD.astype(c.dtype), w_VD, preferred_element_type=jnp.float32
             )
-        w_DV = self.lm_head.kernel[...].astype(c.dtype)
-        return jnp.einsum(
-            "...D,DV->...V", h_xD.astype(c.dtype), w_DV, preferred_element_type=jnp.float32
-        )
+        else:
+            w_DV = self.lm_head.kernel[...].astype(c.dtype)
+            logits_xV = jnp.einsum(
+                "...D,DV->...V", h_xD.astype(c.dtype), w_DV, preferred_element_type=jnp.float32
+            )
+        if logits_xV.ndim == 3:
+            logits_xV = nn.with_logical_constraint(logits_xV, ("batch", "seq", "act_vocab"))
+        return logits_xV
 
 
 def _rotate_half(x):

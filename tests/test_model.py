@@ -542,3 +542,25 @@ def test_save_is_lossless_in_param_dtype(tmp_path):
     loaded_config, loaded = model.load_hf_checkpoint(tmp_path / "new_dir", dtype=jnp.bfloat16)
     assert loaded_config == config
     chex.assert_trees_all_equal(loaded, params)  # Bit-exact: no float32 detour loses anything.
+
+
+def test_activation_constraints_follow_logical_rules():
+    from flax import linen as nn
+
+    params = _params()
+    ids_BT, mask_BT = _tokens(9, (4, 6)), jnp.ones((4, 6), jnp.int32)
+    ref = model.forward(TINY, params, ids_BT, mask_BT)
+    mesh = jax.make_mesh((2, 2), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    rules = (
+        ("batch", "data"),
+        ("seq", None),
+        ("act_embed", None),
+        ("act_heads", "tensor"),
+        ("act_mlp", "tensor"),
+        ("act_vocab", "tensor"),
+    )
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        logits = jax.jit(lambda p, i, m: model.forward(TINY, p, i, m))(params, ids_BT, mask_BT)
+    # The logits constraint (batch, seq, act_vocab) -> (data, None, tensor) shows in the output.
+    assert logits.sharding.spec == jax.sharding.PartitionSpec("data", None, "tensor")
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(ref), atol=1e-5)
