@@ -473,6 +473,7 @@ def main(argv):
     state = init_fn(params)  # a copy: `params` stays intact as the frozen reference
     needs_ref = a.use_kl_loss or c.algorithm.use_kl_in_reward
     ref_params = params if needs_ref else None
+    ref_in_ckpt = needs_ref and c.warmup.steps > 0
     del params
     root_key = jax.random.key_data(jax.random.key(c.trainer.seed))
 
@@ -499,13 +500,19 @@ def main(argv):
     position, start_step, consecutive_bad = data.Position(), 0, 0
     restored = None
     if c.trainer.resume_mode == "auto":
+        # The reference is the policy after the warm-up; with a warm-up it is checkpointed too.
+        tree, tree_sh = {"train": state, "rng": root_key}, {"train": state_sh,
+                                                            "rng": sharding.replicated(mesh)}
+        if ref_in_ckpt:
+            tree["ref"], tree_sh["ref"] = ref_params, param_sh
         abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                {"train": jax.eval_shape(lambda: state), "rng": root_key},
-                                {"train": state_sh, "rng": sharding.replicated(mesh)})
+                                jax.eval_shape(lambda: tree), tree_sh)
         restored = checkpoint.restore_latest(mngr, abstract)
     if restored is not None:
         start_step, tree, meta = restored
         state, root_key = tree["train"], tree["rng"]
+        if ref_in_ckpt:
+            ref_params = tree["ref"]
         position = data.Position(meta["data_epoch"], meta["data_index"])
         consecutive_bad = meta["consecutive_nonfinite"]
         writer.truncate_after(start_step)
@@ -518,6 +525,8 @@ def main(argv):
         writer.truncate_after(-1)
         if c.warmup.steps:
             state, warmup_record = warm_up(run, state, tx, micro_rows)
+            if needs_ref:  # a copy: state.params is donated by every update
+                ref_params = jax.tree.map(jnp.copy, state.params)
 
     def save(step, row):
         t0 = time.perf_counter()
@@ -525,7 +534,8 @@ def main(argv):
         # otherwise lose it for good (the resumed run starts after this step).
         meta = {"step": step, "data_epoch": position.epoch, "data_index": position.index,
                 "consecutive_nonfinite": consecutive_bad, "metrics": row}
-        checkpoint.save(mngr, step, {"train": state, "rng": root_key}, meta)
+        tree = {"train": state, "rng": root_key} | ({"ref": ref_params} if ref_in_ckpt else {})
+        checkpoint.save(mngr, step, tree, meta)
         return time.perf_counter() - t0
 
     if sidecar is not None:
