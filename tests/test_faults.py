@@ -333,6 +333,8 @@ def test_exact_resume_after_random_sigkills(reference, tmp_path, jax_cache):
         )
         if kind == "save":
             assert _tmp_dirs(workdir) - stale, "the save finished before the kill; lower delay"
+            # Nothing is deleted before the newer checkpoint is complete.
+            assert expected_resume is None or expected_resume in at_kill, at_kill
         kills.append(kind)
         expected_resume = max(at_kill) if at_kill else None
     assert kills == ["step", "save", "exit_after_save", "step"]
