@@ -4,12 +4,16 @@ Run (README's first command; downloads nothing):
   python train.py --config=configs/demo.py
   python scripts/check_demo.py          # runs it and asserts the learning criterion
 
-Expected on 2 CPU cores: a few minutes; greedy accuracy on held-out sums rises from the first
-eval (after a short supervised warm-up that mostly teaches the "#### <n>" answer format) by at
-least 0.3 (see scripts/check_demo.py for the exact criterion and the figures measured).
+Expected (default seed, measured with scripts/check_demo.py on 2 shared CPU cores under a load
+average of ~10): greedy accuracy 0.29 after the 70-step supervised warm-up (the first eval,
+before any GRPO step), then 0.54 / 0.62 / 0.66 / 0.85 / 0.85 / 0.85 at GRPO steps
+50 / 100 / 150 / 200 / 250 / 300; 360 s wall time including compilation: +0.56 (2.9x) from
+GRPO with a 0/1 reward only. (Longer supervised training would also learn this 25-question
+table; the demo shows the RL loop learning it from rewards.)
 
-Task: "a+b" with a, b in [0, data.arithmetic.max_operand], answer in GSM8K's raw format
-("a+b=c\n#### c"), so the run goes through the same data pipeline, chat template, verl GSM8K
+Task: "a+b" with a, b in [0, 4] (25 questions, so the validation questions repeat training
+ones: this measures learning the table, not generalisation), answer in GSM8K's raw format
+("#### c"), so the run goes through the same data pipeline, chat template, verl GSM8K
 scorer (strict "####" extraction), sampler, advantage, loss, checkpoints and eval as
 configs/gsm8k.py. Tokenizer: one token per character (grpo_jax/demo_task.py).
 Deviations from the gsm8k recipe (for speed on a tiny model): lr 1e-3 instead of 1e-6 (a
