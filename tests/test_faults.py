@@ -2,8 +2,10 @@
 updates, unwritable and full disks (issue 8).
 
 Every end-to-end test runs the real entry point, `python train.py --config=configs/demo.py` with
-overrides that shrink it to 4 steps of 4 prompts x 4 samples on a tiny model (`BASE_OVERRIDES`),
-as a subprocess that can be SIGKILLed like a real job. The subprocesses share a persistent JAX
+overrides that shrink it to a 2-step SFT warm-up, an eval, then 4 GRPO steps of 4 prompts x 4
+samples with the KL loss against the post-warm-up reference, on a tiny model (`BASE_OVERRIDES`),
+as a subprocess that can be SIGKILLed like a real job. The tests compare runs of the same code:
+they fail with a clear message if train.py, grpo_jax/ or configs/ change while they run. The subprocesses share a persistent JAX
 compilation cache (per test session), so a restart costs start-up, not a recompile; a cache hit
 runs the same executable, so it cannot change results.
 
@@ -57,8 +59,10 @@ BASE_OVERRIDES = (
     "--config.actor.ppo_mini_batch_size=4",  # one mini-batch: on-policy, no old log-prob pass
     "--config.actor.ppo_micro_batch_size_per_gpu=8",  # 2 micro-batches: accumulation runs
     "--config.rollout.n=4",
-    "--config.warmup.steps=0",
-    "--config.trainer.val_before_train=False",
+    "--config.warmup.steps=2",  # SFT warm-up, then a fresh optimizer: only in the first launch
+    "--config.warmup.batch_size=4",
+    "--config.actor.use_kl_loss=True",  # reference = post-warm-up policy, kept in checkpoints
+    "--config.trainer.val_before_train=True",  # step-0 row: eval + warm-up NLL
     "--config.trainer.test_freq=-1",  # eval only at the end
     "--config.trainer.save_freq=1",
     "--config.checkpoint.max_to_keep=2",
@@ -184,7 +188,7 @@ def _assert_same_run(workdir: str, ref: str) -> None:
             "edited?): the two runs executed different code; rerun on a quiet tree"
         )
     rows, ref_rows = metrics.read(workdir), metrics.read(ref)
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), "duplicate or missing rows"
+    assert [r["step"] for r in rows] == list(range(STEPS + 1)), "duplicate or missing rows"
     for got, want in zip(_comparable(rows), _comparable(ref_rows), strict=True):
         assert got == want, f"step {want['step']} differs: " + str(
             {k: (got.get(k), want[k]) for k in want if got.get(k) != want[k]}
@@ -235,7 +239,9 @@ def reference(tmp_path_factory, jax_cache):
     rc, log = _run(_train_cmd(workdir), workdir + ".log", jax_cache)
     assert rc == 0, log[-4000:]
     rows = metrics.read(workdir)
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in rows] == list(range(STEPS + 1))
+    assert rows[0]["warmup/steps"] == 2
+    rows = rows[1:]
     # The comparison is only meaningful when every step really updates the params.
     for r in rows:
         assert r["actor/grad_norm"] > 0 and r["actor/update_skipped"] == 0, r
@@ -489,7 +495,8 @@ def test_consecutive_nonfinite_updates_stop_the_run(reference, tmp_path, jax_cac
     assert "2 consecutive steps had non-finite losses or gradients" in log, log[-4000:]
     assert "trainer.max_consecutive_nonfinite=2" in log
     rows = metrics.read(workdir)
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    rows = rows[1:]  # step 0: eval after the warm-up
     assert [r["actor/update_skipped"] for r in rows] == [0.0, 1.0]
     assert [r["actor/nonfinite_consecutive"] for r in rows] == [0.0, 1.0]
 
