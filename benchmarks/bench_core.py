@@ -123,13 +123,12 @@ def _time(fn, reps):
 # ----------------------------------------------------------------------------------------------
 
 
-def _jax_worker():
-    import functools
+def _jax_worker(skip_logits):
 
     import jax
     import jax.numpy as jnp
 
-    from grpo_jax import advantage, loss
+    from grpo_jax import loss
 
     results = {}
 
@@ -155,6 +154,8 @@ def _jax_worker():
         return jnp.sum(g_lp * lp) + jnp.sum(g_ent * ent)
 
     lp_ent_step = jax.jit(jax.value_and_grad(lp_ent))
+    if skip_logits:
+        return _advantage_cases_jax(results)
     host = _logits_inputs()
     x = {k: jnp.asarray(v.astype(np.int32) if k == "labels" else v) for k, v in host.items()}
     del host
@@ -164,6 +165,16 @@ def _jax_worker():
         lambda args=args: jax.block_until_ready(lp_ent_step(*args)), reps=2
     )
     del x, args
+    return _advantage_cases_jax(results)
+
+
+def _advantage_cases_jax(results):
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from grpo_jax import advantage
 
     for b in ADV_ROWS:
         # Already jitted inside; an outer jit would make XLA copy the returned pair apart.
@@ -177,13 +188,13 @@ def _jax_worker():
     return results
 
 
-def _verl_worker():
+def _verl_worker(skip_logits, threads):
     import torch
     from verl.trainer.ppo import core_algos
     from verl.utils import torch_functional as verl_F
     from verl.workers.config import ActorConfig
 
-    torch.set_num_threads(os.cpu_count())
+    torch.set_num_threads(threads)
     config = ActorConfig(
         strategy="fsdp",
         clip_ratio=CLIP_LOW,
@@ -223,7 +234,8 @@ def _verl_worker():
         return _time(step, reps=1)
 
     b, t, v = LOGITS_SHAPE
-    results[f"logprobs_entropy/{b}x{t}x{v}"] = logprobs_entropy_case()
+    if not skip_logits:
+        results[f"logprobs_entropy/{b}x{t}x{v}"] = logprobs_entropy_case()
 
     for b in ADV_ROWS:
         host = _adv_inputs(b)
@@ -248,14 +260,20 @@ def _verl_worker():
 # ----------------------------------------------------------------------------------------------
 
 
-def _run_worker(framework, hugetlb):
+def _run_worker(framework, args):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    if hugetlb:
+    if args.hugetlb:
         env["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
+    flags = ["--worker", framework, "--threads", str(args.threads)]
+    if args.threads == 1:  # XLA:CPU's only switch: everything on the calling thread
+        env["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    elif args.threads != os.cpu_count():
+        raise ValueError("--threads must be 1 or the number of CPUs (XLA:CPU has no other knob)")
+    flags += ["--skip-logits"] if args.skip_logits else []
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
     out = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--worker", framework],
+        [sys.executable, os.path.abspath(__file__), *flags],
         capture_output=True,
         text=True,
         env=env,
@@ -286,16 +304,29 @@ def main():
         help="run both workers with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (transparent huge "
         "pages for malloc: fewer first-touch page faults on fresh [B, T] buffers)",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count(),
+        help="threads per framework: all CPUs (default) or 1 (fairer on a loaded machine, "
+        "where torch's OpenMP spin-waiting suffers most)",
+    )
+    parser.add_argument(
+        "--skip-logits", action="store_true", help="skip the 8x1024x32768 log-prob case"
+    )
     parser.add_argument("--worker", choices=("jax", "verl"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(_jax_worker() if args.worker == "jax" else _verl_worker()))
+        if args.worker == "jax":
+            print(json.dumps(_jax_worker(args.skip_logits)))
+        else:
+            print(json.dumps(_verl_worker(args.skip_logits, args.threads)))
         return
 
     runs = {"jax": [], "verl": []}
     for r in range(args.rounds):
         for framework in ("jax", "verl") if r % 2 == 0 else ("verl", "jax"):
-            runs[framework].append(_run_worker(framework, args.hugetlb))
+            runs[framework].append(_run_worker(framework, args))
 
     def collect(framework, case):
         return _summary([run[case] for run in runs[framework]])
@@ -322,6 +353,7 @@ def main():
         },
         "rounds": args.rounds,
         "env": {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1" if args.hugetlb else None},
+        "threads_per_framework": args.threads,
         "load_average_1_5_15_at_end": [round(x, 2) for x in os.getloadavg()],
         "stat": "median / min / max over rounds of per-round median times (s)",
         "targets_speedup": TARGETS,
