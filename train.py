@@ -225,6 +225,18 @@ def check_mesh(c, dp: int) -> None:
 # ------------------------------------------------------------------------------------------
 
 
+def make_loss_config(c) -> trainer.LossConfig:
+    """The `actor` section (+ rollout.temperature) as the update's static LossConfig."""
+    a = c.actor
+    return trainer.LossConfig(
+        policy_loss_mode=a.policy_loss.loss_mode, loss_agg_mode=a.loss_agg_mode,
+        clip_ratio=a.clip_ratio, clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
+        clip_ratio_c=a.clip_ratio_c, entropy_coeff=a.entropy_coeff,
+        calculate_entropy=a.calculate_entropy, use_kl_loss=a.use_kl_loss,
+        kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
+        loss_scale_factor=a.loss_scale_factor, temperature=c.rollout.temperature)
+
+
 def load_tokenizer(c):
     if c.model.tokenizer == "char":
         return demo_task.char_tokenizer()
@@ -451,13 +463,7 @@ def main(argv):
                  val_set.num_filtered, total_steps)
 
     # OPTIMIZER, STATE
-    loss_config = trainer.LossConfig(
-        policy_loss_mode=a.policy_loss.loss_mode, loss_agg_mode=a.loss_agg_mode,
-        clip_ratio=a.clip_ratio, clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
-        clip_ratio_c=a.clip_ratio_c, entropy_coeff=a.entropy_coeff,
-        calculate_entropy=a.calculate_entropy, use_kl_loss=a.use_kl_loss,
-        kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
-        loss_scale_factor=a.loss_scale_factor, temperature=c.rollout.temperature)
+    loss_config = make_loss_config(c)
     tx = trainer.make_optimizer(grad_clip=a.grad_clip, betas=tuple(a.optim.betas),
                                 weight_decay=a.optim.weight_decay)
     warmup_steps = (a.optim.lr_warmup_steps if a.optim.lr_warmup_steps >= 0

@@ -119,3 +119,12 @@ def test_unknown_field_rejected_by_the_cli():
     )
     assert out.returncode != 0
     assert "unknown config field 'kl_coef' in ['--config.actor.kl_coef']" in out.stderr
+
+
+def test_loss_config_from_actor_section():
+    lc = train.make_loss_config(gsm8k_drgrpo.get_config())
+    assert (lc.loss_agg_mode, lc.loss_scale_factor, lc.use_kl_loss) == (
+        "seq-mean-token-sum-norm", 1024.0, False)
+    lc = train.make_loss_config(gsm8k.get_config())
+    assert (lc.kl_loss_type, lc.kl_loss_coef, lc.clip_ratio, lc.temperature) == (
+        "low_var_kl", 0.001, 0.2, 1.0)
