@@ -176,13 +176,27 @@ def test_invalid_for_mesh_is_named(field, value, dp, expected):
     TRIED["config values"] += 1
 
 
-def _train(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory):
+    """A persistent compilation cache shared by this file's train.py runs (same programs)."""
+    return str(tmp_path_factory.mktemp("jax_cache"))
+
+
+def _train(
+    args: list[str], timeout: float = 300, jax_cache: str | None = None
+) -> subprocess.CompletedProcess:
     env = dict(
         os.environ,
         XLA_FLAGS="--xla_force_host_platform_device_count=1",
         JAX_PLATFORMS="cpu",
         PYTHONPATH=os.pathsep.join([REPO, TESTS, os.environ.get("PYTHONPATH", "")]),
     )
+    if jax_cache:
+        env.update(
+            JAX_COMPILATION_CACHE_DIR=jax_cache,
+            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+            JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+        )
     return subprocess.run(
         [sys.executable, "train.py", "--config=configs/demo.py", *args],
         cwd=REPO,
@@ -421,13 +435,14 @@ REWARD_RUN = (
 )
 
 
-def test_failing_reward_raise_names_function_and_sample(tmp_path):
+def test_failing_reward_raise_names_function_and_sample(tmp_path, jax_cache):
     r = _train(
         [
             f"--config.trainer.default_local_dir={tmp_path / 'run'}",
             *REWARD_RUN,
             "--config.reward.on_error=raise",
-        ]
+        ],
+        jax_cache=jax_cache,
     )
     assert r.returncode != 0
     assert "reward function test_faults:failing_reward failed on sample 0" in r.stderr, r.stderr[
@@ -438,14 +453,15 @@ def test_failing_reward_raise_names_function_and_sample(tmp_path):
     TRIED["reward failures"] += 1
 
 
-def test_failing_reward_zero_is_counted(tmp_path):
+def test_failing_reward_zero_is_counted(tmp_path, jax_cache):
     workdir = str(tmp_path / "run")
     r = _train(
         [
             f"--config.trainer.default_local_dir={workdir}",
             *REWARD_RUN,
             "--config.reward.on_error=zero",
-        ]
+        ],
+        jax_cache=jax_cache,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     (row,) = metrics.read(workdir)
