@@ -422,8 +422,18 @@ def _timed(timing: dict, key: str, fn, *args, **kw):
 # ------------------------------------------------------------------------------------------
 
 
+class _QuietLibraryInfo(logging.Filter):
+    """Drops orbax's per-save INFO chatter from the terminal; warnings and errors still show."""
+
+    def filter(self, record):
+        return record.levelno >= logging.WARNING or "/orbax/" not in record.pathname
+
+
 def main(argv):
     del argv
+    from absl import logging as absl_logging
+
+    absl_logging.get_absl_handler().addFilter(_QuietLibraryInfo())
     c = _CONFIG.value
     if c is None:
         raise app.UsageError("--config is required, e.g. --config=configs/demo.py")
