@@ -82,6 +82,17 @@ def test_invalid_values_name_field_and_allowed(field, value, match):
         train.check_config(c)
 
 
+def test_vllm_section_checked_up_front():
+    c = demo.get_config()
+    c.rollout.name = "vllm"  # neither rollout.vllm.python nor rollout.vllm.url is set
+    with pytest.raises(ValueError, match=r"rollout.vllm: .*exactly one of python .* and url"):
+        train.check_config(c)
+    c.rollout.vllm.python = sys.executable
+    c.rollout.vllm.env = "NOEQUALS"
+    with pytest.raises(ValueError, match=r"rollout.vllm: env entry 'NOEQUALS' must be NAME=VALUE"):
+        train.check_config(c)
+
+
 def test_all_problems_reported_together():
     c = demo.get_config()
     c.rollout.n = 1

@@ -100,6 +100,7 @@ def _train(tmp, model_dir, steps):
     return [json.loads(line) for line in open(tmp / "run" / "metrics.jsonl")]
 
 
+@pytest.mark.slow
 def test_two_steps_then_resume_one(setup):
     tmp, model_dir, init = setup
     run = tmp / "run"
