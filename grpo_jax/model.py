@@ -194,10 +194,8 @@ class ModelConfig:
         else:
             hf = transformers.AutoConfig.from_pretrained(os.fspath(path_or_dict))
         archs = list(getattr(hf, "architectures", None) or [])
-        if not archs:
-            by_type = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-            by_type["llama"] = "LlamaForCausalLM"
-            archs = [by_type.get(hf.model_type, f"<model_type {hf.model_type!r}>")]
+        if not archs:  # Our arch names are HF model_type names.
+            archs = [_ARCH_TO_HF.get(hf.model_type, f"<model_type {hf.model_type!r}>")]
         if archs[0] not in ARCHITECTURES:
             raise ValueError(
                 f"Unsupported architecture {archs[0]!r}; grpo_jax.model supports "

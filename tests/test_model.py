@@ -351,6 +351,8 @@ def test_old_hub_config_layout(tmp_path):
     assert (config.head_dim, config.rope_theta, config.rope_scaling) == (16, 1e6, None)
     assert config.eos_token_ids == (7, 9) and config.qkv_bias and not config.qk_norm
     assert config.dtype == np.float32  # torch_dtype bfloat16 never changes the compute dtype.
+    no_archs = {k: v for k, v in raw.items() if k != "architectures"}
+    assert model.ModelConfig.from_hf(no_archs) == config  # Falls back to model_type.
     with pytest.raises(ValueError, match="sliding"):
         model.ModelConfig.from_hf(raw | {"use_sliding_window": True})
     with pytest.raises(ValueError, match="MistralForCausalLM"):
