@@ -28,13 +28,24 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from grpo_jax import advantage as advantage_lib
-from grpo_jax import checkpoint, data, demo_task, distributed, metrics, plot, rewards, sampler
+from grpo_jax import (
+    checkpoint,
+    data,
+    demo_task,
+    distributed,
+    metrics,
+    plot,
+    rewards,
+    sampler,
+    sharding,
+    trainer,
+)
 from grpo_jax import loss as loss_lib
 from grpo_jax import model as model_lib
-from grpo_jax import sharding, trainer
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:arg]).",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Config file (configs/*.py[:arg]).", lock_config=True
+)
 
 # Enum-like string fields and their allowed values (checked before any heavy work).
 CHOICES = {
@@ -78,45 +89,77 @@ def check_config(c: ml_collections.ConfigDict) -> None:
 
     a, d, r, t = c.actor, c.data, c.rollout, c.trainer
     if c.algorithm.adv_estimator in ("grpo", "rloo"):
-        need(r.n >= 2, f"rollout.n={r.n} must be >= 2 for {c.algorithm.adv_estimator} "
-                       "(group baselines need at least two samples per prompt)")
-    for name in ("data.train_batch_size", "data.val_batch_size", "data.max_prompt_length",
-                 "data.max_response_length", "actor.ppo_mini_batch_size",
-                 "actor.ppo_micro_batch_size_per_gpu", "actor.ppo_epochs",
-                 "rollout.log_prob_micro_batch_size_per_gpu", "rollout.val_kwargs.n",
-                 "trainer.total_epochs", "checkpoint.max_to_keep", "warmup.batch_size",
-                 "trainer.max_consecutive_nonfinite", "data.prompt_length_bucket"):
+        need(
+            r.n >= 2,
+            f"rollout.n={r.n} must be >= 2 for {c.algorithm.adv_estimator} "
+            "(group baselines need at least two samples per prompt)",
+        )
+    for name in (
+        "data.train_batch_size",
+        "data.val_batch_size",
+        "data.max_prompt_length",
+        "data.max_response_length",
+        "actor.ppo_mini_batch_size",
+        "actor.ppo_micro_batch_size_per_gpu",
+        "actor.ppo_epochs",
+        "rollout.log_prob_micro_batch_size_per_gpu",
+        "rollout.val_kwargs.n",
+        "trainer.total_epochs",
+        "checkpoint.max_to_keep",
+        "warmup.batch_size",
+        "trainer.max_consecutive_nonfinite",
+        "data.prompt_length_bucket",
+    ):
         need(_get(c, name) >= 1, f"{name}={_get(c, name)} must be >= 1")
     if a.ppo_mini_batch_size >= 1 and d.train_batch_size >= 1:
-        need(d.train_batch_size % a.ppo_mini_batch_size == 0,
-             f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} must divide "
-             f"data.train_batch_size={d.train_batch_size}")
+        need(
+            d.train_batch_size % a.ppo_mini_batch_size == 0,
+            f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} must divide "
+            f"data.train_batch_size={d.train_batch_size}",
+        )
     need(r.temperature > 0, f"rollout.temperature={r.temperature} must be > 0")
-    need(r.val_kwargs.temperature >= 0,
-         f"rollout.val_kwargs.temperature={r.val_kwargs.temperature} must be >= 0")
+    need(
+        r.val_kwargs.temperature >= 0,
+        f"rollout.val_kwargs.temperature={r.val_kwargs.temperature} must be >= 0",
+    )
     need(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]")
     need(r.top_k == -1 or r.top_k >= 1, f"rollout.top_k={r.top_k} must be -1 (off) or >= 1")
-    need(np.isfinite(a.optim.lr) and a.optim.lr > 0,
-         f"actor.optim.lr={a.optim.lr} must be finite and > 0")
-    need(len(a.optim.betas) == 2 and all(0 <= b < 1 for b in a.optim.betas),
-         f"actor.optim.betas={a.optim.betas} must be two values in [0, 1)")
+    need(
+        np.isfinite(a.optim.lr) and a.optim.lr > 0,
+        f"actor.optim.lr={a.optim.lr} must be finite and > 0",
+    )
+    need(
+        len(a.optim.betas) == 2 and all(0 <= b < 1 for b in a.optim.betas),
+        f"actor.optim.betas={a.optim.betas} must be two values in [0, 1)",
+    )
     need(a.grad_clip > 0, f"actor.grad_clip={a.grad_clip} must be > 0")
     need(a.clip_ratio > 0, f"actor.clip_ratio={a.clip_ratio} must be > 0")
     need(a.clip_ratio_c > 1, f"actor.clip_ratio_c={a.clip_ratio_c} must be > 1")
     need(a.kl_loss_coef >= 0, f"actor.kl_loss_coef={a.kl_loss_coef} must be >= 0")
-    need(not a.kl_loss_type.startswith("full"),
-         f"actor.kl_loss_type={a.kl_loss_type!r}: 'full' needs full reference logits, which the "
-         "chunked trainer never builds; use kl, abs, mse or low_var_kl (optionally with '+')")
-    need(a.loss_scale_factor is None or a.loss_scale_factor > 0,
-         f"actor.loss_scale_factor={a.loss_scale_factor} must be > 0 or None")
+    need(
+        not a.kl_loss_type.startswith("full"),
+        f"actor.kl_loss_type={a.kl_loss_type!r}: 'full' needs full reference logits, which the "
+        "chunked trainer never builds; use kl, abs, mse or low_var_kl (optionally with '+')",
+    )
+    need(
+        a.loss_scale_factor is None or a.loss_scale_factor > 0,
+        f"actor.loss_scale_factor={a.loss_scale_factor} must be > 0 or None",
+    )
     need(t.save_freq == -1 or t.save_freq >= 1, f"trainer.save_freq={t.save_freq}: -1 or >= 1")
     need(t.test_freq == -1 or t.test_freq >= 1, f"trainer.test_freq={t.test_freq}: -1 or >= 1")
-    need(t.total_training_steps is None or t.total_training_steps >= 1,
-         f"trainer.total_training_steps={t.total_training_steps} must be >= 1 or None")
+    need(
+        t.total_training_steps is None or t.total_training_steps >= 1,
+        f"trainer.total_training_steps={t.total_training_steps} must be >= 1 or None",
+    )
     need(c.warmup.steps >= 0, f"warmup.steps={c.warmup.steps} must be >= 0")
-    need(d.val_max_samples == -1 or d.val_max_samples >= 1,
-         f"data.val_max_samples={d.val_max_samples}: -1 (all) or >= 1")
-    need(len(c.mesh.shape) == 3, f"mesh.shape={c.mesh.shape} must have 3 entries (data, fsdp, tensor)")
+    need(
+        d.val_max_samples == -1 or d.val_max_samples >= 1,
+        f"data.val_max_samples={d.val_max_samples}: -1 (all) or >= 1",
+    )
+    need(
+        len(c.mesh.shape) == 3,
+        f"mesh.shape={c.mesh.shape} must have 3 entries (data, fsdp, tensor)",
+    )
     # Values that would otherwise fail late (after data or model loading) or without naming
     # their field (tests/test_bad_input.py).
     need(c.warmup.lr > 0, f"warmup.lr={c.warmup.lr} must be > 0")
@@ -124,27 +167,45 @@ def check_config(c: ml_collections.ConfigDict) -> None:
     for name in ("actor.optim.lr_warmup_steps_ratio", "actor.optim.min_lr_ratio"):
         need(0 <= _get(c, name) <= 1, f"{name}={_get(c, name)} must be in [0, 1]")
     for name in ("actor.clip_ratio_low", "actor.clip_ratio_high"):
-        need(_get(c, name) is None or _get(c, name) > 0,
-             f"{name}={_get(c, name)} must be > 0 or None")
-    need(c.algorithm.kl_ctrl.kl_coef >= 0,
-         f"algorithm.kl_ctrl.kl_coef={c.algorithm.kl_ctrl.kl_coef} must be >= 0")
+        need(
+            _get(c, name) is None or _get(c, name) > 0,
+            f"{name}={_get(c, name)} must be > 0 or None",
+        )
+    need(
+        c.algorithm.kl_ctrl.kl_coef >= 0,
+        f"algorithm.kl_ctrl.kl_coef={c.algorithm.kl_ctrl.kl_coef} must be >= 0",
+    )
     for name in ("data.seed", "data.arithmetic.seed", "data.arithmetic.max_operand"):
         need(_get(c, name) >= 0, f"{name}={_get(c, name)} must be >= 0")
-    for name in ("data.arithmetic.num_train", "data.arithmetic.num_val", "model.tiny.hidden_size",
-                 "model.tiny.intermediate_size", "model.tiny.num_layers", "model.tiny.num_heads",
-                 "model.tiny.num_kv_heads", "model.tiny.head_dim"):
+    for name in (
+        "data.arithmetic.num_train",
+        "data.arithmetic.num_val",
+        "model.tiny.hidden_size",
+        "model.tiny.intermediate_size",
+        "model.tiny.num_layers",
+        "model.tiny.num_heads",
+        "model.tiny.num_kv_heads",
+        "model.tiny.head_dim",
+    ):
         need(_get(c, name) >= 1, f"{name}={_get(c, name)} must be >= 1")
     tiny = c.model.tiny
     if tiny.num_heads >= 1 and tiny.num_kv_heads >= 1:
-        need(tiny.num_heads % tiny.num_kv_heads == 0,
-             f"model.tiny.num_heads={tiny.num_heads} must be a multiple of "
-             f"model.tiny.num_kv_heads={tiny.num_kv_heads} (grouped-query attention)")
+        need(
+            tiny.num_heads % tiny.num_kv_heads == 0,
+            f"model.tiny.num_heads={tiny.num_heads} must be a multiple of "
+            f"model.tiny.num_kv_heads={tiny.num_kv_heads} (grouped-query attention)",
+        )
     if d.source == "jsonl":
-        need(bool(d.path) and bool(d.val_path),
-             "data.source='jsonl' needs data.path and data.val_path (raw GSM8K jsonl files)")
+        need(
+            bool(d.path) and bool(d.val_path),
+            "data.source='jsonl' needs data.path and data.val_path (raw GSM8K jsonl files)",
+        )
     if c.model.source == "hf" or c.model.tokenizer == "hf":
-        need(bool(c.model.path), "model.path is required with model.source='hf' or "
-                                 "model.tokenizer='hf' (an HF checkpoint dir or hub id)")
+        need(
+            bool(c.model.path),
+            "model.path is required with model.source='hf' or "
+            "model.tokenizer='hf' (an HF checkpoint dir or hub id)",
+        )
     if r.name == "vllm":
         try:
             _vllm_config(c)
@@ -163,9 +224,11 @@ def check_config(c: ml_collections.ConfigDict) -> None:
         except ValueError:
             errors.append(f"reward.weights={c.reward.weights!r} must be comma-separated floats")
         else:
-            need(len(weights) == len(specs),
-                 f"reward.weights={c.reward.weights!r}: {len(weights)} weights for "
-                 f"{len(specs)} functions in reward.fn")
+            need(
+                len(weights) == len(specs),
+                f"reward.weights={c.reward.weights!r}: {len(weights)} weights for "
+                f"{len(specs)} functions in reward.fn",
+            )
     if errors:
         raise ValueError("invalid config:\n  " + "\n  ".join(errors))
 
@@ -194,8 +257,10 @@ def check_workdir(workdir: str) -> None:
             f.write("ok")
         os.remove(probe)
     except OSError as e:
-        raise ValueError(f"trainer.default_local_dir={workdir!r} is not writable ({e}); "
-                         "point it at a writable directory") from e
+        raise ValueError(
+            f"trainer.default_local_dir={workdir!r} is not writable ({e}); "
+            "point it at a writable directory"
+        ) from e
 
 
 def check_mesh(c, dp: int) -> None:
@@ -205,14 +270,18 @@ def check_mesh(c, dp: int) -> None:
     mini = c.actor.ppo_mini_batch_size * n
     micro = c.actor.ppo_micro_batch_size_per_gpu * dp
     if mini % micro and micro % mini:
-        errors.append(f"actor.ppo_micro_batch_size_per_gpu={c.actor.ppo_micro_batch_size_per_gpu}"
-                      f" x {dp} devices = {micro} must divide the mini-batch of "
-                      f"ppo_mini_batch_size x rollout.n = {mini} sequences")
+        errors.append(
+            f"actor.ppo_micro_batch_size_per_gpu={c.actor.ppo_micro_batch_size_per_gpu}"
+            f" x {dp} devices = {micro} must divide the mini-batch of "
+            f"ppo_mini_batch_size x rollout.n = {mini} sequences"
+        )
     lp = c.rollout.log_prob_micro_batch_size_per_gpu * dp
     batch = c.data.train_batch_size * n
     if batch % lp and lp % batch:
-        errors.append(f"rollout.log_prob_micro_batch_size_per_gpu x {dp} devices = {lp} must "
-                      f"divide the batch of {batch} sequences")
+        errors.append(
+            f"rollout.log_prob_micro_batch_size_per_gpu x {dp} devices = {lp} must "
+            f"divide the batch of {batch} sequences"
+        )
     for name in ("data.train_batch_size", "data.val_batch_size"):
         if _get(c, name) % dp:
             errors.append(f"{name}={_get(c, name)} must be a multiple of the {dp} data devices")
@@ -229,12 +298,20 @@ def make_loss_config(c) -> trainer.LossConfig:
     """The `actor` section (+ rollout.temperature) as the update's static LossConfig."""
     a = c.actor
     return trainer.LossConfig(
-        policy_loss_mode=a.policy_loss.loss_mode, loss_agg_mode=a.loss_agg_mode,
-        clip_ratio=a.clip_ratio, clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
-        clip_ratio_c=a.clip_ratio_c, entropy_coeff=a.entropy_coeff,
-        calculate_entropy=a.calculate_entropy, use_kl_loss=a.use_kl_loss,
-        kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
-        loss_scale_factor=a.loss_scale_factor, temperature=c.rollout.temperature)
+        policy_loss_mode=a.policy_loss.loss_mode,
+        loss_agg_mode=a.loss_agg_mode,
+        clip_ratio=a.clip_ratio,
+        clip_ratio_low=a.clip_ratio_low,
+        clip_ratio_high=a.clip_ratio_high,
+        clip_ratio_c=a.clip_ratio_c,
+        entropy_coeff=a.entropy_coeff,
+        calculate_entropy=a.calculate_entropy,
+        use_kl_loss=a.use_kl_loss,
+        kl_loss_coef=a.kl_loss_coef,
+        kl_loss_type=a.kl_loss_type,
+        loss_scale_factor=a.loss_scale_factor,
+        temperature=c.rollout.temperature,
+    )
 
 
 def load_tokenizer(c):
@@ -244,22 +321,26 @@ def load_tokenizer(c):
 
     tok = transformers.AutoTokenizer.from_pretrained(c.model.path)
     if tok.chat_template is None:
-        raise ValueError(f"tokenizer of {c.model.path} has no chat template (verl's prompt needs one)")
+        raise ValueError(
+            f"tokenizer of {c.model.path} has no chat template (verl's prompt needs one)"
+        )
     return tok
 
 
 def load_examples(c, split: str) -> list[data.Example]:
     d = c.data
     if d.source == "jsonl":
-        return data.read_jsonl(d.path if split == "train" else d.val_path,
-                               on_malformed=d.on_malformed)
+        return data.read_jsonl(
+            d.path if split == "train" else d.val_path, on_malformed=d.on_malformed
+        )
     if d.source == "tfds":
-        return data.read_tfds(d.train_split if split == "train" else d.val_split,
-                              on_malformed=d.on_malformed)
+        return data.read_tfds(
+            d.train_split if split == "train" else d.val_split, on_malformed=d.on_malformed
+        )
     ar = d.arithmetic
-    train_rows, val_rows = demo_task.arithmetic_rows(ar.num_train, ar.num_val,
-                                                     max_operand=ar.max_operand, modulus=ar.modulus,
-                                                     seed=ar.seed)
+    train_rows, val_rows = demo_task.arithmetic_rows(
+        ar.num_train, ar.num_val, max_operand=ar.max_operand, modulus=ar.modulus, seed=ar.seed
+    )
     rows = train_rows if split == "train" else val_rows
     return data.parse_rows(rows, source=f"arithmetic/{split}", on_malformed=d.on_malformed)
 
@@ -268,10 +349,14 @@ def encode_split(c, tokenizer, split: str) -> data.PromptSet:
     examples = load_examples(c, split)
     if split == "val" and c.data.val_max_samples > 0:
         examples = examples[: c.data.val_max_samples]
-    return data.encode(tokenizer, examples, suffix=c.data.prompt_suffix,
-                       max_prompt_length=c.data.max_prompt_length,
-                       filter_overlong_prompts=c.data.filter_overlong_prompts,
-                       truncation=c.data.truncation)
+    return data.encode(
+        tokenizer,
+        examples,
+        suffix=c.data.prompt_suffix,
+        max_prompt_length=c.data.max_prompt_length,
+        filter_overlong_prompts=c.data.filter_overlong_prompts,
+        truncation=c.data.truncation,
+    )
 
 
 def load_model(c, tokenizer, mesh):
@@ -280,20 +365,32 @@ def load_model(c, tokenizer, mesh):
     param_dtype = jnp.dtype(c.model.param_dtype)
     rules = sharding.LOGICAL_RULES
     if c.model.source == "hf":
-        cfg, params = model_lib.load_hf_checkpoint(c.model.path, dtype=param_dtype,
-                                                   shardings=sharding.shard_fn(mesh, rules))
+        cfg, params = model_lib.load_hf_checkpoint(
+            c.model.path, dtype=param_dtype, shardings=sharding.shard_fn(mesh, rules)
+        )
         cfg = dataclasses.replace(cfg, dtype=dtype, remat=c.model.enable_gradient_checkpointing)
         if len(tokenizer) > cfg.vocab_size:
-            raise ValueError(f"tokenizer has {len(tokenizer)} tokens > model vocab {cfg.vocab_size}")
+            raise ValueError(
+                f"tokenizer has {len(tokenizer)} tokens > model vocab {cfg.vocab_size}"
+            )
         return cfg, params
     t = c.model.tiny
     cfg = model_lib.ModelConfig(
-        arch="qwen2", vocab_size=len(tokenizer), hidden_size=t.hidden_size,
-        intermediate_size=t.intermediate_size, num_layers=t.num_layers, num_heads=t.num_heads,
-        num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, dtype=dtype, param_dtype=param_dtype,
+        arch="qwen2",
+        vocab_size=len(tokenizer),
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_layers=t.num_layers,
+        num_heads=t.num_heads,
+        num_kv_heads=t.num_kv_heads,
+        head_dim=t.head_dim,
+        dtype=dtype,
+        param_dtype=param_dtype,
         remat=c.model.enable_gradient_checkpointing,
         max_position_embeddings=c.data.max_prompt_length + c.data.max_response_length + 64,
-        eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id)
+        eos_token_ids=(tokenizer.eos_token_id,),
+        pad_token_id=tokenizer.pad_token_id,
+    )
     params = sharding.init_sharded_params(cfg, mesh, jax.random.key(t.seed), rules)
     return cfg, params
 
@@ -340,10 +437,15 @@ class Run:
 
 def generate(run: Run, params, prompt_ids_PT, prompt_mask_PT, rng, *, n, temperature):
     """One rollout with the configured engine; returns the sampler.Rollout."""
-    kw = dict(n=n, max_new_tokens=run.c.data.max_response_length, temperature=temperature,
-              top_p=run.c.rollout.top_p if temperature > 0 else 1.0,
-              top_k=run.c.rollout.top_k if temperature > 0 else -1,
-              eos_token_ids=run.eos_ids, pad_token_id=run.pad_id)
+    kw = dict(
+        n=n,
+        max_new_tokens=run.c.data.max_response_length,
+        temperature=temperature,
+        top_p=run.c.rollout.top_p if temperature > 0 else 1.0,
+        top_k=run.c.rollout.top_k if temperature > 0 else -1,
+        eos_token_ids=run.eos_ids,
+        pad_token_id=run.pad_id,
+    )
     if run.sidecar is None:
         ids, mask = to_device(prompt_ids_PT, run.mesh), to_device(prompt_mask_PT, run.mesh)
         return sampler.sample(run.model_config, params, ids, mask, rng, **kw)
@@ -357,8 +459,9 @@ def generate(run: Run, params, prompt_ids_PT, prompt_mask_PT, rng, *, n, tempera
 def decode(tokenizer, response_ids_BT: np.ndarray, response_mask_BT: np.ndarray) -> list[str]:
     """Valid response tokens -> text (special tokens such as EOS skipped, as verl)."""
     lengths = response_mask_BT.sum(1)
-    return tokenizer.batch_decode([row[:n] for row, n in zip(response_ids_BT, lengths)],
-                                  skip_special_tokens=True)
+    return tokenizer.batch_decode(
+        [row[:n] for row, n in zip(response_ids_BT, lengths)], skip_special_tokens=True
+    )
 
 
 def evaluate(run: Run, params) -> dict[str, float]:
@@ -372,16 +475,29 @@ def evaluate(run: Run, params) -> dict[str, float]:
         real = len(idx)
         idx += [idx[-1]] * (bs - real)  # pad the last chunk: one compiled shape
         pb = data.make_batch(vs, idx, pad_token_id=run.pad_id)
-        rollout = generate(run, params, pb.prompt_ids_PT, pb.prompt_mask_PT,
-                           jax.random.key(c.trainer.seed), n=n,
-                           temperature=c.rollout.val_kwargs.temperature)
-        ids, mask = to_host(rollout.response_ids)[: real * n], to_host(rollout.response_mask)[: real * n]
+        rollout = generate(
+            run,
+            params,
+            pb.prompt_ids_PT,
+            pb.prompt_mask_PT,
+            jax.random.key(c.trainer.seed),
+            n=n,
+            temperature=c.rollout.val_kwargs.temperature,
+        )
+        ids, mask = (
+            to_host(rollout.response_ids)[: real * n],
+            to_host(rollout.response_mask)[: real * n],
+        )
         texts = decode(run.tokenizer, ids, mask)
-        res = rewards.score_batch(run.reward_fn, texts, np.repeat(pb.ground_truths[:real], n).tolist())
+        res = rewards.score_batch(
+            run.reward_fn, texts, np.repeat(pb.ground_truths[:real], n).tolist()
+        )
         scores += res.scores_B
         lengths += mask.sum(1).tolist()
-    return {f"val/{run.val_name}/acc": float(np.mean(scores)),
-            "val/response_length/mean": float(np.mean(lengths))}
+    return {
+        f"val/{run.val_name}/acc": float(np.mean(scores)),
+        "val/response_length/mean": float(np.mean(lengths)),
+    }
 
 
 def sft_batch(run: Run, indices) -> trainer.TrainBatch:
@@ -399,15 +515,20 @@ def sft_batch(run: Run, indices) -> trainer.TrainBatch:
     arrays = dict(
         input_ids_BS=np.concatenate([pb.prompt_ids_PT, resp_PT], 1),
         attention_mask_BS=np.concatenate([pb.prompt_mask_PT, mask_PT], 1),
-        response_ids_BT=resp_PT, response_mask_BT=mask_PT,
-        advantages_BT=np.zeros(resp_PT.shape, np.float32))
+        response_ids_BT=resp_PT,
+        response_mask_BT=mask_PT,
+        advantages_BT=np.zeros(resp_PT.shape, np.float32),
+    )
     return trainer.TrainBatch(**{k: to_device(v, run.mesh) for k, v in arrays.items()})
 
 
 def _stats(prefix: str, x) -> dict[str, float]:
     x = np.asarray(x, np.float64)
-    return {f"{prefix}/mean": float(x.mean()), f"{prefix}/max": float(x.max()),
-            f"{prefix}/min": float(x.min())}
+    return {
+        f"{prefix}/mean": float(x.mean()),
+        f"{prefix}/max": float(x.max()),
+        f"{prefix}/min": float(x.min()),
+    }
 
 
 def _timed(timing: dict, key: str, fn, *args, **kw):
@@ -464,27 +585,56 @@ def main(argv):
     if c.rollout.name == "vllm":
         from grpo_jax import vllm_sidecar
 
-        sidecar = vllm_sidecar.VLLMSidecar(_vllm_config(c), model_config,
-                                           os.path.join(workdir, "vllm"))
-    run = Run(c, mesh, tokenizer, model_config, eos_ids, pad_id, reward_fn, train_set, val_set,
-              "arithmetic" if c.data.source == "arithmetic" else "gsm8k", sidecar)
-    logging.info("model %s; %d train / %d val prompts (%d / %d filtered); %d steps",
-                 model_config, len(train_set), len(val_set), train_set.num_filtered,
-                 val_set.num_filtered, total_steps)
+        sidecar = vllm_sidecar.VLLMSidecar(
+            _vllm_config(c), model_config, os.path.join(workdir, "vllm")
+        )
+    run = Run(
+        c,
+        mesh,
+        tokenizer,
+        model_config,
+        eos_ids,
+        pad_id,
+        reward_fn,
+        train_set,
+        val_set,
+        "arithmetic" if c.data.source == "arithmetic" else "gsm8k",
+        sidecar,
+    )
+    logging.info(
+        "model %s; %d train / %d val prompts (%d / %d filtered); %d steps",
+        model_config,
+        len(train_set),
+        len(val_set),
+        train_set.num_filtered,
+        val_set.num_filtered,
+        total_steps,
+    )
 
     # OPTIMIZER, STATE
     loss_config = make_loss_config(c)
-    tx = trainer.make_optimizer(grad_clip=a.grad_clip, betas=tuple(a.optim.betas),
-                                weight_decay=a.optim.weight_decay)
-    warmup_steps = (a.optim.lr_warmup_steps if a.optim.lr_warmup_steps >= 0
-                    else int(a.optim.lr_warmup_steps_ratio * total_steps))
-    schedule = trainer.lr_schedule(lr=a.optim.lr, warmup_steps=warmup_steps,
-                                   total_steps=total_steps, kind=a.optim.lr_scheduler_type,
-                                   min_lr_ratio=a.optim.min_lr_ratio)
+    tx = trainer.make_optimizer(
+        grad_clip=a.grad_clip, betas=tuple(a.optim.betas), weight_decay=a.optim.weight_decay
+    )
+    warmup_steps = (
+        a.optim.lr_warmup_steps
+        if a.optim.lr_warmup_steps >= 0
+        else int(a.optim.lr_warmup_steps_ratio * total_steps)
+    )
+    schedule = trainer.lr_schedule(
+        lr=a.optim.lr,
+        warmup_steps=warmup_steps,
+        total_steps=total_steps,
+        kind=a.optim.lr_scheduler_type,
+        min_lr_ratio=a.optim.min_lr_ratio,
+    )
     param_sh = sharding.param_shardings(model_config, mesh)
     abstract_params = model_lib.abstract_params(model_config)
-    state_sh = trainer.TrainState(sharding.replicated(mesh), param_sh,
-                                  sharding.tx_state_shardings(tx, abstract_params, param_sh, mesh))
+    state_sh = trainer.TrainState(
+        sharding.replicated(mesh),
+        param_sh,
+        sharding.tx_state_shardings(tx, abstract_params, param_sh, mesh),
+    )
     init_fn = jax.jit(functools.partial(trainer.init_state, tx=tx), out_shardings=state_sh)
     state = init_fn(params)  # a copy: `params` stays intact as the frozen reference
     needs_ref = a.use_kl_loss or c.algorithm.use_kl_in_reward
@@ -495,34 +645,59 @@ def main(argv):
 
     mini_rows = a.ppo_mini_batch_size * n
     micro_rows = min(a.ppo_micro_batch_size_per_gpu * dp, mini_rows)
-    step_fn = jax.jit(functools.partial(
-        trainer.train_step, model_config=model_config, loss_config=loss_config, tx=tx,
-        mini_batch_size=mini_rows, micro_batch_size=micro_rows), donate_argnums=0)
-    logp_fn = jax.jit(functools.partial(
-        trainer.compute_log_probs, model_config,
-        micro_batch_size=min(c.rollout.log_prob_micro_batch_size_per_gpu * dp,
-                             c.data.train_batch_size * n),
-        temperature=c.rollout.temperature, chunk_size=loss_config.chunk_size,
-        calculate_entropy=False))
-    adv_fn = jax.jit(functools.partial(
-        advantage_lib.compute_grpo_outcome_advantage,
-        norm_adv_by_std_in_grpo=c.algorithm.norm_adv_by_std_in_grpo)
+    step_fn = jax.jit(
+        functools.partial(
+            trainer.train_step,
+            model_config=model_config,
+            loss_config=loss_config,
+            tx=tx,
+            mini_batch_size=mini_rows,
+            micro_batch_size=micro_rows,
+        ),
+        donate_argnums=0,
+    )
+    logp_fn = jax.jit(
+        functools.partial(
+            trainer.compute_log_probs,
+            model_config,
+            micro_batch_size=min(
+                c.rollout.log_prob_micro_batch_size_per_gpu * dp, c.data.train_batch_size * n
+            ),
+            temperature=c.rollout.temperature,
+            chunk_size=loss_config.chunk_size,
+            calculate_entropy=False,
+        )
+    )
+    adv_fn = jax.jit(
+        functools.partial(
+            advantage_lib.compute_grpo_outcome_advantage,
+            norm_adv_by_std_in_grpo=c.algorithm.norm_adv_by_std_in_grpo,
+        )
         if c.algorithm.adv_estimator == "grpo"
-        else advantage_lib.compute_rloo_outcome_advantage, static_argnames="num_groups")
+        else advantage_lib.compute_rloo_outcome_advantage,
+        static_argnames="num_groups",
+    )
 
     # RESUME
-    mngr = checkpoint.manager(os.path.join(workdir, "checkpoints"), max_to_keep=c.checkpoint.max_to_keep)
+    mngr = checkpoint.manager(
+        os.path.join(workdir, "checkpoints"), max_to_keep=c.checkpoint.max_to_keep
+    )
     writer = metrics.Writer(workdir, tensorboard=c.trainer.tensorboard, enabled=is_main)
     position, start_step, consecutive_bad = data.Position(), 0, 0
     restored = None
     if c.trainer.resume_mode == "auto":
         # The reference is the policy after the warm-up; with a warm-up it is checkpointed too.
-        tree, tree_sh = {"train": state, "rng": root_key}, {"train": state_sh,
-                                                            "rng": sharding.replicated(mesh)}
+        tree, tree_sh = (
+            {"train": state, "rng": root_key},
+            {"train": state_sh, "rng": sharding.replicated(mesh)},
+        )
         if ref_in_ckpt:
             tree["ref"], tree_sh["ref"] = ref_params, param_sh
-        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                jax.eval_shape(lambda: tree), tree_sh)
+        abstract = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            jax.eval_shape(lambda: tree),
+            tree_sh,
+        )
         restored = checkpoint.restore_latest(mngr, abstract)
     if restored is not None:
         start_step, tree, meta = restored
@@ -534,8 +709,12 @@ def main(argv):
         writer.truncate_after(start_step)
         if start_step not in [r["step"] for r in metrics.read(workdir)]:
             writer.write(start_step, meta["metrics"])  # killed between the save and the row
-        logging.info("resumed from step %d (data epoch %d, index %d)", start_step,
-                     position.epoch, position.index)
+        logging.info(
+            "resumed from step %d (data epoch %d, index %d)",
+            start_step,
+            position.epoch,
+            position.index,
+        )
     warmup_record = {}
     if restored is None:
         writer.truncate_after(-1)
@@ -548,8 +727,13 @@ def main(argv):
         t0 = time.perf_counter()
         # `row` is the step's metrics row: a kill after the save but before writer.write would
         # otherwise lose it for good (the resumed run starts after this step).
-        meta = {"step": step, "data_epoch": position.epoch, "data_index": position.index,
-                "consecutive_nonfinite": consecutive_bad, "metrics": row}
+        meta = {
+            "step": step,
+            "data_epoch": position.epoch,
+            "data_index": position.index,
+            "consecutive_nonfinite": consecutive_bad,
+            "metrics": row,
+        }
         tree = {"train": state, "rng": root_key} | ({"ref": ref_params} if ref_in_ckpt else {})
         checkpoint.save(mngr, step, tree, meta)
         return time.perf_counter() - t0
@@ -564,20 +748,40 @@ def main(argv):
     # LOOP
     import tqdm
 
-    bar = tqdm.tqdm(total=total_steps, initial=start_step, disable=not (is_main and c.trainer.progress_bar),
-                    desc="grpo", dynamic_ncols=True)
+    bar = tqdm.tqdm(
+        total=total_steps,
+        initial=start_step,
+        disable=not (is_main and c.trainer.progress_bar),
+        desc="grpo",
+        dynamic_ncols=True,
+    )
     last_val = {}
     for step in range(start_step, total_steps):
         timing = {}
         t_step = time.perf_counter()
-        idx, position = data.next_indices(len(train_set), position, c.data.train_batch_size,
-                                          seed=c.data.seed, shuffle=c.data.shuffle)
+        idx, position = data.next_indices(
+            len(train_set),
+            position,
+            c.data.train_batch_size,
+            seed=c.data.seed,
+            shuffle=c.data.shuffle,
+        )
         pb = data.make_batch(train_set, idx, pad_token_id=pad_id)
         rng = jax.random.fold_in(jax.random.wrap_key_data(root_key), step)
         if sidecar is not None and step > start_step:  # params changed by the last update
             timing["timing_s/weight_sync"] = sidecar.push_weights(state.params)
-        rollout = _timed(timing, "gen", generate, run, state.params, pb.prompt_ids_PT,
-                         pb.prompt_mask_PT, rng, n=n, temperature=c.rollout.temperature)
+        rollout = _timed(
+            timing,
+            "gen",
+            generate,
+            run,
+            state.params,
+            pb.prompt_ids_PT,
+            pb.prompt_mask_PT,
+            rng,
+            n=n,
+            temperature=c.rollout.temperature,
+        )
         resp_ids, resp_mask = to_host(rollout.response_ids), to_host(rollout.response_mask)
 
         t0 = time.perf_counter()
@@ -585,9 +789,18 @@ def main(argv):
         res = rewards.score_batch(reward_fn, texts, np.repeat(pb.ground_truths, n).tolist())
         timing["timing_s/reward"] = time.perf_counter() - t0
 
-        batch, extra = build_batch(run, rollout, res.scores_B, state, ref_params, logp_fn, adv_fn,
-                                   prompt_width=pb.prompt_ids_PT.shape[1], on_policy=(c.data.train_batch_size == a.ppo_mini_batch_size
-                                              and a.ppo_epochs == 1), timing=timing)
+        batch, extra = build_batch(
+            run,
+            rollout,
+            res.scores_B,
+            state,
+            ref_params,
+            logp_fn,
+            adv_fn,
+            prompt_width=pb.prompt_ids_PT.shape[1],
+            on_policy=(c.data.train_batch_size == a.ppo_mini_batch_size and a.ppo_epochs == 1),
+            timing=timing,
+        )
         lr = jnp.float32(schedule(step))
         t0 = time.perf_counter()
         updates = []
@@ -603,7 +816,8 @@ def main(argv):
             raise RuntimeError(
                 f"{consecutive_bad} consecutive steps had non-finite losses or gradients (limit "
                 f"trainer.max_consecutive_nonfinite={c.trainer.max_consecutive_nonfinite}); last "
-                f"grad norms {[float(u['actor/grad_norm']) for u in updates]}")
+                f"grad norms {[float(u['actor/grad_norm']) for u in updates]}"
+            )
 
         record = {k: float(np.mean([u[k] for u in updates])) for k in updates[0]}
         record["actor/update_skipped"] = skipped
@@ -630,8 +844,10 @@ def main(argv):
         record |= timing
         record["perf/throughput"] = num_tokens / timing["timing_s/step"] / jax.device_count()
         writer.write(done, record)
-        bar.set_postfix(score=f"{record['critic/score/mean']:.3f}",
-                        **{k.split("/")[1]: f"{v:.3f}" for k, v in last_val.items() if k.endswith("acc")})
+        bar.set_postfix(
+            score=f"{record['critic/score/mean']:.3f}",
+            **{k.split("/")[1]: f"{v:.3f}" for k, v in last_val.items() if k.endswith("acc")},
+        )
         bar.update(1)
     bar.close()
 
@@ -650,8 +866,19 @@ def main(argv):
         print(json.dumps({"final": final, "workdir": workdir}))
 
 
-def build_batch(run: Run, rollout, scores_B, state, ref_params, logp_fn, adv_fn, *, prompt_width,
-                on_policy, timing):
+def build_batch(
+    run: Run,
+    rollout,
+    scores_B,
+    state,
+    ref_params,
+    logp_fn,
+    adv_fn,
+    *,
+    prompt_width,
+    on_policy,
+    timing,
+):
     """Rewards -> advantages, plus old/ref log-probs: the TrainBatch and its extra metrics.
 
     The sampler's prompt columns are bucketed to its own multiple; the model input of the update
@@ -661,13 +888,17 @@ def build_batch(run: Run, rollout, scores_B, state, ref_params, logp_fn, adv_fn,
     c = run.c
     n = c.rollout.n
     resp_mask = rollout.response_mask
-    width = min(rollout.prompt_ids.shape[1],
-                sampler.bucket_length(prompt_width, c.data.prompt_length_bucket))
+    width = min(
+        rollout.prompt_ids.shape[1],
+        sampler.bucket_length(prompt_width, c.data.prompt_length_bucket),
+    )
     batch = trainer.TrainBatch(
         input_ids_BS=jnp.concatenate([rollout.prompt_ids[:, -width:], rollout.response_ids], 1),
         attention_mask_BS=jnp.concatenate([rollout.prompt_mask[:, -width:], resp_mask], 1),
-        response_ids_BT=rollout.response_ids, response_mask_BT=resp_mask,
-        advantages_BT=jnp.zeros(resp_mask.shape, jnp.float32))
+        response_ids_BT=rollout.response_ids,
+        response_mask_BT=resp_mask,
+        advantages_BT=jnp.zeros(resp_mask.shape, jnp.float32),
+    )
     extra = {}
     old_BT = ref_BT = None
     if not on_policy or c.algorithm.use_kl_in_reward:
@@ -687,15 +918,19 @@ def build_batch(run: Run, rollout, scores_B, state, ref_params, logp_fn, adv_fn,
         extra["actor/reward_kl_penalty"] = float(jnp.mean(per_row))
         extra["actor/reward_kl_penalty_coeff"] = beta
     t0 = time.perf_counter()
-    adv_BT, _ = adv_fn(token_rewards_BT, resp_mask, rollout.group_ids,
-                       num_groups=resp_mask.shape[0] // n)
+    adv_BT, _ = adv_fn(
+        token_rewards_BT, resp_mask, rollout.group_ids, num_groups=resp_mask.shape[0] // n
+    )
     timing["timing_s/adv"] = time.perf_counter() - t0
     valid = np.asarray(to_host(resp_mask), bool)
     adv_host = to_host(adv_BT)[valid]
     extra |= _stats("critic/advantages", adv_host)
     extra |= _stats("critic/rewards", to_host(jnp.sum(token_rewards_BT, 1)))
-    batch = batch.replace(advantages_BT=adv_BT,
-                          old_log_probs_BT=None if on_policy else old_BT, ref_log_probs_BT=ref_BT)
+    batch = batch.replace(
+        advantages_BT=adv_BT,
+        old_log_probs_BT=None if on_policy else old_BT,
+        ref_log_probs_BT=ref_BT,
+    )
     return batch, extra
 
 
@@ -707,13 +942,21 @@ def warm_up(run: Run, state, tx, micro_rows):
     """
     c = run.c
     bs = c.warmup.batch_size
-    sft_fn = jax.jit(functools.partial(trainer.sft_step, model_config=run.model_config, tx=tx,
-                                       micro_batch_size=min(micro_rows, bs)), donate_argnums=0)
+    sft_fn = jax.jit(
+        functools.partial(
+            trainer.sft_step,
+            model_config=run.model_config,
+            tx=tx,
+            micro_batch_size=min(micro_rows, bs),
+        ),
+        donate_argnums=0,
+    )
     position = data.Position()
     nll = float("nan")
     for i in range(c.warmup.steps):
-        idx, position = data.next_indices(len(run.train_set), position, bs,
-                                          seed=c.data.seed + 1, shuffle=True)
+        idx, position = data.next_indices(
+            len(run.train_set), position, bs, seed=c.data.seed + 1, shuffle=True
+        )
         state, m = sft_fn(state, sft_batch(run, idx), jnp.float32(c.warmup.lr))
         nll = float(m["sft/nll"])
         if i % 10 == 0 or i == c.warmup.steps - 1:
@@ -732,7 +975,8 @@ def parse_flags(argv):
         raise SystemExit(
             f"unknown config field {key!r} in {bad or argv[1:]}: the config is locked, every "
             f"field is declared in configs/common.py (verl names; see README 'verl override "
-            f"mapping')") from e
+            f"mapping')"
+        ) from e
 
 
 if __name__ == "__main__":

@@ -49,7 +49,9 @@ def get_config(arg=None):
     c.trainer.default_local_dir = "runs/gsm8k"
     if arg.model:
         if arg.model not in MODELS:
-            raise ValueError(f"configs/gsm8k.py:model must be one of {sorted(MODELS)}, got {arg.model!r}")
+            raise ValueError(
+                f"configs/gsm8k.py:model must be one of {sorted(MODELS)}, got {arg.model!r}"
+            )
         c.model.path = MODELS[arg.model]
     if arg.smoke:
         common.make_smoke(c)

@@ -170,7 +170,9 @@ def encode(
         kept.append(ex)
         ids_list.append(tuple(int(t) for t in ids))
     if num_filtered:
-        logging.warning("filtered %d prompt(s) longer than %d tokens", num_filtered, max_prompt_length)
+        logging.warning(
+            "filtered %d prompt(s) longer than %d tokens", num_filtered, max_prompt_length
+        )
     if not kept:
         raise ValueError(f"every prompt is longer than data.max_prompt_length={max_prompt_length}")
     return PromptSet(tuple(kept), tuple(ids_list), num_filtered)

@@ -31,7 +31,9 @@ def plot(workdir: str, out: str | None = None) -> str:
     for ax, (title, keys, prefix) in zip(axes, PANELS):
         names = [k for k in keys if any(k in r for r in records)][:1]
         if prefix:
-            names += sorted({k for r in records for k in r if k.startswith(prefix) and k.endswith("acc")})
+            names += sorted(
+                {k for r in records for k in r if k.startswith(prefix) and k.endswith("acc")}
+            )
         for name in names:
             pts = [(r["step"], r[name]) for r in records if isinstance(r.get(name), float)]
             if pts:

@@ -132,7 +132,9 @@ class RewardFn:
                 f"reward.weights: {len(self.weights)} weights for {len(self.fns)} functions"
             )
         if self.on_error not in ON_ERROR_MODES:
-            raise ValueError(f"reward.on_error must be one of {ON_ERROR_MODES}, got {self.on_error!r}")
+            raise ValueError(
+                f"reward.on_error must be one of {ON_ERROR_MODES}, got {self.on_error!r}"
+            )
 
 
 def make_reward_fn(specs: str, weights: str = "", *, on_error: str = "raise") -> RewardFn:
@@ -148,7 +150,9 @@ def make_reward_fn(specs: str, weights: str = "", *, on_error: str = "raise") ->
         try:
             ws = tuple(float(w) for w in weights.split(","))
         except ValueError as e:
-            raise ValueError(f"reward.weights must be comma-separated floats, got {weights!r}") from e
+            raise ValueError(
+                f"reward.weights must be comma-separated floats, got {weights!r}"
+            ) from e
     else:
         ws = (1.0,) * len(names)
     return RewardFn(names, tuple(load_function(n) for n in names), ws, on_error)

@@ -119,7 +119,9 @@ class LossConfig:
         if self.clip_ratio_c <= 1.0:
             raise ValueError(f"actor.clip_ratio_c must be > 1, got {self.clip_ratio_c}")
         if self.temperature <= 0:
-            raise ValueError(f"rollout.temperature must be > 0 for training, got {self.temperature}")
+            raise ValueError(
+                f"rollout.temperature must be > 0 for training, got {self.temperature}"
+            )
 
 
 def response_log_probs(
@@ -231,7 +233,9 @@ def lr_schedule(
       min_lr_ratio: cosine floor as a fraction of lr.
     """
     if kind not in LR_SCHEDULES:
-        raise ValueError(f"actor.optim.lr_scheduler_type must be one of {LR_SCHEDULES}, got {kind!r}")
+        raise ValueError(
+            f"actor.optim.lr_scheduler_type must be one of {LR_SCHEDULES}, got {kind!r}"
+        )
     if kind == "constant":
         after = optax.constant_schedule(lr)
     else:
@@ -324,7 +328,9 @@ def train_step(
       (new_state, metrics): float32 scalars with verl's actor/* names.
     """
     mini = jax.tree.map(
-        lambda x: jax.lax.dynamic_slice_in_dim(x, mini_batch_index * mini_batch_size, mini_batch_size),
+        lambda x: jax.lax.dynamic_slice_in_dim(
+            x, mini_batch_index * mini_batch_size, mini_batch_size
+        ),
         batch,
     )
     num_micro = _num_chunks(mini_batch_size, micro_batch_size, "actor.ppo_micro_batch_size")

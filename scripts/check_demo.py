@@ -27,8 +27,12 @@ def main() -> int:
     workdir = args.workdir or tempfile.mkdtemp(prefix="grpo_demo_")
     if os.path.exists(os.path.join(workdir, "metrics.jsonl")):
         sys.exit(f"{workdir} already holds a run; pass a fresh --workdir")
-    cmd = [sys.executable, "train.py", "--config=configs/demo.py",
-           f"--config.trainer.default_local_dir={workdir}"]
+    cmd = [
+        sys.executable,
+        "train.py",
+        "--config=configs/demo.py",
+        f"--config.trainer.default_local_dir={workdir}",
+    ]
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, check=True)
     wall = time.perf_counter() - t0
@@ -42,9 +46,19 @@ def main() -> int:
         "final >= 2 x first": final >= 2 * first,
         f"wall <= {args.max_seconds:.0f} s": wall <= args.max_seconds,
     }
-    print(json.dumps({"first_eval_acc": first, "final_eval_acc": final, "final_step": final_step,
-                      "evals": evals, "wall_s": round(wall, 1), "workdir": workdir,
-                      "checks": checks}))
+    print(
+        json.dumps(
+            {
+                "first_eval_acc": first,
+                "final_eval_acc": final,
+                "final_step": final_step,
+                "evals": evals,
+                "wall_s": round(wall, 1),
+                "workdir": workdir,
+                "checks": checks,
+            }
+        )
+    )
     return 0 if all(checks.values()) else 1
 
 

@@ -17,11 +17,18 @@ def test_gsm8k_has_verl_recipe_defaults():
     c = gsm8k.get_config()
     assert (c.rollout.n, c.actor.use_kl_loss, c.actor.kl_loss_coef) == (5, True, 0.001)
     assert (c.actor.kl_loss_type, c.actor.loss_agg_mode, c.actor.clip_ratio) == (
-        "low_var_kl", "token-mean", 0.2)
+        "low_var_kl",
+        "token-mean",
+        0.2,
+    )
     assert (c.actor.optim.lr, c.data.max_prompt_length, c.data.max_response_length) == (
-        1e-6, 512, 1024)
+        1e-6,
+        512,
+        1024,
+    )
     assert c.data.prompt_suffix == (
-        ' Let\'s think step by step and output the final answer after "####".')
+        ' Let\'s think step by step and output the final answer after "####".'
+    )
 
 
 def test_variants():
@@ -33,7 +40,10 @@ def test_variants():
     with pytest.raises(ValueError, match=r"unknown config arg\(s\) \['bogus'\]"):
         gsm8k.get_config("bogus=1")
     dr = gsm8k_drgrpo.get_config()
-    assert (dr.actor.loss_agg_mode, dr.actor.loss_scale_factor) == ("seq-mean-token-sum-norm", 1024.0)
+    assert (dr.actor.loss_agg_mode, dr.actor.loss_scale_factor) == (
+        "seq-mean-token-sum-norm",
+        1024.0,
+    )
     assert dr.algorithm.norm_adv_by_std_in_grpo is False and dr.actor.use_kl_loss is False
 
 
@@ -61,15 +71,38 @@ def test_shipped_configs_validate(get):
     "field, value, match",
     [
         ("rollout.n", 1, r"rollout.n=1 must be >= 2 for grpo"),
-        ("actor.ppo_mini_batch_size", 3, r"ppo_mini_batch_size=3 must divide data.train_batch_size=16"),
-        ("actor.loss_agg_mode", "mean",
-         r"actor.loss_agg_mode='mean' must be one of \['token-mean', 'token-sum'"),
+        (
+            "actor.ppo_mini_batch_size",
+            3,
+            r"ppo_mini_batch_size=3 must divide data.train_batch_size=16",
+        ),
+        (
+            "actor.loss_agg_mode",
+            "mean",
+            r"actor.loss_agg_mode='mean' must be one of \['token-mean', 'token-sum'",
+        ),
         ("actor.kl_loss_type", "k4", r"actor.kl_loss_type='k4' must be one of \[.*'low_var_kl'"),
         ("rollout.name", "sglang", r"rollout.name='sglang' must be one of \['jax', 'vllm'\]"),
-        ("data.truncation", "middle", r"data.truncation='middle' must be one of \['error', 'left', 'right'\]"),
-        ("algorithm.adv_estimator", "gae", r"adv_estimator='gae' must be one of \['grpo', 'rloo'\]"),
-        ("reward.on_error", "ignore", r"reward.on_error='ignore' must be one of \['raise', 'zero'\]"),
-        ("reward.fn", "nope_module:f", r"reward.fn: reward function 'nope_module:f': cannot import"),
+        (
+            "data.truncation",
+            "middle",
+            r"data.truncation='middle' must be one of \['error', 'left', 'right'\]",
+        ),
+        (
+            "algorithm.adv_estimator",
+            "gae",
+            r"adv_estimator='gae' must be one of \['grpo', 'rloo'\]",
+        ),
+        (
+            "reward.on_error",
+            "ignore",
+            r"reward.on_error='ignore' must be one of \['raise', 'zero'\]",
+        ),
+        (
+            "reward.fn",
+            "nope_module:f",
+            r"reward.fn: reward function 'nope_module:f': cannot import",
+        ),
         ("actor.clip_ratio_c", 1.0, r"actor.clip_ratio_c=1.0 must be > 1"),
         ("trainer.save_freq", 0, r"trainer.save_freq=0: -1 or >= 1"),
     ],
@@ -114,8 +147,11 @@ def test_mesh_divisibility():
     c = demo.get_config()  # 16 prompts x 8 samples; micro 128 per device
     train.check_mesh(c, 1)
     c.actor.ppo_micro_batch_size_per_gpu = 48
-    with pytest.raises(ValueError, match=r"48 x 2 devices = 96 must divide the mini-batch of "
-                                         r"ppo_mini_batch_size x rollout.n = 128"):
+    with pytest.raises(
+        ValueError,
+        match=r"48 x 2 devices = 96 must divide the mini-batch of "
+        r"ppo_mini_batch_size x rollout.n = 128",
+    ):
         train.check_mesh(c, 2)
     with pytest.raises(ValueError, match=r"train_batch_size=16 must be a multiple of the 3"):
         train.check_mesh(demo.get_config(), 3)
@@ -125,7 +161,10 @@ def test_unknown_field_rejected_by_the_cli():
     # lock_config=True: a typo'd override is an error naming the field, before any work.
     out = subprocess.run(
         [sys.executable, "train.py", "--config=configs/demo.py", "--config.actor.kl_coef=0.0"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
     assert out.returncode != 0
@@ -135,7 +174,14 @@ def test_unknown_field_rejected_by_the_cli():
 def test_loss_config_from_actor_section():
     lc = train.make_loss_config(gsm8k_drgrpo.get_config())
     assert (lc.loss_agg_mode, lc.loss_scale_factor, lc.use_kl_loss) == (
-        "seq-mean-token-sum-norm", 1024.0, False)
+        "seq-mean-token-sum-norm",
+        1024.0,
+        False,
+    )
     lc = train.make_loss_config(gsm8k.get_config())
     assert (lc.kl_loss_type, lc.kl_loss_coef, lc.clip_ratio, lc.temperature) == (
-        "low_var_kl", 0.001, 0.2, 1.0)
+        "low_var_kl",
+        0.001,
+        0.2,
+        1.0,
+    )

@@ -32,8 +32,12 @@ def test_malformed_rows_skipped_with_line_numbers(tmp_path, caplog):
     exs = data.read_jsonl(path, on_malformed="skip")
     assert [(e.line, e.ground_truth) for e in exs] == [(1, "5"), (6, "1234")]
     assert "4 malformed row(s)" in caplog.text
-    for line in ("line 2: invalid JSON", "line 3: missing or empty 'question'",
-                 "line 4: missing 'answer'", "line 5: answer has no"):
+    for line in (
+        "line 2: invalid JSON",
+        "line 3: missing or empty 'question'",
+        "line 4: missing 'answer'",
+        "line 5: answer has no",
+    ):
         assert line in caplog.text
 
 
@@ -54,8 +58,14 @@ def test_prompt_is_verl_instruction_in_chat_template():
     suffix = ' Let\'s think step by step and output the final answer after "####".'
     text = data.chat_prompt(tok, "2+3?", suffix=suffix)
     assert text == "<|user|>2+3?" + suffix + "<|assistant|>"
-    ps = data.encode(tok, _examples(["2+3?"]), suffix=suffix, max_prompt_length=512,
-                     filter_overlong_prompts=False, truncation="error")
+    ps = data.encode(
+        tok,
+        _examples(["2+3?"]),
+        suffix=suffix,
+        max_prompt_length=512,
+        filter_overlong_prompts=False,
+        truncation="error",
+    )
     # char tokenizer: <|user|> + 4 chars of "2+3?" + the suffix + <|assistant|>
     assert len(ps.prompt_ids[0]) == 1 + 4 + len(suffix) + 1
     assert tok.decode(ps.prompt_ids[0], skip_special_tokens=True) == "2+3?" + suffix

@@ -11,8 +11,10 @@ from grpo_jax import checkpoint
 
 
 def _tree(v):
-    return {"train": {"w": jnp.full((3,), v, jnp.float32), "step": jnp.int32(v)},
-            "rng": jax.random.key_data(jax.random.key(7))}
+    return {
+        "train": {"w": jnp.full((3,), v, jnp.float32), "step": jnp.int32(v)},
+        "rng": jax.random.key_data(jax.random.key(7)),
+    }
 
 
 def _abstract(tree):
@@ -23,7 +25,9 @@ def test_roundtrip_keep_and_fallback(tmp_path):
     mngr = checkpoint.manager(str(tmp_path), max_to_keep=2)
     assert checkpoint.restore_latest(mngr, _abstract(_tree(0))) is None
     for step in (1, 2, 3):
-        checkpoint.save(mngr, step, _tree(step), {"step": step, "data_epoch": 0, "data_index": 4 * step})
+        checkpoint.save(
+            mngr, step, _tree(step), {"step": step, "data_epoch": 0, "data_index": 4 * step}
+        )
     assert sorted(mngr.all_steps()) == [2, 3]  # max_to_keep=2 deleted step 1
     step, tree, meta = checkpoint.restore_latest(mngr, _abstract(_tree(0)))
     assert (step, meta["data_index"]) == (3, 12)

@@ -29,8 +29,12 @@ def _rows(n, offset):
     rows = []
     for i in range(n):
         a, b = offset + i, 2 * i + 1
-        rows.append({"question": f"Tom has {a} apples and buys {b} more. How many apples now?",
-                     "answer": f"{a} + {b} = <<{a}+{b}={a + b}>>{a + b}\n#### {a + b}"})
+        rows.append(
+            {
+                "question": f"Tom has {a} apples and buys {b} more. How many apples now?",
+                "answer": f"{a} + {b} = <<{a}+{b}={a + b}>>{a + b}\n#### {a + b}",
+            }
+        )
     return rows
 
 
@@ -49,12 +53,18 @@ def _build_tokenizer(path, texts):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer)
     fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        chat_template=CHATML)
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHATML,
+    )
     fast.save_pretrained(path)
     return fast
 
@@ -69,8 +79,11 @@ def setup(tmp_path_factory):
     texts = [r["question"] + " " + r["answer"] for r in train_rows] + ["user assistant"]
     tok = _build_tokenizer(model_dir, texts)
     cfg = model.ModelConfig.tiny(
-        vocab_size=320, eos_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id,
-        max_position_embeddings=256)
+        vocab_size=320,
+        eos_token_ids=(tok.eos_token_id,),
+        pad_token_id=tok.pad_token_id,
+        max_position_embeddings=256,
+    )
     params = model.init_params(cfg, jax.random.key(1))
     model.save_hf_checkpoint(cfg, params, model_dir)
     return tmp, model_dir, params
@@ -78,23 +91,33 @@ def setup(tmp_path_factory):
 
 def _train(tmp, model_dir, steps):
     cmd = [
-        sys.executable, "train.py", "--config=configs/gsm8k.py",
+        sys.executable,
+        "train.py",
+        "--config=configs/gsm8k.py",
         f"--config.model.path={model_dir}",
         f"--config.data.path={tmp / 'train.jsonl'}",
         f"--config.data.val_path={tmp / 'test.jsonl'}",
         f"--config.trainer.default_local_dir={tmp / 'run'}",
         "--config.data.source=jsonl",
-        "--config.data.train_batch_size=4", "--config.actor.ppo_mini_batch_size=2",
+        "--config.data.train_batch_size=4",
+        "--config.actor.ppo_mini_batch_size=2",
         "--config.actor.ppo_micro_batch_size_per_gpu=5",
         "--config.rollout.log_prob_micro_batch_size_per_gpu=10",
-        "--config.data.val_batch_size=4", "--config.data.max_prompt_length=96",
-        "--config.data.max_response_length=8", "--config.data.prompt_length_bucket=16",
-        f"--config.trainer.total_training_steps={steps}", "--config.trainer.save_freq=1",
-        "--config.trainer.test_freq=2", "--config.trainer.progress_bar=False",
+        "--config.data.val_batch_size=4",
+        "--config.data.max_prompt_length=96",
+        "--config.data.max_response_length=8",
+        "--config.data.prompt_length_bucket=16",
+        f"--config.trainer.total_training_steps={steps}",
+        "--config.trainer.save_freq=1",
+        "--config.trainer.test_freq=2",
+        "--config.trainer.progress_bar=False",
         "--config.actor.optim.lr=1e-3",
     ]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    }
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 0, out.stderr[-4000:]
     return [json.loads(line) for line in open(tmp / "run" / "metrics.jsonl")]
@@ -106,10 +129,20 @@ def test_two_steps_then_resume_one(setup):
     run = tmp / "run"
     records = _train(tmp, model_dir, 2)
     assert [r["step"] for r in records] == [0, 1, 2]
-    for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/pg_clipfrac",
-                "actor/entropy", "actor/grad_norm", "response_length/mean", "timing_s/gen",
-                "timing_s/update_actor", "timing_s/old_log_prob", "timing_s/ref",
-                "perf/throughput"):
+    for key in (
+        "critic/score/mean",
+        "actor/pg_loss",
+        "actor/kl_loss",
+        "actor/pg_clipfrac",
+        "actor/entropy",
+        "actor/grad_norm",
+        "response_length/mean",
+        "timing_s/gen",
+        "timing_s/update_actor",
+        "timing_s/old_log_prob",
+        "timing_s/ref",
+        "perf/throughput",
+    ):
         assert key in records[1] and key in records[2], key
     assert "val/gsm8k/acc" in records[0] and "val/gsm8k/acc" in records[2]
     assert 0.0 <= records[2]["val/gsm8k/acc"] <= 1.0
@@ -121,8 +154,10 @@ def test_two_steps_then_resume_one(setup):
     cfg, exported = model.load_hf_checkpoint(str(run / "hf"))
     assert os.path.exists(run / "hf" / "tokenizer.json")
     # Two updates at lr 1e-3 moved the weights (AdamW's first steps are ~lr per coordinate).
-    diffs = [np.max(np.abs(np.asarray(a) - np.asarray(b)))
-             for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(init))]
+    diffs = [
+        np.max(np.abs(np.asarray(a) - np.asarray(b)))
+        for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(init))
+    ]
     assert max(diffs) > 1e-4
 
     # Resume: same command with 3 steps -> restores step 2, runs step 3 only.

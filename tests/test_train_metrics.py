@@ -31,14 +31,24 @@ def test_writer_truncate_and_torn_line(tmp_path):
 
 
 def test_plot_on_demand(tmp_path):
-    rows = [{"step": 0, "val/gsm8k/acc": 0.1},
-            {"step": 1, "critic/score/mean": 0.2, "response_length/mean": 30.0,
-             "actor/kl_loss": 0.01},
-            {"step": 2, "critic/score/mean": 0.4, "response_length/mean": 28.0,
-             "actor/kl_loss": 0.02, "val/gsm8k/acc": 0.3}]
+    rows = [
+        {"step": 0, "val/gsm8k/acc": 0.1},
+        {"step": 1, "critic/score/mean": 0.2, "response_length/mean": 30.0, "actor/kl_loss": 0.01},
+        {
+            "step": 2,
+            "critic/score/mean": 0.4,
+            "response_length/mean": 28.0,
+            "actor/kl_loss": 0.02,
+            "val/gsm8k/acc": 0.3,
+        },
+    ]
     (tmp_path / metrics.METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = subprocess.run([sys.executable, "-m", "grpo_jax.plot", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "grpo_jax.plot", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     png = tmp_path / "plot.png"
     assert out.stdout.strip() == str(png)

@@ -118,7 +118,12 @@ def test_on_policy_gradient_is_reinforce(params):
 def test_off_policy_old_log_probs_equal_to_current_match_on_policy(params):
     batch = _batch(2)
     lp_BT, _ = trainer.compute_log_probs(
-        CFG, params, batch, micro_batch_size=4, temperature=1.0, chunk_size=16,
+        CFG,
+        params,
+        batch,
+        micro_batch_size=4,
+        temperature=1.0,
+        chunk_size=16,
         calculate_entropy=False,
     )
     off = batch.replace(old_log_probs_BT=lp_BT)
@@ -148,8 +153,10 @@ def test_non_finite_update_is_skipped(params):
     assert float(metrics["actor/update_skipped"]) == 1.0
     assert not np.isfinite(float(metrics["actor/grad_norm"]))
     assert int(new.step) == 1
-    for a, b in zip(jax.tree.leaves((state.params, state.opt_state)),
-                    jax.tree.leaves((new.params, new.opt_state))):
+    for a, b in zip(
+        jax.tree.leaves((state.params, state.opt_state)),
+        jax.tree.leaves((new.params, new.opt_state)),
+    ):
         np.testing.assert_array_equal(a, b)
     _, ok = _step(state, batch, micro=8, tx=tx)
     assert float(ok["actor/update_skipped"]) == 0.0
@@ -172,7 +179,9 @@ def test_adamw_first_step_by_hand():
 def test_lr_schedule_values():
     s = trainer.lr_schedule(lr=1.0, warmup_steps=4, total_steps=12, kind="cosine")
     # warm-up: 0, 0.25, 0.5, 0.75; then cosine over 8 steps: step 8 is halfway -> 0.5.
-    np.testing.assert_allclose([float(s(i)) for i in (0, 2, 4, 8, 12)], [0, 0.5, 1, 0.5, 0], atol=1e-6)
+    np.testing.assert_allclose(
+        [float(s(i)) for i in (0, 2, 4, 8, 12)], [0, 0.5, 1, 0.5, 0], atol=1e-6
+    )
     c = trainer.lr_schedule(lr=1e-6, warmup_steps=0, total_steps=5, kind="constant")
     assert float(c(3)) == pytest.approx(1e-6)
     with pytest.raises(ValueError, match=r"constant.*cosine.*'linear'"):
@@ -213,4 +222,6 @@ def test_sharded_step_matches_single_device(params):
     assert got.params["embed"]["embedding"].sharding.spec != jax.sharding.PartitionSpec()
     for a, b in zip(jax.tree.leaves(want.params), jax.tree.leaves(got.params)):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
-    np.testing.assert_allclose(want_m["actor/pg_loss"], got_m["actor/pg_loss"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(
+        want_m["actor/pg_loss"], got_m["actor/pg_loss"], rtol=1e-5, atol=1e-7
+    )
