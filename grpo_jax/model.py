@@ -468,13 +468,13 @@ class Decoder(nnx.Module):
         self.config = config
 
     def __call__(self, ids_BT, positions_BT, visible_BTS, kv=None, index=None):
-        """Final-normed hidden states [B,T,D], and the updated (k_LBSKH, v_LBSKH) when kv is given.
+        """Final-normed hidden states [B,T,D], and the updated (k_LBKSH, v_LBKSH) when kv is given.
 
         Args:
           ids_BT: token ids.
           positions_BT: rotary position of each token.
           visible_BTS: bool, query t may attend to key slot s (S = T without a cache).
-          kv: optional (k_LBSKH, v_LBSKH) cache; the new keys/values are written at slots
+          kv: optional (k_LBKSH, v_LBKSH) cache; the new keys/values are written at slots
             [index, index + T) before attending.
           index: int32 scalar write slot (with kv).
         """
@@ -483,39 +483,34 @@ class Decoder(nnx.Module):
         x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "seq", "act_embed"))
         cos_BTH, sin_BTH = _rope_tables(c, positions_BT)
         layer_def, layer_state = nnx.split(self.layers)
+        cached = kv is not None
 
-        def body(carry, xs):
-            x_BTD, kv = carry
-            state, layer_idx = xs
+        def body(x_BTD, xs):
+            state, k_BKSH, v_BKSH = xs
             layer = nnx.merge(layer_def, state)
             q_BTNH, k_BTKH, v_BTKH = layer.attn.qkv(layer.input_norm(x_BTD), cos_BTH, sin_BTH)
             q_BTNH = nn.with_logical_constraint(q_BTNH, ("batch", "seq", "act_heads", None))
-            if kv is None:
-                k_BSKH, v_BSKH = k_BTKH, v_BTKH
+            k_BKTH, v_BKTH = k_BTKH.transpose(0, 2, 1, 3), v_BTKH.transpose(0, 2, 1, 3)
+            if k_BKSH is None:
+                k_BKSH, v_BKSH = k_BKTH, v_BKTH
             else:
-                k_LBSKH, v_LBSKH = kv
-                at = (layer_idx, 0, index, 0, 0)
-                k_LBSKH = jax.lax.dynamic_update_slice(
-                    k_LBSKH, k_BTKH[None].astype(k_LBSKH.dtype), at
-                )
-                v_LBSKH = jax.lax.dynamic_update_slice(
-                    v_LBSKH, v_BTKH[None].astype(v_LBSKH.dtype), at
-                )
-                k_BSKH, v_BSKH = k_LBSKH[layer_idx], v_LBSKH[layer_idx]
-                kv = (k_LBSKH, v_LBSKH)
-            o_BTNH = _attend(q_BTNH, k_BSKH.astype(c.dtype), v_BSKH.astype(c.dtype), visible_BTS)
+                # Only this layer's slice travels through the scan (as xs in, ys out): carrying
+                # the whole [L,...] stack made every layer copy all L layers' caches.
+                at = (0, 0, index, 0)
+                k_BKSH = jax.lax.dynamic_update_slice(k_BKSH, k_BKTH.astype(k_BKSH.dtype), at)
+                v_BKSH = jax.lax.dynamic_update_slice(v_BKSH, v_BKTH.astype(v_BKSH.dtype), at)
+            o_BTNH = _attend(q_BTNH, k_BKSH.astype(c.dtype), v_BKSH.astype(c.dtype), visible_BTS)
             o_BTD = nn.with_logical_constraint(
                 layer.attn.out(o_BTNH), ("batch", "seq", "act_embed")
             )
             x_BTD = x_BTD + o_BTD
             x_BTD = x_BTD + layer.mlp(layer.post_attn_norm(x_BTD))
-            return (x_BTD, kv), None
+            return x_BTD, (k_BKSH, v_BKSH) if cached else (None, None)
 
         if c.remat:
             body = jax.checkpoint(body)
-        layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
-        (x_BTD, kv), _ = jax.lax.scan(body, (x_BTD, kv), (layer_state, layer_ids))
-        return self.final_norm(x_BTD), kv
+        x_BTD, kv = jax.lax.scan(body, x_BTD, (layer_state, *(kv if cached else (None, None))))
+        return self.final_norm(x_BTD), kv if cached else None
 
     def unembed(self, h_xD):
         c = self.config
@@ -583,21 +578,29 @@ def _rope_tables(config: ModelConfig, positions_BT):
     return jnp.cos(emb_BTH), jnp.sin(emb_BTH)
 
 
-def _attend(q_BTNH, k_BSKH, v_BSKH, visible_BTS):
-    """Softmax attention with GQA (query head n uses kv head n // G); float32 softmax.
+def _attend(q_BTNH, k_BKSH, v_BKSH, visible_BTS):
+    """Softmax attention with GQA (query head n uses kv head n // R); float32 softmax.
 
+    The R = N/K query heads of one kv head and the T queries are folded into one query axis, so
+    both products are plain batched matmuls over (B, K) that read the cache in its stored
+    [B,K,S,H] layout (XLA CPU emits slow loops for the 5-d GQA einsum, and decode is T=1).
     Fully masked rows (padding queries) get a uniform distribution instead of NaN.
     """
     B, T, N, H = q_BTNH.shape
-    K = k_BSKH.shape[2]
-    q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
-    s_BKGTS = jnp.einsum(
-        "BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32
+    K, S = k_BKSH.shape[1], k_BKSH.shape[2]
+    R = N // K
+    q_BKRTH = q_BTNH.reshape(B, T, K, R, H).transpose(0, 2, 3, 1, 4)
+    q_BKQH = q_BKRTH.reshape(B, K, R * T, H)  # Q = R*T query rows per kv head
+    batch_dims = ((0, 1), (0, 1))
+    s_BKQS = jax.lax.dot_general(
+        q_BKQH, k_BKSH, (((3,), (3,)), batch_dims), preferred_element_type=jnp.float32
     ) * (H**-0.5)
-    s_BKGTS = jnp.where(visible_BTS[:, None, None], s_BKGTS, jnp.finfo(jnp.float32).min)
-    p_BKGTS = jax.nn.softmax(s_BKGTS, axis=-1).astype(v_BSKH.dtype)
-    o_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", p_BKGTS, v_BSKH)
-    return o_BTKGH.reshape(B, T, N, H)
+    s_BKRTS = s_BKQS.reshape(B, K, R, T, S)
+    s_BKRTS = jnp.where(visible_BTS[:, None, None], s_BKRTS, jnp.finfo(jnp.float32).min)
+    p_BKQS = jax.nn.softmax(s_BKRTS, axis=-1).astype(v_BKSH.dtype).reshape(B, K, R * T, S)
+    o_BKQH = jax.lax.dot_general(p_BKQS, v_BKSH, (((3,), (2,)), batch_dims))
+    o_BTKRH = o_BKQH.reshape(B, K, R, T, H).transpose(0, 3, 1, 2, 4)
+    return o_BTKRH.reshape(B, T, N, H)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -767,15 +770,16 @@ class KVCache:
     """Per-layer keys and values for incremental decoding (a pytree, passed in and returned).
 
     Attributes:
-      k_LBSKH: keys [L,B,S,K,H] in the cache dtype, rotary-embedded.
-      v_LBSKH: values [L,B,S,K,H].
+      k_LBKSH: keys [L,B,K,S,H] in the cache dtype, rotary-embedded (the layout ``_attend``
+        reads directly, so a decode step never transposes the cache).
+      v_LBKSH: values [L,B,K,S,H].
       mask_BS: int32 [B,S], 1 where slot s holds a real token of row b.
       pos_B: int32 [B], the position id the next token of row b gets.
       index: int32 scalar, the next slot to write (shared by all rows).
     """
 
-    k_LBSKH: jax.Array
-    v_LBSKH: jax.Array
+    k_LBKSH: jax.Array
+    v_LBKSH: jax.Array
     mask_BS: jax.Array
     pos_B: jax.Array
     index: jax.Array
@@ -784,10 +788,10 @@ class KVCache:
 def init_cache(config: ModelConfig, batch_size: int, max_len: int, *, dtype=None) -> KVCache:
     """An empty cache of ``max_len`` slots (dtype defaults to the compute dtype)."""
     dtype = config.dtype if dtype is None else dtype
-    shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
+    shape = (config.num_layers, batch_size, config.num_kv_heads, max_len, config.head_dim)
     return KVCache(
-        k_LBSKH=jnp.zeros(shape, dtype),
-        v_LBSKH=jnp.zeros(shape, dtype),
+        k_LBKSH=jnp.zeros(shape, dtype),
+        v_LBKSH=jnp.zeros(shape, dtype),
         mask_BS=jnp.zeros((batch_size, max_len), jnp.int32),
         pos_B=jnp.zeros((batch_size,), jnp.int32),
         index=jnp.zeros((), jnp.int32),
@@ -811,11 +815,11 @@ def prefill(config: ModelConfig, params, input_ids_BT, attention_mask_BT, cache:
     if T > S:
         raise ValueError(f"prefill of T={T} tokens does not fit a KV cache of S={S} slots")
     if (
-        cache.k_LBSKH.shape[0] != config.num_layers
+        cache.k_LBKSH.shape[0] != config.num_layers
         or cache.mask_BS.shape[0] != input_ids_BT.shape[0]
     ):
         raise ValueError(
-            f"KV cache k_LBSKH{tuple(cache.k_LBSKH.shape)} does not match L={config.num_layers}, "
+            f"KV cache k_LBKSH{tuple(cache.k_LBKSH.shape)} does not match L={config.num_layers}, "
             f"B={input_ids_BT.shape[0]}"
         )
     mask_BT = attention_mask_BT.astype(jnp.int32)
@@ -825,13 +829,13 @@ def prefill(config: ModelConfig, params, input_ids_BT, attention_mask_BT, cache:
     key_slot_S = jnp.arange(S, dtype=jnp.int32)
     visible_BTS = (key_slot_S[None, :] <= query_slot_T[:, None])[None] & (mask_BS[:, None, :] > 0)
     model = _merge(config, params)
-    h_BTD, (k_LBSKH, v_LBSKH) = model(
-        input_ids_BT, positions_BT, visible_BTS, (cache.k_LBSKH, cache.v_LBSKH), cache.index
+    h_BTD, (k_LBKSH, v_LBKSH) = model(
+        input_ids_BT, positions_BT, visible_BTS, (cache.k_LBKSH, cache.v_LBKSH), cache.index
     )
     logits_BV = model.unembed(h_BTD[:, -1])
     new_cache = KVCache(
-        k_LBSKH=k_LBSKH,
-        v_LBSKH=v_LBSKH,
+        k_LBKSH=k_LBKSH,
+        v_LBKSH=v_LBKSH,
         mask_BS=mask_BS,
         pos_B=cache.pos_B + jnp.sum(mask_BT, axis=1),
         index=cache.index + T,
@@ -855,8 +859,8 @@ def decode_step(config: ModelConfig, params, tokens_B, cache: KVCache):
 def repeat_cache(cache: KVCache, n: int) -> KVCache:
     """Each row repeated n times with copies adjacent (row b becomes rows b*n .. b*n+n-1)."""
     return KVCache(
-        k_LBSKH=jnp.repeat(cache.k_LBSKH, n, axis=1),
-        v_LBSKH=jnp.repeat(cache.v_LBSKH, n, axis=1),
+        k_LBKSH=jnp.repeat(cache.k_LBKSH, n, axis=1),
+        v_LBKSH=jnp.repeat(cache.v_LBKSH, n, axis=1),
         mask_BS=jnp.repeat(cache.mask_BS, n, axis=0),
         pos_B=jnp.repeat(cache.pos_B, n, axis=0),
         index=cache.index,
