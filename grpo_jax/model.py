@@ -483,34 +483,42 @@ class Decoder(nnx.Module):
         x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "seq", "act_embed"))
         cos_BTH, sin_BTH = _rope_tables(c, positions_BT)
         layer_def, layer_state = nnx.split(self.layers)
-        cached = kv is not None
 
-        def body(x_BTD, xs):
-            state, k_BKSH, v_BKSH = xs
+        def body(carry, xs):
+            x_BTD, kv = carry
+            state, layer_idx = xs
             layer = nnx.merge(layer_def, state)
             q_BTNH, k_BTKH, v_BTKH = layer.attn.qkv(layer.input_norm(x_BTD), cos_BTH, sin_BTH)
             q_BTNH = nn.with_logical_constraint(q_BTNH, ("batch", "seq", "act_heads", None))
             k_BKTH, v_BKTH = k_BTKH.transpose(0, 2, 1, 3), v_BTKH.transpose(0, 2, 1, 3)
-            if k_BKSH is None:
+            if kv is None:
                 k_BKSH, v_BKSH = k_BKTH, v_BKTH
             else:
-                # Only this layer's slice travels through the scan (as xs in, ys out): carrying
-                # the whole [L,...] stack made every layer copy all L layers' caches.
-                at = (0, 0, index, 0)
-                k_BKSH = jax.lax.dynamic_update_slice(k_BKSH, k_BKTH.astype(k_BKSH.dtype), at)
-                v_BKSH = jax.lax.dynamic_update_slice(v_BKSH, v_BKTH.astype(v_BKSH.dtype), at)
+                # The whole stack stays in the scan carry: inside the sampler's while_loop XLA
+                # updates it in place, whereas per-layer xs/ys slices copied it every step.
+                k_LBKSH, v_LBKSH = kv
+                at = (layer_idx, 0, 0, index, 0)
+                k_LBKSH = jax.lax.dynamic_update_slice(
+                    k_LBKSH, k_BKTH[None].astype(k_LBKSH.dtype), at
+                )
+                v_LBKSH = jax.lax.dynamic_update_slice(
+                    v_LBKSH, v_BKTH[None].astype(v_LBKSH.dtype), at
+                )
+                k_BKSH, v_BKSH = k_LBKSH[layer_idx], v_LBKSH[layer_idx]
+                kv = (k_LBKSH, v_LBKSH)
             o_BTNH = _attend(q_BTNH, k_BKSH.astype(c.dtype), v_BKSH.astype(c.dtype), visible_BTS)
             o_BTD = nn.with_logical_constraint(
                 layer.attn.out(o_BTNH), ("batch", "seq", "act_embed")
             )
             x_BTD = x_BTD + o_BTD
             x_BTD = x_BTD + layer.mlp(layer.post_attn_norm(x_BTD))
-            return x_BTD, (k_BKSH, v_BKSH) if cached else (None, None)
+            return (x_BTD, kv), None
 
         if c.remat:
             body = jax.checkpoint(body)
-        x_BTD, kv = jax.lax.scan(body, x_BTD, (layer_state, *(kv if cached else (None, None))))
-        return self.final_norm(x_BTD), kv if cached else None
+        layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
+        (x_BTD, kv), _ = jax.lax.scan(body, (x_BTD, kv), (layer_state, layer_ids))
+        return self.final_norm(x_BTD), kv
 
     def unembed(self, h_xD):
         c = self.config
