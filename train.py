@@ -46,12 +46,20 @@ from grpo_jax import model as model_lib
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (configs/*.py[:arg]).", lock_config=True
 )
+_PLAN = flags.DEFINE_bool(
+    "plan", False, "Print the per-device memory plan of this config and mesh (plan.py) and exit."
+)
+_PLAN_MODEL = flags.DEFINE_string(
+    "plan_model", "", "With --plan: a plan.py preset (e.g. qwen2.5-7b); default config.model."
+)
+_PLAN_HBM = flags.DEFINE_float("plan_hbm_gib", 80.0, "With --plan: memory per device, GiB.")
 
 # Enum-like string fields and their allowed values (checked before any heavy work).
 CHOICES = {
     "data.source": ("tfds", "jsonl", "arithmetic"),
     "data.truncation": data.TRUNCATION_MODES,
     "data.on_malformed": data.ON_MALFORMED_MODES,
+    "mesh.distributed": ("auto", "on", "off"),
     "model.source": ("hf", "random"),
     "model.tokenizer": ("hf", "char"),
     "model.dtype": ("float32", "bfloat16"),
@@ -359,11 +367,10 @@ def encode_split(c, tokenizer, split: str) -> data.PromptSet:
     )
 
 
-def load_model(c, tokenizer, mesh):
+def load_model(c, tokenizer, mesh, rules):
     """(ModelConfig, params) placed in their shardings, from HF safetensors or random init."""
     dtype = jnp.dtype(c.model.dtype)
     param_dtype = jnp.dtype(c.model.param_dtype)
-    rules = sharding.LOGICAL_RULES
     if c.model.source == "hf":
         cfg, params = model_lib.load_hf_checkpoint(
             c.model.path, dtype=param_dtype, shardings=sharding.shard_fn(mesh, rules)
@@ -559,7 +566,12 @@ def main(argv):
     if c is None:
         raise app.UsageError("--config is required, e.g. --config=configs/demo.py")
     check_config(c)
-    distributed.maybe_initialize()
+    if _PLAN.value:
+        import plan
+
+        print(plan.run(c, model_name=_PLAN_MODEL.value, hbm_gib=_PLAN_HBM.value))
+        return
+    distributed.maybe_initialize(mode=c.mesh.distributed)
     is_main = distributed.is_main_process()
     workdir = c.trainer.default_local_dir
     check_workdir(workdir)
@@ -568,6 +580,15 @@ def main(argv):
             f.write(c.to_json_best_effort(indent=2))
 
     mesh = sharding.make_mesh(tuple(c.mesh.shape))
+    rules = sharding.rules_from_config(c.mesh.rules)
+    # Every jitted function is traced inside the mesh and its logical-axis rules: model.py's
+    # activation constraints act only there (without them FSDP leaves activations replicated).
+    with sharding.use_mesh(mesh, rules):
+        _train(c, mesh, rules, workdir, is_main)
+
+
+def _train(c, mesh, rules, workdir, is_main):
+    """The run proper (data, model, resume, loop, export), under `sharding.use_mesh`."""
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     check_mesh(c, dp)
     n = c.rollout.n
@@ -578,7 +599,7 @@ def main(argv):
     train_set, val_set = encode_split(c, tokenizer, "train"), encode_split(c, tokenizer, "val")
     steps_per_epoch = data.steps_per_epoch(len(train_set), c.data.train_batch_size)
     total_steps = c.trainer.total_training_steps or c.trainer.total_epochs * steps_per_epoch
-    model_config, params = load_model(c, tokenizer, mesh)
+    model_config, params = load_model(c, tokenizer, mesh, rules)
     eos_ids, pad_id = special_ids(tokenizer, model_config)
     reward_fn = rewards.make_reward_fn(c.reward.fn, c.reward.weights, on_error=c.reward.on_error)
     sidecar = None
@@ -628,7 +649,7 @@ def main(argv):
         kind=a.optim.lr_scheduler_type,
         min_lr_ratio=a.optim.min_lr_ratio,
     )
-    param_sh = sharding.param_shardings(model_config, mesh)
+    param_sh = sharding.param_shardings(model_config, mesh, rules)
     abstract_params = model_lib.abstract_params(model_config)
     state_sh = trainer.TrainState(
         sharding.replicated(mesh),

@@ -207,6 +207,9 @@ def grpo_config() -> ml_collections.ConfigDict:
 
     c.mesh = dict(
         shape=(-1, 1, 1),  # (data, fsdp, tensor); -1 fills with the remaining devices
+        # logical-axis rules ((name, mesh axes), ...); None = grpo_jax.sharding.LOGICAL_RULES
+        rules=config_dict.placeholder(tuple),
+        distributed="auto",  # jax.distributed start-up: "auto" (detect), "on" or "off"
     )
     return c
 

@@ -193,12 +193,26 @@ def logical_to_mesh_sharding(
     return jax.tree.map(lambda s: NamedSharding(mesh, s), spec_tree, is_leaf=_is_spec)
 
 
+def _model_logical_axes(config: Any) -> Any:
+    """``model.logical_axes(config)`` as logical names, also inside ``use_mesh``.
+
+    NNX resolves partition metadata through the active flax logical-axis rules and checks it
+    against the active mesh, so under ``use_mesh`` it would hand back mesh axes (or reject the
+    logical names). An empty abstract mesh and empty rules keep the logical names.
+    """
+    from grpo_jax import model  # lazy: keeps this module importable without flax
+
+    no_mesh = jax.sharding.AbstractMesh((), ())
+    with jax.sharding.use_abstract_mesh(no_mesh), nn.logical_axis_rules(()):
+        return model.logical_axes(config)
+
+
 def param_shardings(config: Any, mesh: Mesh, rules: Rules = LOGICAL_RULES) -> Any:
     """Shardings for the parameters of ``model.ModelConfig`` ``config``, checked against shapes."""
     from grpo_jax import model  # lazy: keeps this module importable without flax
 
     return logical_to_mesh_sharding(
-        model.logical_axes(config), mesh, rules, shapes=model.abstract_params(config)
+        _model_logical_axes(config), mesh, rules, shapes=model.abstract_params(config)
     )
 
 
@@ -385,10 +399,8 @@ def shard_fn(mesh: Mesh, rules: Rules = LOGICAL_RULES) -> Callable[[Any, Any], A
     """The ``shardings=`` callable for ``model.load_hf_checkpoint``: (config, abstract) -> tree."""
 
     def fn(config, abstract_params):
-        from grpo_jax import model
-
         return logical_to_mesh_sharding(
-            model.logical_axes(config), mesh, rules, shapes=abstract_params
+            _model_logical_axes(config), mesh, rules, shapes=abstract_params
         )
 
     return fn
