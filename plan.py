@@ -429,7 +429,9 @@ def planner_from_config(c, *, model_name: str = "", mesh=None) -> Planner:
         )
     else:
         raise ValueError(
-            "plan: give --model=<preset> (one of " + ", ".join(sorted(PRESETS)) + ") or a local "
+            "plan: give --model=<preset> (train.py: --plan_model=<preset>; one of "
+            + ", ".join(sorted(PRESETS))
+            + ") or a local "
             f"HF checkpoint directory in config.model.path (got {c.model.path!r})"
         )
     mesh = sharding.make_mesh(tuple(c.mesh.shape)) if mesh is None else mesh
