@@ -285,6 +285,46 @@ def select_tokens(
     return tokens_B, log_probs_B
 
 
+def check_sampling_args(
+    prompt_shape: tuple[int, ...],
+    mask_shape: tuple[int, ...],
+    *,
+    vocab_size: int,
+    n: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    eos_token_ids: Sequence[int],
+    pad_token_id: int,
+) -> tuple[int, ...]:
+    """Validates the arguments of `sample` (shared with the vLLM sidecar); returns the EOS ids.
+
+    Raises:
+      ValueError naming the argument and its allowed values.
+    """
+    if len(prompt_shape) != 2 or tuple(prompt_shape) != tuple(mask_shape):
+        raise ValueError(
+            f"prompt_ids and prompt_mask must both be [P,Tp]; got {tuple(prompt_shape)} and "
+            f"{tuple(mask_shape)}"
+        )
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not (temperature >= 0.0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < -1:
+        raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {top_k}")
+    eos_token_ids = tuple(int(e) for e in eos_token_ids)
+    for token in (*eos_token_ids, pad_token_id):
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"token id {token} outside the vocabulary [0, {vocab_size})")
+    return eos_token_ids
+
+
 def sample(
     config: model_lib.ModelConfig,
     params,
@@ -327,25 +367,18 @@ def sample(
     """
     prompt_ids = jnp.asarray(prompt_ids, jnp.int32)
     prompt_mask = jnp.asarray(prompt_mask, jnp.int32)
-    if prompt_ids.ndim != 2 or prompt_ids.shape != prompt_mask.shape:
-        raise ValueError(
-            f"prompt_ids and prompt_mask must both be [P,Tp]; got {prompt_ids.shape} and "
-            f"{prompt_mask.shape}"
-        )
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not (temperature >= 0.0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if top_k < -1:
-        raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {top_k}")
-    eos_token_ids = tuple(int(e) for e in eos_token_ids)
-    for token in (*eos_token_ids, pad_token_id):
-        if not 0 <= token < config.vocab_size:
-            raise ValueError(f"token id {token} outside the vocabulary [0, {config.vocab_size})")
+    eos_token_ids = check_sampling_args(
+        prompt_ids.shape,
+        prompt_mask.shape,
+        vocab_size=config.vocab_size,
+        n=n,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        eos_token_ids=eos_token_ids,
+        pad_token_id=pad_token_id,
+    )
 
     width = prompt_ids.shape[1]
     pad_cols = bucket_length(width) - width

@@ -648,24 +648,18 @@ class VLLMSidecar:
             raise VLLMSidecarError("sample before start(): call start(params) first")
         prompt_ids_PT = np.asarray(jax.device_get(prompt_ids)).astype(np.int32)
         prompt_mask_PT = np.asarray(jax.device_get(prompt_mask)).astype(np.int32)
-        if prompt_ids_PT.ndim != 2 or prompt_ids_PT.shape != prompt_mask_PT.shape:
-            raise ValueError(
-                f"prompt_ids and prompt_mask must both be [P,Tp]; got {prompt_ids_PT.shape} and "
-                f"{prompt_mask_PT.shape}"
-            )
-        if n < 1 or max_new_tokens < 1:
-            raise ValueError(f"n and max_new_tokens must be >= 1, got {n} and {max_new_tokens}")
-        if not (temperature >= 0.0 and math.isfinite(temperature)):
-            raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {top_k}")
-        vocab = self.model_config.vocab_size
-        eos_token_ids = tuple(int(e) for e in eos_token_ids)
-        for token in (*eos_token_ids, pad_token_id):
-            if not 0 <= token < vocab:
-                raise ValueError(f"token id {token} outside the vocabulary [0, {vocab})")
+        eos_token_ids = sampler.check_sampling_args(
+            prompt_ids_PT.shape,
+            prompt_mask_PT.shape,
+            vocab_size=self.model_config.vocab_size,
+            n=n,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            eos_token_ids=eos_token_ids,
+            pad_token_id=pad_token_id,
+        )
         if not np.all(prompt_mask_PT[:, -1] == 1):
             raise ValueError("prompts must be left-padded: the last column must be a real token")
         prompt_len = prompt_ids_PT.shape[1]
@@ -704,7 +698,7 @@ class VLLMSidecar:
             max_new_tokens=max_new_tokens,
             eos_token_ids=eos_token_ids,
             pad_token_id=pad_token_id,
-            vocab_size=vocab,
+            vocab_size=self.model_config.vocab_size,
             weights_version=self.weights_version,
             log_where=self._log_where(),
         )
