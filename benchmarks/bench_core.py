@@ -25,8 +25,9 @@ machine absolute times drift, the ratios are the result.
 Peak memory is the growth of the process's peak RSS (VmHWM, reset through /proc/self/clear_refs)
 over its RSS before the case, with the inputs already resident.
 
-Run: ``python benchmarks/bench_core.py [--rounds 3]``; prints one JSON object. Needs verl
-(``pip install --no-deps verl==0.9.1`` plus ray, tensordict, omegaconf, codetiming).
+Run: ``python benchmarks/bench_core.py [--rounds 3]``; prints one JSON object. verl runs in its
+own venv with its own pins (``scripts/build_verl_venv.sh``, built on first use and cached; or
+``--verl-python``), grpo_jax in the current interpreter.
 """
 
 import argparse
@@ -272,8 +273,9 @@ def _run_worker(framework, args):
     flags += ["--skip-logits"] if args.skip_logits else []
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
+    python = sys.executable if framework == "jax" else args.verl_python
     out = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), *flags],
+        [python, os.path.abspath(__file__), *flags],
         capture_output=True,
         text=True,
         env=env,
@@ -314,8 +316,20 @@ def main():
     parser.add_argument(
         "--skip-logits", action="store_true", help="skip the 8x1024x32768 log-prob case"
     )
+    parser.add_argument(
+        "--verl-python",
+        default=os.environ.get("GRPO_JAX_VERL_PYTHON", ""),
+        help="interpreter of the verl 0.9.1 venv (default $GRPO_JAX_VERL_PYTHON, else "
+        "scripts/build_verl_venv.sh builds or finds it)",
+    )
     parser.add_argument("--worker", choices=("jax", "verl"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if not args.worker and not args.verl_python:
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        args.verl_python = subprocess.run(
+            ["bash", os.path.join(repo, "scripts", "build_verl_venv.sh")],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
     if args.worker:
         if args.worker == "jax":
             print(json.dumps(_jax_worker(args.skip_logits)))

@@ -1,11 +1,84 @@
-"""Test setup: 8 fake CPU devices, float32, and strict rank promotion before JAX is imported."""
+"""Test setup: 8 fake CPU devices, float32, and strict rank promotion before JAX is imported.
 
+Also the reference implementations (tests/reference.py): the session's verl worker, the
+`reference(name)` marker, and the end-of-run summary of what ran against what.
+"""
+
+import collections
 import os
+import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+import reference  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "float32")
+
+# What each reference marker means in the summary line.
+_REFERENCE_TITLES = {
+    "verl": "verl parity",
+    "hf": "HF transformers parity",
+    "vllm": "vLLM",
+}
+
+
+@pytest.fixture(scope="session")
+def verl():
+    """The verl 0.9.1 worker (tests/reference.py), in the venv of scripts/build_verl_venv.sh."""
+    python = os.environ.get("GRPO_JAX_VERL_PYTHON", "")
+    if not (python and os.access(python, os.X_OK)):
+        reference.require(
+            "verl",
+            f"no verl venv interpreter (GRPO_JAX_VERL_PYTHON={python!r}); scripts/test.sh sets it "
+            "from scripts/build_verl_venv.sh, whose log is ~/.cache/grpo_jax/verl-venv-*.build.log",
+        )
+    try:
+        worker = reference.Worker(
+            python,
+            imports=("verl", "verl.trainer.ppo.core_algos", "verl.utils.torch_functional"),
+        )
+    except reference.WorkerError as e:
+        reference.require("verl", f"verl does not import in {python}:\n{e}")
+    reference.VERSIONS["verl"] = f"verl {worker.versions['verl']}, torch {worker.versions['torch']}"
+    yield worker
+    worker.close()
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "reference(name): the test checks grpo_jax against reference `name` (tests using the "
+        "`verl` fixture are marked 'verl' automatically)",
+    )
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        marker = item.get_closest_marker("reference")
+        name = marker.args[0] if marker else "verl" if "verl" in item.fixturenames else None
+        if name:
+            item.user_properties.append(("reference", name))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line per reference: how many of its tests passed, failed or were skipped."""
+    outcomes = collections.defaultdict(collections.Counter)
+    for kind in ("passed", "failed", "skipped", "error"):
+        for report in terminalreporter.stats.get(kind, []):
+            name = dict(getattr(report, "user_properties", ())).get("reference")
+            # One count per test: its call, or the phase that decided it (setup skip or error).
+            if name and (report.when == "call" or kind in ("skipped", "error")):
+                outcomes[name][kind] += 1
+    if not outcomes:
+        return
+    terminalreporter.section("reference implementations")
+    for name in sorted(outcomes):
+        counts = ", ".join(f"{n} {kind}" for kind, n in sorted(outcomes[name].items()))
+        version = reference.VERSIONS.get(name, "not run")
+        terminalreporter.write_line(f"{_REFERENCE_TITLES.get(name, name)}: {counts} ({version})")

