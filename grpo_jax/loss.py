@@ -15,7 +15,12 @@ This module owns everything between per-token log-probs and the scalar actor los
   ``policy_loss_mode`` (plain ``match``): ``vanilla`` (PPO clip, arXiv 1707.06347, with
   clip-higher from DAPO and the dual clip of arXiv 1912.09729 on negative advantages), ``gspo``
   (sequence-level ratio, arXiv 2507.18071), ``cispo`` (clipped, detached IS weight times log-prob,
-  arXiv 2506.13585) and ``gpg`` (plain REINFORCE, arXiv 2504.02546).
+  arXiv 2506.13585), ``gpg`` (plain REINFORCE, arXiv 2504.02546), ``clip_cov`` and ``kl_cov``
+  (covariance-selected token clipping / KL penalty, arXiv 2505.22617), ``geo_mean`` (GMPO,
+  arXiv 2507.20673), ``sapo`` (soft gate, arXiv 2511.20347), ``dppo_tv`` / ``dppo_kl``
+  (binary trust regions, arXiv 2602.04879) and ``dro`` (quadratic log-ratio penalty), all listed
+  in ``POLICY_LOSS_MODES``; ``register_policy_loss`` adds user losses under new names. verl's
+  ``bypass_mode`` loss is ``rollout_correction.compute_policy_loss_bypass_mode``.
 * ``logprobs_from_logits``, ``entropy_from_logits`` (direct, for small vocabularies and tests),
   and the memory-aware ``logprobs_and_entropy_chunked`` (from logits) and
   ``logprobs_and_entropy_from_hidden`` (from final hidden states and an unembedding callable):
@@ -44,6 +49,11 @@ Deliberate differences from verl, all where verl returns NaN or inf:
    NaN. Here policy-loss inputs are replaced by 0 at masked positions with ``where`` before any
    arithmetic, and ``agg_loss`` selects with ``where`` in every mode.
 
+clip_cov and kl_cov select tokens: verl's clip_cov draws them with ``torch.randperm`` (not
+reproducible from JAX); here the choice is deterministic and jittable (see
+``compute_policy_loss``), and their token budget int(ratio * N_tok) is computed with verl's
+float64 rounding, not float32's.
+
 For finite inputs with at least one valid token, every value and gradient equals verl's. Ratio
 clamps follow ``torch.clamp`` (a value exactly on a bound passes its gradient), not
 ``jnp.clip``.
@@ -53,6 +63,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from grpo_jax import registry
 
 AGG_MODES = (
     "token-mean",
@@ -63,16 +76,35 @@ AGG_MODES = (
 )
 _KL_BASE_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
 KL_TYPES = _KL_BASE_TYPES + tuple(name + "+" for name in _KL_BASE_TYPES)
-POLICY_LOSS_MODES = ("vanilla", "gspo", "cispo", "gpg")
+POLICY_LOSS_MODES = (
+    "vanilla",
+    "gspo",
+    "cispo",
+    "gpg",
+    "clip_cov",
+    "kl_cov",
+    "geo_mean",
+    "sapo",
+    "dppo_tv",
+    "dppo_kl",
+    "dro",
+)
 
 
-def _check_choice(what, value, valid):
+def check_choice(what, value, valid):
+    """The one rule for mode strings: 'what=value must be one of [...]' (also used by config)."""
     if value not in valid:
-        raise ValueError(f"Unknown {what} {value!r}; valid: {', '.join(valid)}")
+        raise ValueError(f"{what}={value!r} must be one of {list(valid)}")
+
+
+def check_clip_ratio_c(clip_ratio_c) -> None:
+    """The dual clip's cap c must be > 1 (verl asserts it); config.ActorConfig calls this too."""
+    if not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c={clip_ratio_c!r} must be > 1 (the dual-clip cap)")
 
 
 def _clamp(x, lo=None, hi=None):
-    """torch.clamp: the gradient passes where lo <= x <= hi, bounds included (jnp.clip halves it)."""
+    """torch.clamp: the gradient passes where lo <= x <= hi, bounds included (jnp.clip halves)."""
     if lo is not None:
         x = jnp.where(x < lo, lo, x)
     if hi is not None:
@@ -134,7 +166,7 @@ def agg_loss(
     Returns:
         float32 scalar. Empty denominators give 0 (verl: NaN).
     """
-    _check_choice("loss_agg_mode", loss_agg_mode, AGG_MODES)
+    check_choice("loss_agg_mode", loss_agg_mode, AGG_MODES)
     mask_BT = loss_mask.astype(jnp.float32)
     valid_BT = jnp.where(mask_BT != 0, loss_mat.astype(jnp.float32), 0.0) * mask_BT
     match loss_agg_mode:
@@ -287,7 +319,7 @@ def kl_penalty(log_prob, ref_log_prob, kl_type, *, logits=None, ref_logits=None)
     Returns:
         [B, T] float32 estimate (no masking inside).
     """
-    _check_choice("kl_type", kl_type, KL_TYPES)
+    check_choice("kl_type", kl_type, KL_TYPES)
     straight_through = kl_type.endswith("+")
     base = kl_type[:-1] if straight_through else kl_type
     if (base != "full" or straight_through) and (log_prob is None or ref_log_prob is None):
@@ -369,6 +401,236 @@ def _cispo_token_losses(old_BT, lp_BT, adv_BT, mask_BT, *, clip_low, clip_high):
     return -jax.lax.stop_gradient(clipped_ratio_BT) * adv_BT * lp_BT, metrics
 
 
+def _abs(x):
+    """|x| with torch's gradient sign(x), 0 at x = 0 (jnp.abs passes 1 there)."""
+    return x * jnp.sign(x)
+
+
+@functools.lru_cache(maxsize=64)
+def _count_thresholds(ratio, n_max):
+    """c_j = min{n : float64(n * ratio) >= j} for j = 1..min(int(ratio * n_max), n_max).
+
+    verl computes a token budget as ``int(ratio * n)`` on Python floats (float64). Float32
+    rounds differently near integers (0.0003 * 10000 is 2.9999999999999996 in float64, so verl
+    takes 2, but 3.0000002 in float32), so the count is looked up among these static thresholds
+    instead: int(ratio * n) = #{j : c_j <= n}.
+    """
+    top = min(int(ratio * n_max), n_max)
+    j = np.arange(1, top + 1, dtype=np.float64)
+    c = np.ceil(j / ratio)
+    while np.any(step := (c > 0) & ((c - 1) * ratio >= j)):
+        c = c - step
+    while np.any(step := c * ratio < j):
+        c = c + step
+    c = c.astype(np.int32)
+    c.setflags(write=False)
+    return c
+
+
+def _token_budget(num_valid, ratio, n_max):
+    """max(1, int(ratio * num_valid)) with float64 semantics, for a traced int32 count."""
+    thresholds = _count_thresholds(float(ratio), int(n_max))
+    count = jnp.searchsorted(jnp.asarray(thresholds), num_valid, side="right")
+    return jnp.maximum(count, 1)
+
+
+def _top_k_mask(score_BT, candidate_BT, k):
+    """The (at most) k candidates with the largest score; ties go to the lower flat index."""
+    key_N = jnp.where(candidate_BT, score_BT, -jnp.inf).reshape(-1)
+    order_N = jnp.argsort(key_N, stable=True, descending=True)
+    rank_N = jnp.zeros_like(order_N).at[order_N].set(jnp.arange(key_N.size, dtype=order_N.dtype))
+    return candidate_BT & (rank_N.reshape(score_BT.shape) < k)
+
+
+def _clip_cov_token_losses(
+    old_BT,
+    lp_BT,
+    adv_BT,
+    mask_BT,
+    *,
+    clip_low,
+    clip_high,
+    clip_cov_ratio,
+    clip_cov_lb,
+    clip_cov_ub,
+    rng,
+):
+    """Clip-Cov (arXiv 2505.22617): PPO clip, then detach a few high-covariance tokens.
+
+    Candidates are the valid tokens the PPO clip did not already clip whose centred covariance
+    (A - mean A)(lp - mean lp) lies strictly inside (clip_cov_lb, clip_cov_ub); max(1,
+    int(clip_cov_ratio * N_tok)) of them get a zero loss (so no gradient). verl draws them with
+    torch.randperm; here ``rng`` (a PRNG key) draws a uniform random subset, and without it the
+    candidates with the largest covariance are taken (ties: lower flat index first)."""
+    if not clip_cov_ratio > 0:
+        raise ValueError(f"clip_cov_ratio must be > 0, got {clip_cov_ratio}")
+    log_ratio_BT = lp_BT - old_BT  # no +-20 clamp in verl's clip_cov
+    ratio_BT = jnp.exp(log_ratio_BT)
+    loss1_BT = -adv_BT * ratio_BT
+    loss2_BT = -adv_BT * _clamp(ratio_BT, 1.0 - clip_low, 1.0 + clip_high)
+    valid_BT = mask_BT != 0
+    cov_BT = jax.lax.stop_gradient(
+        (adv_BT - _masked_mean(adv_BT, mask_BT)) * (lp_BT - _masked_mean(lp_BT, mask_BT))
+    )
+    candidate_BT = (
+        valid_BT & ~(loss2_BT > loss1_BT) & (cov_BT > clip_cov_lb) & (cov_BT < clip_cov_ub)
+    )
+    budget = _token_budget(jnp.sum(valid_BT, dtype=jnp.int32), clip_cov_ratio, mask_BT.size)
+    score_BT = cov_BT if rng is None else -jax.random.uniform(rng, cov_BT.shape)
+    selected_BT = _clip_cov_select(score_BT, candidate_BT, budget)
+    metrics = {
+        "actor/pg_clipfrac": _masked_mean(selected_BT, mask_BT),
+        "actor/ppo_kl": _masked_mean(-log_ratio_BT, mask_BT),
+    }
+    return jnp.where(selected_BT, 0.0, jnp.maximum(loss1_BT, loss2_BT)), metrics
+
+
+def _clip_cov_select(score_BT, candidate_BT, budget):
+    """The tokens clip_cov detaches: ``budget`` candidates by score (a seam for parity tests)."""
+    return _top_k_mask(score_BT, candidate_BT, budget)
+
+
+def _kl_cov_token_losses(old_BT, lp_BT, adv_BT, mask_BT, *, kl_cov_ratio, ppo_kl_coef):
+    """KL-Cov (arXiv 2505.22617): -A r, plus ppo_kl_coef |lp - old| on the top-covariance tokens.
+
+    The max(1, int(kl_cov_ratio * N_tok)) valid tokens with the largest centred covariance
+    (A - mean A)(lp - mean lp) (plain means over valid tokens) get the KL penalty. Ties (verl's
+    torch.topk leaves them unspecified) go to the lower flat index."""
+    if not kl_cov_ratio > 0:
+        raise ValueError(f"kl_cov_ratio must be > 0, got {kl_cov_ratio}")
+    log_ratio_BT = lp_BT - old_BT  # no +-20 clamp in verl's kl_cov
+    abs_kl_BT = _abs(log_ratio_BT)
+    loss1_BT = -adv_BT * jnp.exp(log_ratio_BT)
+    valid_BT = mask_BT != 0
+    num_valid = jnp.sum(valid_BT, dtype=jnp.int32)
+    denominator = jnp.maximum(num_valid, 1).astype(jnp.float32)
+
+    def centred(x_BT):
+        return x_BT - jnp.sum(jnp.where(valid_BT, x_BT, 0.0)) / denominator
+
+    cov_BT = jax.lax.stop_gradient(centred(adv_BT) * centred(lp_BT))
+    budget = _token_budget(num_valid, kl_cov_ratio, mask_BT.size)
+    selected_BT = _top_k_mask(cov_BT, valid_BT, budget)
+    loss_BT = jnp.where(selected_BT, loss1_BT + ppo_kl_coef * abs_kl_BT, loss1_BT)
+    return loss_BT, {"actor/ppo_kl": _masked_mean(abs_kl_BT, mask_BT)}
+
+
+def _geo_mean_loss(old_BT, lp_BT, adv_BT, mask_BT, weights_BT, *, clip_low, clip_high):
+    """GMPO (arXiv 2507.20673): geometric mean of sign-aware clipped token ratios per sequence.
+
+    Returns (pg_loss, metrics); pg_loss is the plain mean over all B rows of -A_seq ratio_seq
+    (verl ignores ``loss_agg_mode`` and the global-batch arguments here)."""
+    log_ratio_BT = lp_BT - old_BT  # verl leaves the +-20 clamp commented out
+    sign_BT = jnp.sign(adv_BT)
+    clamped_BT = _clamp(log_ratio_BT, -clip_low, clip_high)
+    # Clip in the direction that limits the update: for A > 0 cap log r at eps_high, for A < 0
+    # floor it at -eps_low; the other side stays unclipped.
+    clipped_BT = sign_BT * jnp.minimum(sign_BT * log_ratio_BT, sign_BT * clamped_BT)
+    length_B = jnp.sum(mask_BT, axis=-1) + 1e-8
+    ratio_B = jnp.exp(jnp.sum(clipped_BT * mask_BT, axis=-1) / length_B)
+    adv_B = jnp.sum(adv_BT * mask_BT, axis=-1) / length_B
+    loss_B = -adv_B * ratio_B
+    if weights_BT is not None:
+        # Token IS weights become one per sequence, by their geometric mean.
+        loss_B = loss_B * jnp.exp(
+            jnp.sum(jnp.log(weights_BT + 1e-10) * mask_BT, axis=-1) / length_B
+        )
+    was_clipped_BT = log_ratio_BT != clamped_BT
+    metrics = {
+        "actor/pg_clipfrac": _masked_mean(was_clipped_BT & (adv_BT > 0), mask_BT),
+        "actor/ppo_kl": _masked_mean(-log_ratio_BT, mask_BT),
+        "actor/pg_clipfrac_lower": _masked_mean(was_clipped_BT & (adv_BT < 0), mask_BT),
+    }
+    return jnp.mean(loss_B), metrics
+
+
+def _sapo_token_losses(old_BT, lp_BT, adv_BT, mask_BT, *, tau_pos, tau_neg):
+    """SAPO (arXiv 2511.20347): -A f(r), f(r) = sigmoid(tau (r - 1)) 4 / tau, a soft clip."""
+    log_ratio_BT = _clamp(lp_BT - old_BT, -20.0, 20.0)
+    ratio_BT = jnp.exp(log_ratio_BT)
+    tau_BT = jnp.where(adv_BT > 0, jnp.float32(tau_pos), jnp.float32(tau_neg))
+    gate_BT = jax.nn.sigmoid(tau_BT * (ratio_BT - 1.0)) * (4.0 / tau_BT)
+    zero = jnp.zeros((), jnp.float32)
+    metrics = {
+        "actor/pg_clipfrac": zero,
+        "actor/ppo_kl": _masked_mean(-log_ratio_BT, mask_BT),
+        "actor/pg_clipfrac_lower": zero,
+    }
+    return -gate_BT * adv_BT, metrics
+
+
+def _dppo_token_losses(old_BT, lp_BT, adv_BT, mask_BT, *, clip_low, clip_high, cap, divergence):
+    """DPPO (arXiv 2602.04879): -A sg(min(r, cap)) lp on tokens inside a binary trust region.
+
+    ``divergence`` "tv": the region is p - p_old <= eps_high (A > 0) / >= -eps_low (A <= 0);
+    "kl": binary KL(p_old || p) <= eps_high (A > 0) or p <= p_old, and <= eps_low (A <= 0) or
+    p >= p_old. Tokens outside get no loss; the truncated ratio is detached."""
+    log_ratio_BT = _clamp(lp_BT - old_BT, -20.0, 20.0)
+    ratio_BT = jnp.exp(log_ratio_BT)
+    truncated_BT = jax.lax.stop_gradient(_clamp(ratio_BT, hi=cap))
+    prob_BT, old_prob_BT = jnp.exp(lp_BT), jnp.exp(old_BT)
+    if divergence == "tv":
+        keep_pos_BT = prob_BT - old_prob_BT <= clip_high
+        keep_neg_BT = prob_BT - old_prob_BT >= -clip_low
+    else:
+        binary_kl_BT = old_prob_BT * (old_BT - lp_BT) + (1.0 - old_prob_BT) * jnp.log(
+            (1.0 - old_prob_BT + 1e-8) / (1.0 - prob_BT + 1e-8)
+        )
+        keep_pos_BT = (binary_kl_BT <= clip_high) | (prob_BT <= old_prob_BT)
+        keep_neg_BT = (binary_kl_BT <= clip_low) | (prob_BT >= old_prob_BT)
+    keep_BT = jax.lax.stop_gradient(
+        jnp.where(adv_BT > 0, keep_pos_BT, keep_neg_BT).astype(jnp.float32)
+    )
+    metrics = {
+        "actor/pg_clipfrac": _masked_mean(1.0 - keep_BT, mask_BT),
+        "actor/ppo_kl": _masked_mean(-log_ratio_BT, mask_BT),
+        "actor/pg_clipfrac_lower": _masked_mean((ratio_BT > cap) * keep_BT, mask_BT),
+    }
+    return -adv_BT * truncated_BT * lp_BT * keep_BT, metrics
+
+
+def _dro_token_losses(old_BT, lp_BT, adv_BT, mask_BT, *, dro_beta):
+    """DRO: -(lp A - beta/2 (lp - old)^2), REINFORCE with a quadratic log-ratio penalty."""
+    if dro_beta is None or not dro_beta > 0:
+        raise ValueError(f"dro_beta must be a positive value when using DRO, got {dro_beta}")
+    log_ratio_BT = lp_BT - old_BT
+    loss_BT = -(lp_BT * adv_BT - 0.5 * dro_beta * log_ratio_BT * log_ratio_BT)
+    return loss_BT, {"actor/ppo_kl": _masked_mean(-log_ratio_BT, mask_BT)}
+
+
+# Policy losses added with register_policy_loss, by name. Only the decorator writes here.
+_REGISTERED_POLICY_LOSSES = registry.Registry("policy loss", POLICY_LOSS_MODES)
+
+
+def policy_loss_mode_names():
+    """Every mode ``compute_policy_loss`` accepts now: ``POLICY_LOSS_MODES``, then registered."""
+    return _REGISTERED_POLICY_LOSSES.names()
+
+
+def register_policy_loss(name):
+    """Decorator adding a user policy loss under ``name`` for ``compute_policy_loss``.
+
+    The function is called as ``fn(old_log_prob, log_prob, advantages, response_mask, *,
+    loss_agg_mode, **kwargs)`` and must return ``(loss, metrics)``: a float32 scalar and a dict
+    of scalars. ``kwargs`` holds every other keyword of ``compute_policy_loss`` (``clip_ratio``,
+    ``clip_ratio_low`` and ``clip_ratio_high`` resolved to floats, ``clip_ratio_c``,
+    ``rollout_is_weights``, ``dp_size``, ``batch_num_tokens``, ``global_batch_size``,
+    ``loss_scale_factor``, the built-in losses' settings, ``rng``) plus any extra keyword the
+    caller gave, the way verl hands every loss the whole actor config: take what you need and
+    accept the rest with ``**kwargs``. The arrays arrive as given (not zeroed at padding);
+    ``agg_loss(loss_BT, response_mask, loss_agg_mode, dp_size=..., ...)`` aggregates like the
+    built-ins. The function is returned unchanged.
+
+    Args:
+        name: a non-empty string that is neither built in (``POLICY_LOSS_MODES``) nor registered
+            already (registering the same function again under the same name is a no-op).
+
+    Raises:
+        ValueError: ``name`` is built in or already taken by another function.
+    """
+    return _REGISTERED_POLICY_LOSSES.decorator(name, caller="register_policy_loss")
+
+
 def compute_policy_loss(
     old_log_prob,
     log_prob,
@@ -386,11 +648,22 @@ def compute_policy_loss(
     batch_num_tokens=None,
     global_batch_size=None,
     loss_scale_factor=None,
+    clip_cov_ratio=0.0002,
+    clip_cov_lb=1.0,
+    clip_cov_ub=5.0,
+    kl_cov_ratio=0.0002,
+    ppo_kl_coef=0.1,
+    tau_pos=1.0,
+    tau_neg=1.05,
+    dro_beta=None,
+    rng=None,
+    **kwargs,
 ):
     """Policy-gradient loss and its metrics, as verl's registered policy losses.
 
     ``policy_loss_mode`` (config ``actor.policy_loss.loss_mode``) selects the per-token loss,
-    with r = exp(clamp(log_prob - old_log_prob, -20, 20)) and A the advantage:
+    with r = exp(clamp(log_prob - old_log_prob, -20, 20)), A the advantage, eps_low/eps_high the
+    clip ratios and sg the stop-gradient:
 
     * ``vanilla``: L = max(-A r, -A clamp(r, 1 - eps_low, 1 + eps_high)), and for A < 0
       additionally min(-A c, L) (dual clip, c = ``clip_ratio_c`` > 1).
@@ -398,8 +671,39 @@ def compute_policy_loss(
       exp(sg(masked mean of log r) + log_prob - sg(log_prob)), log clamped at 10, no +-20 clamp.
     * ``cispo``: L = -sg(clamp(r, 1 - eps_low, 1 + eps_high)) A log_prob.
     * ``gpg``: L = -A log_prob (REINFORCE; no ratio, no metrics).
+    * ``clip_cov`` (arXiv 2505.22617): the vanilla clip without dual clip and without the +-20
+      clamp; then max(1, int(clip_cov_ratio N_tok)) of the unclipped valid tokens whose centred
+      covariance (A - mean A)(lp - mean lp) lies in (clip_cov_lb, clip_cov_ub) get L = 0. verl
+      picks them with torch.randperm; here the pick is deterministic and jittable: a uniform
+      random subset drawn from ``rng`` when given, else the candidates with the largest
+      covariance (ties: lower flat index). Both equal verl's whenever the budget covers every
+      candidate. Metrics: ``actor/pg_clipfrac`` (fraction detached), ``actor/ppo_kl``.
+    * ``kl_cov``: L = -A exp(lp - old) (no clamp, no clip), plus ``ppo_kl_coef`` |lp - old| on
+      the max(1, int(kl_cov_ratio N_tok)) valid tokens with the largest covariance (ties: lower
+      flat index). Metric ``actor/ppo_kl`` is the masked mean of |lp - old| here.
+    * ``geo_mean`` (GMPO, arXiv 2507.20673): per token log r (unclamped) clipped to eps_high
+      above for A > 0 and to -eps_low below for A < 0; per sequence ratio = exp(masked mean),
+      advantage = masked mean of A, loss = plain mean over the B rows of -A_seq ratio_seq.
+      Ignores ``loss_agg_mode`` and the global-batch arguments (as verl); token IS weights
+      become their per-sequence geometric mean. Metrics: clipped fraction with A > 0
+      (``pg_clipfrac``) and with A < 0 (``pg_clipfrac_lower``).
+    * ``sapo`` (arXiv 2511.20347): L = -A sigmoid(tau (r - 1)) 4 / tau, tau = ``tau_pos`` where
+      A > 0 else ``tau_neg``. Always aggregated with ``seq-mean-token-mean`` (verl ignores
+      ``loss_agg_mode``; the global-batch arguments still apply). Clip fractions are 0.
+    * ``dppo_tv`` / ``dppo_kl`` (arXiv 2602.04879): L = -A sg(min(r, clip_ratio_c)) log_prob on
+      tokens inside a binary trust region (TV: p - p_old <= eps_high for A > 0, >= -eps_low
+      otherwise; KL: binary KL(p_old || p) <= eps, or the probability moved the safe way), 0
+      elsewhere; eps_low/eps_high are divergence thresholds here. ``pg_clipfrac`` is the
+      fraction outside the region, ``pg_clipfrac_lower`` the kept fraction with r > cap. verl
+      reads the cap as ``config.get("clip_ratio_c", 20.0)``, but ActorConfig always defines
+      clip_ratio_c (3.0), so the effective default is 3.0, as here; the paper suggests 20.
+    * ``dro``: L = -(A log_prob - dro_beta/2 (lp - old)^2); ``dro_beta`` has no default and must
+      be > 0 (ValueError, as verl). Metric ``actor/ppo_kl``.
+    * a name added with ``register_policy_loss``: that function, with every keyword here.
 
-    L is multiplied by ``rollout_is_weights`` when given, then aggregated with ``agg_loss``.
+    verl's ``bypass_mode`` loss lives in ``rollout_correction.compute_policy_loss_bypass_mode``.
+    L is multiplied by ``rollout_is_weights`` when given (except geo_mean, above), then
+    aggregated with ``agg_loss``.
 
     Args:
         old_log_prob: [B, T] log-probs of the policy that sampled (or recomputed old policy).
@@ -410,60 +714,127 @@ def compute_policy_loss(
         clip_ratio: eps, the default for both sides (config ``actor.clip_ratio``).
         clip_ratio_low: eps_low; None means ``clip_ratio``.
         clip_ratio_high: eps_high (DAPO clip-higher); None means ``clip_ratio``.
-        clip_ratio_c: dual-clip cap c; must be > 1 for ``vanilla``.
+        clip_ratio_c: dual-clip cap c (must be > 1 for ``vanilla``); the ratio cap of dppo.
         rollout_is_weights: optional [B, T] importance weights (treated as given; pass constants).
-        policy_loss_mode: one of ``POLICY_LOSS_MODES``.
+        policy_loss_mode: one of ``policy_loss_mode_names()``.
         dp_size, batch_num_tokens, global_batch_size, loss_scale_factor: see ``agg_loss``
             (verl's ``global_batch_info``).
+        clip_cov_ratio, clip_cov_lb, clip_cov_ub: clip_cov settings (config
+            ``actor.policy_loss.*``; verl defaults 2e-4, 1, 5).
+        kl_cov_ratio, ppo_kl_coef: kl_cov settings (verl defaults 2e-4, 0.1).
+        tau_pos, tau_neg: sapo temperatures (config ``actor.tau_pos`` / ``tau_neg``; 1.0, 1.05).
+        dro_beta: dro's penalty (config ``actor.policy_loss.dro_beta``; None).
+        rng: optional PRNG key for clip_cov's random pick (see above).
+        **kwargs: extra settings, only for a registered loss (TypeError for a built-in mode).
 
     Returns:
-        (pg_loss, metrics): float32 scalar, and a dict of float32 scalars with verl's keys
-        ``actor/pg_clipfrac``, ``actor/ppo_kl`` and ``actor/pg_clipfrac_lower`` (empty for gpg).
-        Metrics are masked means over valid tokens with denominator (sum of mask + 1e-8).
+        (pg_loss, metrics): float32 scalar, and a dict of float32 scalars with verl's keys for
+        the mode (``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``, or the
+        subsets above; empty for gpg). Metrics are masked means over valid tokens with
+        denominator (sum of mask + 1e-8).
     """
-    _check_choice("policy_loss_mode", policy_loss_mode, POLICY_LOSS_MODES)
+    check_choice("policy_loss_mode", policy_loss_mode, policy_loss_mode_names())
+    check_choice("loss_agg_mode", loss_agg_mode, AGG_MODES)
     clip_low = clip_ratio if clip_ratio_low is None else clip_ratio_low
     clip_high = clip_ratio if clip_ratio_high is None else clip_ratio_high
-    if policy_loss_mode == "vanilla" and not clip_ratio_c > 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1 for the dual clip, got {clip_ratio_c}")
+    global_batch_info = {
+        "dp_size": dp_size,
+        "batch_num_tokens": batch_num_tokens,
+        "global_batch_size": global_batch_size,
+        "loss_scale_factor": loss_scale_factor,
+    }
+    if policy_loss_mode not in POLICY_LOSS_MODES:
+        return _REGISTERED_POLICY_LOSSES[policy_loss_mode](
+            old_log_prob,
+            log_prob,
+            advantages,
+            response_mask,
+            loss_agg_mode=loss_agg_mode,
+            clip_ratio=clip_ratio,
+            clip_ratio_low=clip_low,
+            clip_ratio_high=clip_high,
+            clip_ratio_c=clip_ratio_c,
+            rollout_is_weights=rollout_is_weights,
+            clip_cov_ratio=clip_cov_ratio,
+            clip_cov_lb=clip_cov_lb,
+            clip_cov_ub=clip_cov_ub,
+            kl_cov_ratio=kl_cov_ratio,
+            ppo_kl_coef=ppo_kl_coef,
+            tau_pos=tau_pos,
+            tau_neg=tau_neg,
+            dro_beta=dro_beta,
+            rng=rng,
+            **global_batch_info,
+            **kwargs,
+        )
+    if kwargs:
+        raise TypeError(
+            f"policy_loss_mode {policy_loss_mode!r} takes no extra keyword arguments, got "
+            f"{sorted(kwargs)} (extra keywords are for registered losses)"
+        )
+    if policy_loss_mode == "vanilla":
+        check_clip_ratio_c(clip_ratio_c)
     mask_BT = response_mask.astype(jnp.float32)
     # Zero the inputs at masked positions so NaN/inf padding cannot reach values or gradients.
     old_BT, lp_BT, adv_BT = (
         jnp.where(mask_BT != 0, x.astype(jnp.float32), 0.0)
         for x in (old_log_prob, log_prob, advantages)
     )
+    weights_BT = (
+        None
+        if rollout_is_weights is None
+        else jnp.where(mask_BT != 0, rollout_is_weights.astype(jnp.float32), 0.0)
+    )
+    clips = {"clip_low": clip_low, "clip_high": clip_high}
     match policy_loss_mode:
         case "vanilla":
             loss_BT, metrics = _vanilla_token_losses(
+                old_BT, lp_BT, adv_BT, mask_BT, **clips, clip_ratio_c=clip_ratio_c
+            )
+        case "gspo":
+            loss_BT, metrics = _gspo_token_losses(old_BT, lp_BT, adv_BT, mask_BT, **clips)
+        case "cispo":
+            loss_BT, metrics = _cispo_token_losses(old_BT, lp_BT, adv_BT, mask_BT, **clips)
+        case "gpg":
+            loss_BT, metrics = -lp_BT * adv_BT, {}
+        case "clip_cov":
+            loss_BT, metrics = _clip_cov_token_losses(
                 old_BT,
                 lp_BT,
                 adv_BT,
                 mask_BT,
-                clip_low=clip_low,
-                clip_high=clip_high,
-                clip_ratio_c=clip_ratio_c,
+                **clips,
+                clip_cov_ratio=clip_cov_ratio,
+                clip_cov_lb=clip_cov_lb,
+                clip_cov_ub=clip_cov_ub,
+                rng=rng,
             )
-        case "gspo":
-            loss_BT, metrics = _gspo_token_losses(
-                old_BT, lp_BT, adv_BT, mask_BT, clip_low=clip_low, clip_high=clip_high
+        case "kl_cov":
+            loss_BT, metrics = _kl_cov_token_losses(
+                old_BT, lp_BT, adv_BT, mask_BT, kl_cov_ratio=kl_cov_ratio, ppo_kl_coef=ppo_kl_coef
             )
-        case "cispo":
-            loss_BT, metrics = _cispo_token_losses(
-                old_BT, lp_BT, adv_BT, mask_BT, clip_low=clip_low, clip_high=clip_high
+        case "geo_mean":
+            return _geo_mean_loss(old_BT, lp_BT, adv_BT, mask_BT, weights_BT, **clips)
+        case "sapo":
+            loss_BT, metrics = _sapo_token_losses(
+                old_BT, lp_BT, adv_BT, mask_BT, tau_pos=tau_pos, tau_neg=tau_neg
             )
-        case "gpg":
-            loss_BT, metrics = -lp_BT * adv_BT, {}
-    if rollout_is_weights is not None:
-        loss_BT = loss_BT * jnp.where(mask_BT != 0, rollout_is_weights.astype(jnp.float32), 0.0)
-    pg_loss = agg_loss(
-        loss_BT,
-        mask_BT,
-        loss_agg_mode,
-        dp_size=dp_size,
-        batch_num_tokens=batch_num_tokens,
-        global_batch_size=global_batch_size,
-        loss_scale_factor=loss_scale_factor,
-    )
+            loss_agg_mode = "seq-mean-token-mean"  # verl's sapo ignores the configured mode
+        case "dppo_tv" | "dppo_kl":
+            loss_BT, metrics = _dppo_token_losses(
+                old_BT,
+                lp_BT,
+                adv_BT,
+                mask_BT,
+                **clips,
+                cap=clip_ratio_c,
+                divergence=policy_loss_mode.removeprefix("dppo_"),
+            )
+        case "dro":
+            loss_BT, metrics = _dro_token_losses(old_BT, lp_BT, adv_BT, mask_BT, dro_beta=dro_beta)
+    if weights_BT is not None:
+        loss_BT = loss_BT * weights_BT
+    pg_loss = agg_loss(loss_BT, mask_BT, loss_agg_mode, **global_batch_info)
     return pg_loss, metrics
 
 
@@ -567,9 +938,10 @@ def _logprob_entropy_rows_bwd(rows, inv_temperature, res, g):
 _logprob_entropy_rows.defvjp(_logprob_entropy_rows_fwd, _logprob_entropy_rows_bwd)
 
 
-def _check_temperature(temperature):
+def check_temperature(temperature) -> float:
+    """Log-probs divide the logits by the temperature: it must be > 0. Returns 1 / temperature."""
     if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+        raise ValueError(f"temperature={temperature!r} must be > 0 (the log-probs divide by it)")
     return 1.0 / float(temperature)
 
 
@@ -593,7 +965,7 @@ def logprobs_and_entropy_chunked(
     Returns:
         (log_probs [B, T] float32, entropy [B, T] float32 or None).
     """
-    inv_temperature = _check_temperature(temperature)
+    inv_temperature = check_temperature(temperature)
     *lead, vocab = logits.shape
     if tuple(lead) != labels.shape:
         raise ValueError(f"labels {labels.shape} do not match logits {logits.shape}")
@@ -630,7 +1002,7 @@ def logprobs_and_entropy_from_hidden(
     Returns:
         (log_probs [B, T] float32, entropy [B, T] float32 or None).
     """
-    inv_temperature = _check_temperature(temperature)
+    inv_temperature = check_temperature(temperature)
     if h_BTD.shape[:-1] != labels.shape:
         raise ValueError(f"labels {labels.shape} do not match hidden states {h_BTD.shape}")
     batch, length, dim = h_BTD.shape
@@ -686,6 +1058,7 @@ def actor_loss(
     batch_num_tokens=None,
     global_batch_size=None,
     loss_scale_factor=None,
+    policy_loss_kwargs=None,
 ):
     """verl's actor loss: pg_loss - entropy_coeff * entropy_loss (+ kl_loss_coef * kl_loss).
 
@@ -706,14 +1079,18 @@ def actor_loss(
         kl_loss_coef: its weight beta (config ``actor.kl_loss_coef``).
         kl_loss_type: ``kl_penalty`` estimator (config ``actor.kl_loss_type``).
         dp_size, batch_num_tokens, global_batch_size, loss_scale_factor: see ``agg_loss``.
+        policy_loss_kwargs: the per-loss settings passed on to ``compute_policy_loss`` (e.g.
+            ``{"clip_cov_ratio": 2e-4}``, ``{"tau_pos": 1.0, "tau_neg": 1.05}``,
+            ``{"dro_beta": 0.1}``, ``{"rng": key}``, or a registered loss's own keywords).
 
     Returns:
         (loss, metrics): float32 scalar, and float32 scalar metrics ``actor/pg_loss``,
-        ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower`` (not for gpg),
+        the policy loss's metrics (``actor/pg_clipfrac``, ``actor/ppo_kl``,
+        ``actor/pg_clipfrac_lower`` or the mode's subset, see ``compute_policy_loss``),
         ``actor/entropy`` (when ``entropy`` is given), ``actor/kl_loss`` and ``actor/kl_coef``
         (when ``use_kl_loss``).
     """
-    _check_choice("kl_loss_type", kl_loss_type, KL_TYPES)
+    check_choice("kl_loss_type", kl_loss_type, KL_TYPES)
     if entropy_coeff != 0 and entropy is None:
         raise ValueError("actor_loss: entropy_coeff != 0 needs the per-token entropy")
     needs_log_probs = kl_loss_type not in ("full",)
@@ -738,6 +1115,7 @@ def actor_loss(
         rollout_is_weights=rollout_is_weights,
         policy_loss_mode=policy_loss_mode,
         **global_batch_info,
+        **(policy_loss_kwargs or {}),
     )
     metrics = {"actor/pg_loss": jax.lax.stop_gradient(pg_loss), **pg_metrics}
     loss = pg_loss

@@ -12,7 +12,9 @@ Two jobs:
 * `Worker`: verl 0.9.1 runs in the venv that ``scripts/build_verl_venv.sh`` builds with verl's own
   pins (``GRPO_JAX_VERL_PYTHON`` names its interpreter), never in the project's venv. The tests
   build small expressions with `fn`, `grad` and `keep_numpy` (a call of any ``module:attr`` on
-  NumPy inputs, which arrive as torch tensors), send them to one long-lived worker process running
+  NumPy inputs, which arrive as torch tensors), plus `item`, `attr` (indexing and attribute access
+  on a value that cannot travel back whole, e.g. a DataProto) and `after` (a side effect first,
+  e.g. seeding torch), send them to one long-lived worker process running
   this file in that venv, and get NumPy values and gradients back. The comparison stays in the
   project's venv, against the real verl functions.
 
@@ -125,6 +127,25 @@ def grad(value, name: str) -> Expr:
 def keep_numpy(value) -> Expr:
     """An input passed to verl as a NumPy array (e.g. the uid `index` of the advantage)."""
     return Expr(_Numpy(value))
+
+
+def item(expr, key) -> Expr:
+    """``expr[key]`` on the worker: one entry of a returned tuple, dict or TensorDict."""
+    return fn("operator:getitem")(expr, key)
+
+
+def attr(expr, name: str) -> Expr:
+    """``getattr(expr, name)`` on the worker (e.g. the ``batch`` of a returned DataProto)."""
+    return fn("builtins:getattr")(expr, name)
+
+
+def after(effect, expr) -> Expr:
+    """``expr``'s value, evaluated after ``effect`` (whose value is dropped unreturned).
+
+    For a side effect the expression depends on, e.g. ``after(fn("torch:manual_seed")(0),
+    call)`` makes a call that draws from torch's global generator reproducible. Tuple
+    entries are evaluated in order, so this is ``(effect, expr)[1]``."""
+    return item((effect, expr), 1)
 
 
 def _encode(x):

@@ -93,7 +93,7 @@ def test_agg_loss_all_masked_is_zero_with_zero_gradient(mode):
 
 
 def test_agg_loss_errors():
-    with pytest.raises(ValueError, match="token-mean, token-sum, seq-mean-token-sum"):
+    with pytest.raises(ValueError, match=r"\['token-mean', 'token-sum', 'seq-mean-token-sum'"):
         loss.agg_loss(jnp.ones((1, 2)), jnp.ones((1, 2)), "mean")
     with pytest.raises(ValueError, match="batch_num_tokens is required"):
         loss.agg_loss(jnp.ones((1, 2)), jnp.ones((1, 2)), "token-mean", dp_size=2)
@@ -171,7 +171,9 @@ def test_kl_properties(lp, ref):
             _, grad = _kl_value_and_grad(kl_type, lp, ref)
             np.testing.assert_allclose(grad, lp - ref, rtol=1e-6, atol=1e-6)
     value, _ = _kl_value_and_grad("k3", lp, ref)
-    assert (value >= 0).all()
+    # e^x - x - 1 >= 0, up to float32 cancellation near x = 0 (verl evaluates the same formula):
+    # x = 2^-24 gives e^x = 1 after rounding, then 1 - x - 1 = -2^-24.
+    assert (value >= -(2.0**-23)).all()
 
 
 def test_full_kl_hand_derived():
@@ -237,7 +239,7 @@ def test_full_kl_makes_no_float32_copy_of_the_logits():
 
 
 def test_kl_errors():
-    with pytest.raises(ValueError, match="valid: kl, k1, abs"):
+    with pytest.raises(ValueError, match=r"must be one of \['kl', 'k1', 'abs'"):
         loss.kl_penalty(jnp.zeros(2), jnp.zeros(2), "k4")
     with pytest.raises(ValueError, match="needs logits and ref_logits"):
         loss.kl_penalty(None, None, "full")
@@ -415,6 +417,10 @@ def test_gpg_hand_derived():
     assert metrics == {}
 
 
+# Settings a mode needs beyond the defaults (verl's dro has no default beta).
+MODE_OPTIONS = {"dro": {"dro_beta": 0.1}}
+
+
 @pytest.mark.parametrize("mode", loss.POLICY_LOSS_MODES)
 @pytest.mark.parametrize("agg", loss.AGG_MODES)
 def test_policy_loss_nan_padding_does_not_leak(mode, agg):
@@ -425,7 +431,7 @@ def test_policy_loss_nan_padding_does_not_leak(mode, agg):
     old = np.zeros_like(PPO_LP)
     poisoned_old = old.copy()
     poisoned_old[:, 3] = NAN
-    kwargs = {"policy_loss_mode": mode, "loss_agg_mode": agg}
+    kwargs = {"policy_loss_mode": mode, "loss_agg_mode": agg, **MODE_OPTIONS.get(mode, {})}
     clean = _policy(clean_lp, old, clean_adv, PPO_MASK, **kwargs)
     dirty = _policy(PPO_LP, poisoned_old, PPO_ADV, PPO_MASK, **kwargs)
     assert clean[0] == dirty[0] and clean[1] == dirty[1]
@@ -435,9 +441,9 @@ def test_policy_loss_nan_padding_does_not_leak(mode, agg):
 
 def test_policy_loss_errors():
     args = [jnp.zeros((1, 2))] * 4
-    with pytest.raises(ValueError, match="valid: vanilla, gspo, cispo, gpg"):
+    with pytest.raises(ValueError, match=r"must be one of \['vanilla', 'gspo', 'cispo', 'gpg'"):
         loss.compute_policy_loss(*args, policy_loss_mode="ppo")
-    with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
+    with pytest.raises(ValueError, match=r"clip_ratio_c=.* must be > 1"):
         loss.compute_policy_loss(*args, clip_ratio_c=1.0)
 
 
@@ -450,7 +456,13 @@ def test_modes_are_static_under_jit():
         calls.append(mode)
         old = jax.lax.stop_gradient(lp)  # on-policy: ratio 1
         return loss.compute_policy_loss(
-            old, lp, jnp.ones_like(lp), jnp.ones_like(lp), policy_loss_mode=mode, loss_agg_mode=agg
+            old,
+            lp,
+            jnp.ones_like(lp),
+            jnp.ones_like(lp),
+            policy_loss_mode=mode,
+            loss_agg_mode=agg,
+            **MODE_OPTIONS.get(mode, {}),
         )[0]
 
     for _ in range(2):
@@ -459,6 +471,335 @@ def test_modes_are_static_under_jit():
     assert calls == list(loss.POLICY_LOSS_MODES)
     # Ratio 1, A = 1, token-mean: vanilla loss = -A r = -1.
     assert float(step(jnp.full((2, 3), -1.0), mode="vanilla", agg="token-mean")) == -1.0
+
+
+# ------------------------------------------------------------------------------------------
+# SAPO on the CIS row (r = 1.5, 0.5, 1; A = 1, -1, 2), tau_pos = 1 (A > 0), tau_neg = 1.05:
+#   gate f = sigmoid(tau (r - 1)) 4 / tau; L = -A f:
+#     L = (-4 s(0.5), +4/1.05 s(-0.525), -2 * 4 s(0) = -4); s = sigmoid.
+#   df/dlp = f'(r) r = 4 s (1 - s) r (tau cancels), so grad = -A 4 s(1 - s) r / 3.
+#   Always seq-mean-token-mean: on one row that is the mean over its 3 tokens.
+# ------------------------------------------------------------------------------------------
+def _sigmoid(x):
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+def test_sapo_hand_derived():
+    s = [_sigmoid(0.5), _sigmoid(1.05 * -0.5), _sigmoid(0.0)]
+    losses = [-4 * s[0], 4 / 1.05 * s[1], -2 * 4 * s[2]]
+    grads = [-a * 4 * x * (1 - x) * r for a, x, r in zip([1, -1, 2], s, [1.5, 0.5, 1.0])]
+    value, metrics, grad = _policy(
+        CIS_LP, CIS_OLD, CIS_ADV, np.ones((1, 3)), policy_loss_mode="sapo"
+    )
+    np.testing.assert_allclose(value, sum(losses) / 3, rtol=1e-5)
+    np.testing.assert_allclose(grad, np.array([grads]) / 3, rtol=1e-5)
+    assert metrics["actor/pg_clipfrac"] == metrics["actor/pg_clipfrac_lower"] == 0.0
+    np.testing.assert_allclose(metrics["actor/ppo_kl"], -math.log(0.75) / 3, rtol=1e-5)
+
+
+def test_sapo_and_geo_mean_ignore_loss_agg_mode():
+    # verl hard-codes sapo's aggregation (seq-mean-token-mean) and geo_mean's (plain mean over
+    # rows): every mode gives the same value. PPO_MASK rows have equal lengths, so use a ragged
+    # mask to make seq-mean-token-mean differ from token-mean.
+    mask = np.array([[1, 1, 1, 0], [1, 0, 0, 0]], np.float32)
+    for mode in ("sapo", "geo_mean"):
+        values = {
+            agg: _policy(
+                PPO_LP,
+                np.zeros_like(PPO_LP),
+                PPO_ADV,
+                mask,
+                policy_loss_mode=mode,
+                loss_agg_mode=agg,
+            )[0]
+            for agg in loss.AGG_MODES
+        }
+        assert len(set(values.values())) == 1, (mode, values)
+    sapo_vanilla = {
+        agg: _policy(PPO_LP, np.zeros_like(PPO_LP), PPO_ADV, mask, loss_agg_mode=agg)[0]
+        for agg in ("token-mean", "seq-mean-token-mean")
+    }
+    assert sapo_vanilla["token-mean"] != sapo_vanilla["seq-mean-token-mean"]
+
+
+# ------------------------------------------------------------------------------------------
+# GMPO (geo_mean), eps_low = eps_high = 0.2, old = 0; row 2 fully masked (it still counts).
+#   row 0: log r = (ln 1.5, ln 0.5), A = (1, 1): for A > 0 the log-ratio is capped above at
+#          0.2 -> (0.2, ln 0.5); mean m0 = (0.2 + ln 0.5) / 2; ratio e^m0; A_seq = 1;
+#          L0 = -e^m0. Only token 1 is unclipped: dL/dlp = -A_seq e^m0 / 2.
+#   row 1: log r = (ln 1.1, ln 0.5), A = (-1, -1): floored below at -0.2 -> (ln 1.1, -0.2);
+#          m1 = (ln 1.1 - 0.2) / 2; A_seq = -1; L1 = +e^m1; token 0 unclipped: +e^m1 / 2.
+#   loss = (L0 + L1 + 0) / 3 rows; grads / 3.
+#   clipped tokens: row 0 both (A > 0), row 1 token 1 (A < 0): pg_clipfrac = 2/4 and
+#   pg_clipfrac_lower = 1/4 of the 4 valid tokens; ppo_kl = -(ln 1.5 + ln 0.5 + ln 1.1 + ln 0.5)/4.
+# ------------------------------------------------------------------------------------------
+def test_geo_mean_hand_derived():
+    lp = np.log(np.array([[1.5, 0.5, 1.0], [1.1, 0.5, 1.0], [1.0, 1.0, 1.0]])).astype(np.float32)
+    adv = np.array([[1, 1, 0], [-1, -1, 0], [5, 5, 5]], np.float32)
+    mask = np.array([[1, 1, 0], [1, 1, 0], [0, 0, 0]], np.float32)
+    m0, m1 = (0.2 + math.log(0.5)) / 2, (math.log(1.1) - 0.2) / 2
+    value, metrics, grad = _policy(lp, np.zeros_like(lp), adv, mask, policy_loss_mode="geo_mean")
+    np.testing.assert_allclose(value, (-math.exp(m0) + math.exp(m1)) / 3, rtol=1e-5)
+    expected = np.array([[0, -math.exp(m0) / 2, 0], [math.exp(m1) / 2, 0, 0], [0, 0, 0]]) / 3
+    np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-8)
+    np.testing.assert_allclose(metrics["actor/pg_clipfrac"], 2 / 4, rtol=1e-6)
+    np.testing.assert_allclose(metrics["actor/pg_clipfrac_lower"], 1 / 4, rtol=1e-6)
+    kl = -(math.log(1.5) + 2 * math.log(0.5) + math.log(1.1)) / 4
+    np.testing.assert_allclose(metrics["actor/ppo_kl"], kl, rtol=1e-5)
+    # IS weights enter as their per-row geometric mean: weights 4 and 1 on row 0 scale L0 by 2.
+    weights = np.array([[4, 1, 1], [1, 1, 1], [1, 1, 1]], np.float32)
+    weighted, _, _ = _policy(
+        lp, np.zeros_like(lp), adv, mask, jnp.asarray(weights), policy_loss_mode="geo_mean"
+    )
+    np.testing.assert_allclose(weighted, (-2 * math.exp(m0) + math.exp(m1)) / 3, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------
+# DPPO, eps_low = eps_high = 0.2, cap clip_ratio_c = 3, token-mean over 5 tokens.
+#   p_old = (.5, .5, .5, .5, .1), p = (.8, .6, .25, .45, .4), A = (1, 1, -1, -1, -1);
+#   r = p / p_old = (1.6, 1.2, .5, .9, 4); truncated ratio (1.6, 1.2, .5, .9, 3).
+#   TV (p - p_old = .3, .1, -.25, -.05, .3): keep A > 0 if <= .2, A <= 0 if >= -.2
+#     -> keep (0, 1, 0, 1, 1). L = -A sg(trunc) lp keep; grad = -A trunc keep.
+#   KL: binary KL(p_old || p) = p_old ln(p_old / p) + (1 - p_old) ln((1 - p_old) / (1 - p)):
+#     t0 .5 ln(.5/.8) + .5 ln(.5/.2) = .5 ln 1.5625 = .223 > .2 with p > p_old -> drop;
+#     t2 .5 ln 2 + .5 ln(2/3) = .5 ln(4/3) = .144 <= .2 -> keep (TV drops it); others keep.
+#   pg_clipfrac = dropped fraction (TV 2/5, KL 1/5); pg_clipfrac_lower = kept with r > 3 = 1/5.
+# ------------------------------------------------------------------------------------------
+DPPO_OLD = np.log(np.array([[0.5, 0.5, 0.5, 0.5, 0.1]], np.float32))
+DPPO_LP = np.log(np.array([[0.8, 0.6, 0.25, 0.45, 0.4]], np.float32))
+DPPO_ADV = np.array([[1, 1, -1, -1, -1]], np.float32)
+
+
+@pytest.mark.parametrize(
+    "mode, keep",
+    [("dppo_tv", [0, 1, 0, 1, 1]), ("dppo_kl", [0, 1, 1, 1, 1])],
+)
+def test_dppo_hand_derived(mode, keep):
+    keep = np.array(keep, np.float64)
+    trunc = np.array([1.6, 1.2, 0.5, 0.9, 3.0])
+    adv = DPPO_ADV[0].astype(np.float64)
+    lp = np.log([0.8, 0.6, 0.25, 0.45, 0.4])
+    value, metrics, grad = _policy(
+        DPPO_LP, DPPO_OLD, DPPO_ADV, np.ones((1, 5)), policy_loss_mode=mode
+    )
+    np.testing.assert_allclose(value, np.sum(-adv * trunc * lp * keep) / 5, rtol=1e-5)
+    np.testing.assert_allclose(grad[0], -adv * trunc * keep / 5, rtol=1e-5, atol=1e-8)
+    np.testing.assert_allclose(metrics["actor/pg_clipfrac"], (5 - keep.sum()) / 5, rtol=1e-6)
+    np.testing.assert_allclose(metrics["actor/pg_clipfrac_lower"], 1 / 5, rtol=1e-6)
+    kl = -np.log([1.6, 1.2, 0.5, 0.9, 4.0]).sum() / 5
+    np.testing.assert_allclose(metrics["actor/ppo_kl"], kl, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------
+# DRO, beta = 0.5, on the CIS row: L = -(lp A - beta/2 (log r)^2), log r = (ln 1.5, ln .5, 0):
+#   lp A = (-1, 2, -1) -> L = (1 + .25 ln^2 1.5, -2 + .25 ln^2 .5, 1); grad = -A + beta log r.
+# ------------------------------------------------------------------------------------------
+def test_dro_hand_derived():
+    log_r = np.log([1.5, 0.5, 1.0])
+    value, metrics, grad = _policy(
+        CIS_LP, CIS_OLD, CIS_ADV, np.ones((1, 3)), policy_loss_mode="dro", dro_beta=0.5
+    )
+    expected = (1 + 0.25 * log_r[0] ** 2 - 2 + 0.25 * log_r[1] ** 2 + 1) / 3
+    np.testing.assert_allclose(value, expected, rtol=1e-5)
+    np.testing.assert_allclose(grad[0], (-CIS_ADV[0] + 0.5 * log_r) / 3, rtol=1e-5)
+    assert set(metrics) == {"actor/ppo_kl"}
+    np.testing.assert_allclose(metrics["actor/ppo_kl"], -log_r.sum() / 3, rtol=1e-5)
+    with pytest.raises(ValueError, match="dro_beta must be a positive"):
+        _policy(CIS_LP, CIS_OLD, CIS_ADV, np.ones((1, 3)), policy_loss_mode="dro")
+
+
+# ------------------------------------------------------------------------------------------
+# Covariance selection. One row, lp = (-1, -2, -0.5, -3), A = (1, -1, 2, 0.5), N_tok = 4:
+#   mean A = .625, mean lp = -1.625; cov = (A - .625)(lp + 1.625)
+#         = (.375 * .625, -1.625 * -.375, 1.375 * 1.125, -.125 * -1.375)
+#         = (.234, .609, 1.547, .172)  -> order by cov: t2, t1, t0, t3.
+# ------------------------------------------------------------------------------------------
+COV_LP = np.array([[-1.0, -2.0, -0.5, -3.0]], np.float32)
+COV_ADV = np.array([[1.0, -1.0, 2.0, 0.5]], np.float32)
+
+
+def _old_for(ratios):
+    return COV_LP - np.log(np.array([ratios], np.float32))
+
+
+@pytest.mark.parametrize("ratio, penalised", [(2e-4, [2]), (0.5, [2, 1])])
+def test_kl_cov_hand_derived(ratio, penalised):
+    # r = (1.5, .5, 1.2, 2). budget max(1, int(ratio * 4)) = 1 or 2: the top-cov tokens get
+    # + 0.1 |log r| (grad + 0.1 sign(log r)); L = -A r elsewhere (no clamp, no clip).
+    r = np.array([1.5, 0.5, 1.2, 2.0])
+    value, metrics, grad = _policy(
+        COV_LP, _old_for(r), COV_ADV, np.ones((1, 4)), policy_loss_mode="kl_cov", kl_cov_ratio=ratio
+    )
+    penalty = np.zeros(4)
+    penalty[penalised] = 0.1
+    adv = COV_ADV[0].astype(np.float64)
+    np.testing.assert_allclose(value, np.sum(-adv * r + penalty * np.abs(np.log(r))) / 4, rtol=1e-5)
+    np.testing.assert_allclose(grad[0], (-adv * r + penalty * np.sign(np.log(r))) / 4, rtol=1e-5)
+    assert set(metrics) == {"actor/ppo_kl"}  # here the mean |log r|
+    np.testing.assert_allclose(metrics["actor/ppo_kl"], np.abs(np.log(r)).mean(), rtol=1e-5)
+
+
+def test_kl_cov_on_policy_penalty_has_zero_gradient():
+    # lp == old: |log r| = 0 with torch's gradient sign(0) = 0, so grad = -A / N exactly.
+    _, _, grad = _policy(
+        COV_LP, COV_LP, COV_ADV, np.ones((1, 4)), policy_loss_mode="kl_cov", kl_cov_ratio=1.0
+    )
+    np.testing.assert_array_equal(grad[0], np.float32(-COV_ADV[0] / 4))
+
+
+def test_token_budget_uses_float64_rounding():
+    # verl: max(1, int(0.0003 * 10000)) = 2, as 0.0003 * 10000 = 2.9999999999999996 in float64;
+    # float32 gives 3.0000002. kl_cov with lp - old = 0.1 everywhere: the penalty
+    # adds 0.1 / N to the gradient of exactly the selected tokens.
+    assert int(0.0003 * 10000) == 2 and int(np.float32(0.0003) * np.float32(10000)) == 3
+    rng = np.random.default_rng(0)
+    lp = rng.normal(-1, 0.5, (2, 5000)).astype(np.float32)
+    adv = rng.normal(0, 1, (2, 5000)).astype(np.float32)
+    old = lp - np.float32(0.1)
+    _, _, grad = _policy(
+        lp, old, adv, np.ones_like(lp), policy_loss_mode="kl_cov", kl_cov_ratio=0.0003
+    )
+    plain = -adv.astype(np.float64) * np.exp(0.1) / lp.size
+    assert np.sum(np.abs(grad - plain) > 0.05 / lp.size) == 2
+
+
+@pytest.mark.parametrize(
+    "ratio, ratios, expected_zeroed",
+    [
+        (2e-4, [1.1, 0.9, 1.0, 1.05], [1]),  # candidates t0, t1 (t2 above ub, t3 below lb)
+        (0.5, [1.1, 0.9, 1.0, 1.05], [0, 1]),  # budget 2 covers both candidates
+        (0.5, [1.5, 0.9, 1.0, 1.05], [1]),  # t0 already clipped by PPO: not a candidate
+    ],
+)
+def test_clip_cov_hand_derived(ratio, ratios, expected_zeroed):
+    # clip_cov_lb = .2, clip_cov_ub = 1: candidates have .2 < cov < 1 and are not clipped;
+    # without rng the largest covariance goes first (t1 .609 before t0 .234). Zeroed tokens
+    # have L = 0 and grad 0; the others L = max(-A r, -A clamp(r, .8, 1.2)).
+    r = np.array(ratios)
+    adv = COV_ADV[0].astype(np.float64)
+    value, metrics, grad = _policy(
+        COV_LP,
+        _old_for(ratios),
+        COV_ADV,
+        np.ones((1, 4)),
+        policy_loss_mode="clip_cov",
+        clip_cov_ratio=ratio,
+        clip_cov_lb=0.2,
+        clip_cov_ub=1.0,
+    )
+    token_loss = np.maximum(-adv * r, -adv * np.clip(r, 0.8, 1.2))
+    token_grad = np.where(-adv * r >= -adv * np.clip(r, 0.8, 1.2), -adv * r, 0.0)
+    token_loss[expected_zeroed] = token_grad[expected_zeroed] = 0.0
+    np.testing.assert_allclose(value, token_loss.sum() / 4, rtol=1e-5)
+    np.testing.assert_allclose(grad[0], token_grad / 4, rtol=1e-5, atol=1e-8)
+    assert set(metrics) == {"actor/pg_clipfrac", "actor/ppo_kl"}
+    np.testing.assert_allclose(metrics["actor/pg_clipfrac"], len(expected_zeroed) / 4, rtol=1e-6)
+
+
+def test_clip_cov_random_selection_is_a_seeded_uniform_subset():
+    # Random inputs, wide bounds: with an rng the detached tokens are min(budget, #candidates)
+    # of the candidates, the same for the same key, and every candidate is reachable.
+    rng = np.random.default_rng(1)
+    lp = rng.normal(-1, 0.5, (4, 16)).astype(np.float32)
+    old = lp - rng.normal(0, 0.05, lp.shape).astype(np.float32)  # no PPO clipping
+    adv = rng.normal(0, 1, lp.shape).astype(np.float32)
+    mask = (rng.random(lp.shape) > 0.2).astype(np.float32)
+    cov = (adv - adv[mask > 0].mean()) * (lp - lp[mask > 0].mean())
+    candidates = (mask > 0) & (cov > 0.05) & (cov < 0.8)
+    budget = int(0.1 * mask.sum())
+    assert 1 < budget < candidates.sum()
+
+    @jax.jit
+    def zeroed(key):
+        grad = jax.grad(
+            lambda x: loss.compute_policy_loss(
+                jnp.asarray(old),
+                x,
+                jnp.asarray(adv),
+                jnp.asarray(mask),
+                policy_loss_mode="clip_cov",
+                clip_cov_ratio=0.1,
+                clip_cov_lb=0.05,
+                clip_cov_ub=0.8,
+                rng=key,
+            )[0]
+        )(jnp.asarray(lp))
+        return (grad == 0) & (jnp.asarray(mask) > 0) & (jnp.asarray(adv) != 0)
+
+    seen = np.zeros(lp.shape, bool)
+    for seed in range(30):
+        chosen = np.asarray(zeroed(jax.random.key(seed)))
+        assert chosen.sum() == budget and not (chosen & ~candidates).any()
+        seen |= chosen
+    np.testing.assert_array_equal(np.asarray(zeroed(jax.random.key(3))), zeroed(jax.random.key(3)))
+    np.testing.assert_array_equal(seen, candidates)
+
+
+# ------------------------------------------------------------------------------------------
+# A user loss through the registry: L = -A lp times a user setting `scale`, token-mean.
+# ------------------------------------------------------------------------------------------
+@loss.register_policy_loss("test_scaled_reinforce")
+def _scaled_reinforce(
+    old_log_prob, log_prob, advantages, response_mask, *, loss_agg_mode, **kwargs
+):
+    loss_BT = -kwargs["scale"] * advantages * log_prob
+    info = {k: kwargs[k] for k in ("dp_size", "batch_num_tokens", "global_batch_size")}
+    value = loss.agg_loss(loss_BT, response_mask, loss_agg_mode, **info)
+    return value, {"test/clip_ratio_high": jnp.float32(kwargs["clip_ratio_high"])}
+
+
+def test_registered_policy_loss_runs_through_the_dispatchers_under_jit():
+    # CIS row: -A lp = (1, -2, 1), mean 0; with scale 3 and A' = A + 1 = (2, 0, 3):
+    # -3 A' lp = (6, 0, 4.5) -> mean 3.5; grad -3 A' / 3 = (-2, 0, -3).
+    assert "test_scaled_reinforce" in loss.policy_loss_mode_names()
+    assert "test_scaled_reinforce" not in loss.POLICY_LOSS_MODES
+
+    @jax.jit
+    def run(lp):
+        return loss.actor_loss(
+            jnp.asarray(CIS_OLD),
+            lp,
+            jnp.asarray(CIS_ADV) + 1.0,
+            jnp.ones((1, 3)),
+            policy_loss_mode="test_scaled_reinforce",
+            clip_ratio_high=0.28,
+            policy_loss_kwargs={"scale": 3.0},
+        )
+
+    (value, metrics), grad = jax.value_and_grad(run, has_aux=True)(jnp.asarray(CIS_LP))
+    np.testing.assert_allclose(float(value), 3.5, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(grad), [[-2.0, 0.0, -3.0]], rtol=1e-6)
+    assert set(metrics) == {"actor/pg_loss", "test/clip_ratio_high"}
+    np.testing.assert_allclose(float(metrics["test/clip_ratio_high"]), 0.28, rtol=1e-6)
+
+
+def test_register_policy_loss_errors():
+    with pytest.raises(ValueError, match="built in"):
+        loss.register_policy_loss("vanilla")
+    with pytest.raises(ValueError, match="already registered"):
+        loss.register_policy_loss("test_scaled_reinforce")(lambda *a, **k: None)
+    loss.register_policy_loss("test_scaled_reinforce")(_scaled_reinforce)  # same function: no-op
+    with pytest.raises(ValueError, match="non-empty string"):
+        loss.register_policy_loss("")
+    args = [jnp.zeros((1, 2))] * 4
+    with pytest.raises(ValueError, match=r"must be one of \['vanilla', .*'dro', .*'test_scaled_reinforce'"):
+        loss.compute_policy_loss(*args, policy_loss_mode="bypass_mode")
+    with pytest.raises(TypeError, match="takes no extra keyword"):
+        loss.compute_policy_loss(*args, scale=2.0)
+    with pytest.raises(ValueError, match="kl_cov_ratio must be > 0"):
+        loss.compute_policy_loss(*args, policy_loss_mode="kl_cov", kl_cov_ratio=0.0)
+    with pytest.raises(ValueError, match="clip_cov_ratio must be > 0"):
+        loss.compute_policy_loss(*args, policy_loss_mode="clip_cov", clip_cov_ratio=0.0)
+
+
+def test_actor_loss_passes_policy_loss_kwargs():
+    # sapo with other temperatures through actor_loss equals compute_policy_loss directly.
+    args = [jnp.asarray(x) for x in (CIS_OLD, CIS_LP, CIS_ADV)] + [jnp.ones((1, 3))]
+    settings = {"tau_pos": 2.0, "tau_neg": 3.0}
+    direct, _ = loss.compute_policy_loss(*args, policy_loss_mode="sapo", **settings)
+    value, metrics = loss.actor_loss(*args, policy_loss_mode="sapo", policy_loss_kwargs=settings)
+    assert float(value) == float(direct) == float(metrics["actor/pg_loss"])
+    assert float(value) != float(loss.actor_loss(*args, policy_loss_mode="sapo")[0])
 
 
 # ------------------------------------------------------------------------------------------
@@ -622,7 +963,7 @@ def test_chunked_paths_bound_memory():
 
 
 def test_logprob_errors():
-    with pytest.raises(ValueError, match="temperature must be > 0"):
+    with pytest.raises(ValueError, match="temperature=.* must be > 0"):
         loss.logprobs_and_entropy_chunked(
             jnp.zeros((1, 2, 3)), jnp.zeros((1, 2), int), temperature=0
         )
