@@ -59,8 +59,9 @@ import jax.numpy as jnp
 from absl import app, flags
 from ml_collections import config_flags
 
+from grpo_jax import config as config_lib
+from grpo_jax import loop, sampler, sharding, step, trainer
 from grpo_jax import model as model_lib
-from grpo_jax import sampler, sharding, trainer
 
 GIB = 2**30
 
@@ -68,24 +69,53 @@ GIB = 2**30
 PRESETS = {
     "tiny": {},  # ModelConfig.tiny()
     "qwen2.5-0.5b": {
-        "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_layers": 24,
-        "num_heads": 14, "num_kv_heads": 2, "head_dim": 64, "tie_word_embeddings": True,
+        "vocab_size": 151936,
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_layers": 24,
+        "num_heads": 14,
+        "num_kv_heads": 2,
+        "head_dim": 64,
+        "tie_word_embeddings": True,
     },
     "qwen2.5-1.5b": {
-        "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960, "num_layers": 28,
-        "num_heads": 12, "num_kv_heads": 2, "head_dim": 128, "tie_word_embeddings": True,
+        "vocab_size": 151936,
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_layers": 28,
+        "num_heads": 12,
+        "num_kv_heads": 2,
+        "head_dim": 128,
+        "tie_word_embeddings": True,
     },
     "qwen2.5-3b": {
-        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 11008, "num_layers": 36,
-        "num_heads": 16, "num_kv_heads": 2, "head_dim": 128, "tie_word_embeddings": True,
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 11008,
+        "num_layers": 36,
+        "num_heads": 16,
+        "num_kv_heads": 2,
+        "head_dim": 128,
+        "tie_word_embeddings": True,
     },
     "qwen2.5-7b": {
-        "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_layers": 28,
-        "num_heads": 28, "num_kv_heads": 4, "head_dim": 128, "tie_word_embeddings": False,
+        "vocab_size": 152064,
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_layers": 28,
+        "num_heads": 28,
+        "num_kv_heads": 4,
+        "head_dim": 128,
+        "tie_word_embeddings": False,
     },
-}  # fmt: skip
-_QWEN25 = {"arch": "qwen2", "qkv_bias": True, "rope_theta": 1e6, "rms_norm_eps": 1e-6,
-               "max_position_embeddings": 32768}  # fmt: skip
+}
+_QWEN25 = {
+    "arch": "qwen2",
+    "qkv_bias": True,
+    "rope_theta": 1e6,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 32768,
+}
 
 
 def preset_config(name: str, *, dtype, param_dtype, remat: bool) -> model_lib.ModelConfig:
@@ -112,8 +142,8 @@ class Workload:
       micro_per_device: ``actor.ppo_micro_batch_size_per_gpu``.
       logprob_micro_per_device: ``rollout.log_prob_micro_batch_size_per_gpu``.
       needs_ref: a KL term needs reference parameters and log-probs.
-      needs_old: several updates per batch need old log-probs (``ppo_epochs > 1`` or more than
-        one mini-batch), computed before the first update.
+      needs_old: the step runs the old-log-prob pass before the first update
+        (``RunConfig.needs_old_log_probs``: off-policy, or the KL in the reward).
     """
 
     prompt_len: int
@@ -127,20 +157,18 @@ class Workload:
     needs_old: bool
 
     @classmethod
-    def from_config(cls, c) -> "Workload":
-        n = c.rollout.n
+    def from_run(cls, run: config_lib.RunConfig) -> "Workload":
+        n = run.rollout.n
         return cls(
-            prompt_len=sampler.bucket_length(c.data.max_prompt_length),
-            response_len=c.data.max_response_length,
+            prompt_len=sampler.bucket_length(run.data.max_prompt_length),
+            response_len=run.data.max_response_length,
             n=n,
-            prompts=c.data.train_batch_size,
-            mini_rows=c.actor.ppo_mini_batch_size * n,
-            micro_per_device=c.actor.ppo_micro_batch_size_per_gpu,
-            logprob_micro_per_device=c.rollout.log_prob_micro_batch_size_per_gpu,
-            needs_ref=bool(c.actor.use_kl_loss or c.algorithm.use_kl_in_reward),
-            needs_old=bool(
-                c.actor.ppo_epochs > 1 or c.actor.ppo_mini_batch_size < c.data.train_batch_size
-            ),
+            prompts=run.data.train_batch_size,
+            mini_rows=run.actor.ppo_mini_batch_size * n,
+            micro_per_device=run.actor.ppo_micro_batch_size_per_gpu,
+            logprob_micro_per_device=run.rollout.log_prob_micro_batch_size_per_gpu,
+            needs_ref=run.needs_reference,  # the library's rules, not re-derived here
+            needs_old=run.needs_old_log_probs,
         )
 
 
@@ -166,8 +194,12 @@ class PhaseMemory:
     @classmethod
     def of(cls, compiled) -> "PhaseMemory":
         m = compiled.memory_analysis()
-        return cls(m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes,
-                   m.temp_size_in_bytes)  # fmt: skip
+        return cls(
+            m.argument_size_in_bytes,
+            m.output_size_in_bytes,
+            m.alias_size_in_bytes,
+            m.temp_size_in_bytes,
+        )
 
     @property
     def total(self) -> int:
@@ -175,11 +207,17 @@ class PhaseMemory:
 
 
 class Planner:
-    """Compiles the phases of one GRPO step for a model, mesh and workload, without weights."""
+    """Compiles the phases of one GRPO step for a model, mesh and run, without weights.
 
-    def __init__(self, model_config, mesh, workload: Workload, *, loss_config, tx, rules):
-        self.cfg, self.mesh, self.w = model_config, mesh, workload
-        self.loss_config, self.tx = loss_config, tx
+    The phases are the library's own jitted programs (`step.make_programs`), lowered on
+    sharded ShapeDtypeStructs, so the plan is of exactly what train.py runs.
+    """
+
+    def __init__(self, model_config, mesh, run: config_lib.RunConfig, *, tx, rules):
+        self.cfg, self.mesh, self.run = model_config, mesh, run
+        self.w = Workload.from_run(run)
+        self.tx = tx
+        self.loss_config = run.actor.loss_config(temperature=run.rollout.temperature)
         self.dp = mesh.shape["data"] * mesh.shape["fsdp"]
         self.rules = rules
         abstract = model_lib.abstract_params(model_config)
@@ -194,8 +232,16 @@ class Planner:
         self.state = sharding.abstract_with_shardings(abstract_state, state_sh)
         self.param_bytes = bytes_per_device(abstract, self.param_sh)
         self.opt_bytes = bytes_per_device(abstract_state.opt_state, state_sh.opt_state)
-        self.ref_bytes = self.param_bytes if workload.needs_ref else 0
+        self.ref_bytes = self.param_bytes if self.w.needs_ref else 0
         self._compiled = {}
+
+    def programs(self, micro_per_device: int | None = None) -> step.Programs:
+        """The run's programs, with another micro-batch size when given (the search)."""
+        run = self.run
+        if micro_per_device is not None:
+            actor = dataclasses.replace(run.actor, ppo_micro_batch_size_per_gpu=micro_per_device)
+            run = dataclasses.replace(run, actor=actor)
+        return step.make_programs(run, self.cfg, self.tx, dp=self.dp)
 
     def _batch(self, rows: int) -> trainer.TrainBatch:
         w, tp = self.w, self.w.prompt_len
@@ -244,36 +290,18 @@ class Planner:
                 f"{micro_per_device} sequences/device x {self.dp} devices must divide the "
                 f"mini-batch of {w.mini_rows} sequences"
             )
-        step = jax.jit(
-            functools.partial(
-                trainer.train_step,
-                model_config=self.cfg,
-                loss_config=self.loss_config,
-                tx=self.tx,
-                mini_batch_size=w.mini_rows,
-                micro_batch_size=micro_rows,
-            ),
-            donate_argnums=0,
-        )
+        update = self.programs(micro_per_device).update
         scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding.replicated(self.mesh))
         lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding.replicated(self.mesh))
         batch = self._batch(w.prompts * w.n)
-        return PhaseMemory.of(step.lower(self.state, batch, scalar, lr).compile())
+        return PhaseMemory.of(update.lower(self.state, batch, scalar, lr).compile())
 
     def _logprob(self) -> PhaseMemory:
-        w = self.w
-        rows = w.prompts * w.n
-        fn = jax.jit(
-            functools.partial(
-                trainer.compute_log_probs,
-                self.cfg,
-                micro_batch_size=min(w.logprob_micro_per_device * self.dp, rows),
-                temperature=self.loss_config.temperature,
-                chunk_size=self.loss_config.chunk_size,
-                calculate_entropy=False,
-            )
-        )
-        return PhaseMemory.of(fn.lower(self.params, self._batch(rows)).compile())
+        programs = self.programs()
+        # The old-log-prob pass also returns the entropy; it is the larger of the two.
+        fn = programs.log_probs_entropy if self.w.needs_old else programs.log_probs
+        batch = self._batch(self.w.prompts * self.w.n)
+        return PhaseMemory.of(fn.lower(self.params, batch).compile())
 
     def _sample(self, prompts: int) -> PhaseMemory:
         w = self.w
@@ -362,8 +390,10 @@ def plan(planner: Planner, *, hbm_bytes: int, search: bool = True, max_micro: in
     ]
 
     def row(name, m: PhaseMemory, peak):
-        return (f"{name:<24}|          | {_gb(m.argument)} | {_gb(m.output)} | {_gb(m.alias)} |"
-                f" {_gb(m.temp)} | {_gb(peak)}")  # fmt: skip
+        return (
+            f"{name:<24}|          | {_gb(m.argument)} | {_gb(m.output)} | {_gb(m.alias)} |"
+            f" {_gb(m.temp)} | {_gb(peak)}"
+        )
 
     sample_m = p.sample(w.prompts)
     lines.append(row(f"sample (P={w.prompts})", sample_m, p.side_peak(sample_m)))
@@ -389,8 +419,11 @@ def plan(planner: Planner, *, hbm_bytes: int, search: bool = True, max_micro: in
     ]
     if search:
         # Micro-batches per device that divide the mini-batch evenly, powers of two.
-        micro = [m for m in (2**i for i in range(12)) if m <= max_micro
-                 and m * p.dp <= w.mini_rows and w.mini_rows % (m * p.dp) == 0]  # fmt: skip
+        micro = [
+            m
+            for m in (2**i for i in range(12))
+            if m <= max_micro and m * p.dp <= w.mini_rows and w.mini_rows % (m * p.dp) == 0
+        ]
         best_micro, seen = _largest(micro, lambda m: _fits(p.train(m), p.train_peak, budget))
         prompts = [q * p.dp for q in (2**i for i in range(12)) if q * p.dp <= w.prompts]
         best_p, seen_p = _largest(prompts, lambda q: _fits(p.sample(q), p.side_peak, budget))
@@ -416,13 +449,14 @@ def _fits(m: PhaseMemory, peak_fn, budget) -> tuple[bool, int]:
 
 def planner_from_config(c, *, model_name: str = "", mesh=None) -> Planner:
     """Planner for a train.py config; ``model_name`` picks a PRESET, else config.json at path."""
-    dtype, param_dtype = jnp.dtype(c.model.dtype), jnp.dtype(c.model.param_dtype)
-    remat = bool(c.model.enable_gradient_checkpointing)
+    run = config_lib.from_dict(config_lib.RunConfig, c.to_dict())
+    dtype, param_dtype = jnp.dtype(run.model.dtype), jnp.dtype(run.model.param_dtype)
+    remat = bool(run.model.enable_gradient_checkpointing)
     if model_name:
         cfg = preset_config(model_name, dtype=dtype, param_dtype=param_dtype, remat=remat)
-    elif c.model.path and os.path.isdir(c.model.path):
+    elif run.model.path and os.path.isdir(run.model.path):
         cfg = dataclasses.replace(
-            model_lib.ModelConfig.from_hf(c.model.path),
+            model_lib.ModelConfig.from_hf(run.model.path),
             dtype=dtype,
             param_dtype=param_dtype,
             remat=remat,
@@ -432,34 +466,29 @@ def planner_from_config(c, *, model_name: str = "", mesh=None) -> Planner:
             "plan: give --model=<preset> (train.py: --plan_model=<preset>; one of "
             + ", ".join(sorted(PRESETS))
             + ") or a local "
-            f"HF checkpoint directory in config.model.path (got {c.model.path!r})"
+            f"HF checkpoint directory in config.model.path (got {run.model.path!r})"
         )
-    mesh = sharding.make_mesh(tuple(c.mesh.shape)) if mesh is None else mesh
-    a = c.actor
-    loss_config = trainer.LossConfig(
-        policy_loss_mode=a.policy_loss.loss_mode,
-        loss_agg_mode=a.loss_agg_mode,
-        entropy_coeff=a.entropy_coeff,
-        calculate_entropy=a.calculate_entropy,
-        use_kl_loss=a.use_kl_loss,
-        kl_loss_coef=a.kl_loss_coef,
-        kl_loss_type=a.kl_loss_type,
-        temperature=c.rollout.temperature,
-    )
-    tx = trainer.make_optimizer(
-        grad_clip=a.grad_clip, betas=tuple(a.optim.betas), weight_decay=a.optim.weight_decay
-    )
+    mesh = sharding.make_mesh(tuple(run.mesh.shape)) if mesh is None else mesh
+    tx, _ = loop.make_optimizer(run, total_steps=1)
     # config.mesh.rules (None = sharding.LOGICAL_RULES) overrides the logical-axis rules.
-    rules = sharding.rules_from_config(c.mesh.rules if "rules" in c.mesh else None)
-    return Planner(cfg, mesh, Workload.from_config(c), loss_config=loss_config, tx=tx, rules=rules)
+    rules = sharding.rules_from_config(run.mesh.rules)
+    return Planner(cfg, mesh, run, tx=tx, rules=rules)
 
 
-def run(c, *, model_name: str = "", hbm_gib: float, usable_fraction: float = 0.9,
-        search: bool = True, max_micro: int = 64) -> str:  # fmt: skip
+def run(
+    c,
+    *,
+    model_name: str = "",
+    hbm_gib: float,
+    usable_fraction: float = 0.9,
+    search: bool = True,
+    max_micro: int = 64,
+) -> str:
     """Entry point for ``train.py --plan``: the report for config ``c`` (see module docstring)."""
     planner = planner_from_config(c, model_name=model_name)
-    return plan(planner, hbm_bytes=int(hbm_gib * GIB * usable_fraction), search=search,
-                max_micro=max_micro)  # fmt: skip
+    return plan(
+        planner, hbm_bytes=int(hbm_gib * GIB * usable_fraction), search=search, max_micro=max_micro
+    )
 
 
 def _define_flags():

@@ -46,6 +46,7 @@ def get_config(arg=None):
     c.algorithm.adv_estimator = "grpo"
     c.trainer.total_epochs = 15
     c.trainer.test_freq = 5
+    c.trainer.save_freq = 20
     c.trainer.default_local_dir = "runs/gsm8k"
     if arg.model:
         if arg.model not in MODELS:

@@ -1,14 +1,14 @@
-"""Prompt data: loading GSM8K-format rows, verl's prompt, tokenisation, and a resumable order.
+"""Prompts: the `Example` row type, tokenisation with the chat template, batches and their order.
 
-* Sources: a local jsonl in the raw OpenAI GSM8K format ({"question", "answer"} per line),
-  GSM8K from tensorflow-datasets, or in-memory rows (the embedded demo). Malformed rows (bad
-  JSON, a missing or empty question, an answer without a "#### <number>" line) are counted with
-  their line numbers and either skipped (with a warning) or rejected (`on_malformed`).
-* Prompt (verl examples/data_preprocess/gsm8k.py): question + " Let's think step by step and
-  output the final answer after \"####\".", one user turn, wrapped in the tokenizer's chat
-  template with add_generation_prompt=True. Ground truth: `rewards.gsm8k_ground_truth`.
-* Overlong prompts (> max_prompt_length tokens): dropped when filter_overlong_prompts, else
-  handled per truncation: "error" raises, "left" keeps the last tokens, "right" the first.
+* `Example` is one prompt of any task: the prompt (chat messages, as verl stores them, or a plain
+  string, as TRL's standard format), its ground truth, its `data_source` (which picks the scorer
+  and groups validation metrics), verl's `extra_info`, the row's other columns (passed to
+  TRL-style reward functions) and, when the task has one, a reference solution for the optional
+  supervised warm-up. grpo_jax/dataset.py reads files, HF datasets and tfds into Examples.
+* Tokenisation: messages go through the tokenizer's chat template with add_generation_prompt
+  (verl's RLHFDataset); a string prompt is used as it is (TRL). Overlong prompts
+  (> max_prompt_length tokens) are dropped when filter_overlong_prompts, else handled per
+  truncation: "error" raises, "left" keeps the last tokens, "right" the first.
 * Order: the train set is visited in epochs; epoch e uses the permutation
   `default_rng([seed, e]).permutation(n)` (identity when shuffle is off). verl's dataloader
   drops the last incomplete batch, and so do we. The whole state is `Position(epoch, index)`,
@@ -16,110 +16,38 @@
 """
 
 import dataclasses
-import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-from grpo_jax import rewards
+from grpo_jax import config as config_lib
 
-TRUNCATION_MODES = ("error", "left", "right")
-ON_MALFORMED_MODES = ("skip", "error")
+TRUNCATION_MODES = config_lib.TRUNCATION_MODES
 
 
 @dataclasses.dataclass(frozen=True)
 class Example:
-    """One question. `line` is the 1-based jsonl line (or row index + 1) it came from."""
+    """One prompt and what its reward needs.
 
-    question: str
-    answer: str  # the raw answer text (reasoning + "#### N"); SFT warm-up target
-    ground_truth: str  # the number after "####", commas removed
-    line: int
-
-
-def parse_rows(rows: Sequence[dict], *, source: str, on_malformed: str) -> list[Example]:
-    """Validates raw {"question", "answer"} rows into Examples.
-
-    Args:
-      rows: raw rows; an entry that is not a dict (e.g. a JSON parse failure recorded as an
-        error string) counts as malformed.
-      source: name used in messages (a file path or "tfds:gsm8k/train").
-      on_malformed: "skip" or "error" (data.on_malformed).
-
-    Raises:
-      ValueError: on_malformed == "error" and some row is malformed (all bad lines are listed).
+    Attributes:
+      prompt: chat messages ({"role", "content"} dicts) or a plain string.
+      ground_truth: what the scorer compares against (verl's reward_model.ground_truth).
+      data_source: selects the scorer (verl's `data_source`); validation groups by it.
+      extra_info: verl's per-row `extra_info` dict, passed to verl-style scorers.
+      columns: the row's other columns, passed as keyword arguments to TRL-style rewards.
+      answer: a reference solution, for the supervised warm-up (None when the task has none).
+      line: the 1-based row (jsonl line) it came from, for messages.
     """
-    if on_malformed not in ON_MALFORMED_MODES:
-        raise ValueError(
-            f"data.on_malformed must be one of {ON_MALFORMED_MODES}, got {on_malformed!r}"
-        )
-    examples, bad = [], []
-    for i, row in enumerate(rows):
-        line = i + 1
-        if not isinstance(row, dict):
-            bad.append((line, str(row)))
-            continue
-        question, answer = row.get("question"), row.get("answer")
-        if not isinstance(question, str) or not question.strip():
-            bad.append((line, "missing or empty 'question'"))
-            continue
-        if not isinstance(answer, str):
-            bad.append((line, "missing 'answer'"))
-            continue
-        try:
-            gt = rewards.gsm8k_ground_truth(answer)
-        except ValueError:
-            bad.append((line, "answer has no '#### <number>' line"))
-            continue
-        try:
-            float(gt)  # the "####" regex also admits "," or "1.2.3", which are not numbers
-        except ValueError:
-            bad.append((line, f"non-numeric answer {gt!r} after '####'"))
-            continue
-        examples.append(Example(question, answer, gt, line))
-    if bad:
-        listing = "; ".join(f"line {n}: {why}" for n, why in bad[:20])
-        more = f" (and {len(bad) - 20} more)" if len(bad) > 20 else ""
-        msg = f"{source}: {len(bad)} malformed row(s): {listing}{more}"
-        if on_malformed == "error":
-            raise ValueError(msg + " (set data.on_malformed='skip' to drop them)")
-        logging.warning("%s; skipped", msg)
-    if not examples:
-        raise ValueError(f"{source}: no valid rows")
-    return examples
 
-
-def read_jsonl(path: str, *, on_malformed: str) -> list[Example]:
-    """Reads a raw-format GSM8K jsonl; unparsable lines count as malformed."""
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for text in f:
-            if not text.strip():
-                rows.append("empty line")
-                continue
-            try:
-                row = json.loads(text)
-            except json.JSONDecodeError as e:
-                rows.append(f"invalid JSON ({e.msg})")
-                continue
-            is_object = isinstance(row, dict)
-            rows.append(row if is_object else f"not a JSON object (a JSON {type(row).__name__})")
-    return parse_rows(rows, source=path, on_malformed=on_malformed)
-
-
-def read_tfds(split: str, *, on_malformed: str) -> list[Example]:  # pragma: no cover - network
-    """GSM8K `split` from tensorflow-datasets (downloads and prepares on first use)."""
-    import tensorflow_datasets as tfds
-    import tensorflow_datasets.text  # noqa: F401 - registers the gsm8k builder
-
-    builder = tfds.builder("gsm8k")
-    builder.download_and_prepare()
-    rows = [
-        {"question": r["question"].decode(), "answer": r["answer"].decode()}
-        for r in tfds.as_numpy(builder.as_dataset(split=split))
-    ]
-    return parse_rows(rows, source=f"tfds:gsm8k/{split}", on_malformed=on_malformed)
+    prompt: str | tuple[Mapping[str, Any], ...]
+    ground_truth: Any = None
+    data_source: str = "unknown"
+    extra_info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    columns: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    answer: str | None = None
+    line: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,17 +62,28 @@ class PromptSet:
         return len(self.examples)
 
 
-def chat_prompt(tokenizer, question: str, *, suffix: str) -> str:
-    """verl's GSM8K prompt in the tokenizer's chat template (one user turn + generation prompt)."""
-    messages = [{"role": "user", "content": question + suffix}]
+def prompt_text(tokenizer, prompt: str | Sequence[Mapping[str, Any]]) -> str:
+    """The text the model sees: messages in the chat template with the generation prompt."""
+    if isinstance(prompt, str):
+        return prompt
+    if tokenizer.chat_template is None:
+        raise ValueError(
+            "the prompts are chat messages but the tokenizer has no chat template; give plain "
+            "string prompts or a tokenizer with a template"
+        )
+    messages = [dict(m) for m in prompt]
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def chat_prompt(tokenizer, question: str, *, suffix: str) -> str:
+    """verl's GSM8K prompt: question + suffix as one user turn, in the chat template."""
+    return prompt_text(tokenizer, [{"role": "user", "content": question + suffix}])
 
 
 def encode(
     tokenizer,
     examples: Sequence[Example],
     *,
-    suffix: str,
     max_prompt_length: int,
     filter_overlong_prompts: bool,
     truncation: str,
@@ -153,9 +92,9 @@ def encode(
     if truncation not in TRUNCATION_MODES:
         raise ValueError(f"data.truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
     kept, ids_list, num_filtered = [], [], 0
-    texts = [chat_prompt(tokenizer, ex.question, suffix=suffix) for ex in examples]
+    texts = [prompt_text(tokenizer, ex.prompt) for ex in examples]
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    for ex, ids in zip(examples, encoded):
+    for ex, ids in zip(examples, encoded, strict=True):
         if len(ids) > max_prompt_length:
             if filter_overlong_prompts:
                 num_filtered += 1
@@ -185,14 +124,18 @@ class PromptBatch:
     Attributes:
       prompt_ids_PT: int32, pad_token_id on the left.
       prompt_mask_PT: int32, 1 on real tokens.
-      ground_truths: P ground-truth strings.
+      examples: the P Examples.
       indices: P indices into the PromptSet.
     """
 
     prompt_ids_PT: np.ndarray
     prompt_mask_PT: np.ndarray
-    ground_truths: tuple[str, ...]
+    examples: tuple[Example, ...]
     indices: tuple[int, ...]
+
+    @property
+    def ground_truths(self) -> tuple[Any, ...]:
+        return tuple(ex.ground_truth for ex in self.examples)
 
 
 def make_batch(prompts: PromptSet, indices: Sequence[int], *, pad_token_id: int) -> PromptBatch:
@@ -204,8 +147,8 @@ def make_batch(prompts: PromptSet, indices: Sequence[int], *, pad_token_id: int)
     for p, s in enumerate(seqs):
         ids_PT[p, t - len(s) :] = s
         mask_PT[p, t - len(s) :] = 1
-    gts = tuple(prompts.examples[i].ground_truth for i in indices)
-    return PromptBatch(ids_PT, mask_PT, gts, tuple(int(i) for i in indices))
+    examples = tuple(prompts.examples[i] for i in indices)
+    return PromptBatch(ids_PT, mask_PT, examples, tuple(int(i) for i in indices))
 
 
 @dataclasses.dataclass(frozen=True)

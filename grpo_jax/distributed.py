@@ -2,7 +2,8 @@
 
 Owns ``maybe_initialize`` (the one place that calls ``jax.distributed.initialize``), the helpers
 that give each process its own slice of the prompts (``process_shard``, ``local_batch_size``),
-``to_global`` (assembling per-process host batches into global sharded arrays) and
+``to_global`` (assembling per-process host batches into global sharded arrays), ``to_device`` /
+``to_host`` (a host array held by every process <-> a global array) and
 ``is_main_process`` (only process 0 writes logs, plots and HF exports).
 
 JAX runs one process per host (TPU VM worker, SLURM task, or node); every process executes the
@@ -20,6 +21,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from grpo_jax import sharding
 
 _MODES = ("auto", "on", "off")
 
@@ -153,3 +156,22 @@ def to_global(local_tree: Any, sharding_tree: Any) -> Any:
         local_tree,
         sharding_tree,
     )
+
+
+def to_device(x: np.ndarray, mesh) -> jax.Array:
+    """A host array that every process holds whole -> a global array split over the batch axes.
+
+    `jax.make_array_from_callback` gives each process its own rows, so this is correct on any
+    number of processes (for data too big to hold on every host see `to_global`).
+    """
+    shd = sharding.batch_sharding(mesh, x.ndim)
+    return jax.make_array_from_callback(x.shape, shd, lambda idx: x[idx])
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """A global array -> the whole array on this host (all-gathered across processes)."""
+    if jax.process_count() == 1:
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

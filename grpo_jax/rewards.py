@@ -1,96 +1,78 @@
-"""Outcome rewards: verl's GSM8K scorer, user reward functions and their weighted combination.
+"""Reward functions: the three signatures, weighted sums of several, and scoring a batch safely.
 
-Pure Python, no JAX: rewards are string checks on decoded completions.
+Pure Python, no JAX: rewards are checks on decoded completions. The scorers themselves (verl's
+GSM8K, MATH, DAPO, ... and `default_compute_score`) live in grpo_jax/reward_score.py.
 
-* `gsm8k_score` / `gsm8k_extract` reproduce `verl/utils/reward_score/gsm8k.py` (verl 0.9.1):
-  only the last 300 characters are searched; "strict" takes the last `#### <number>`, removes
-  commas and "$"; "flexible" takes the last number-like run that is not "" or "." (verl removes
-  no commas there); the comparison is an exact string compare, so "18.0" != "18".
-* `gsm8k_ground_truth` is verl's preprocessing (`examples/data_preprocess/gsm8k.py`): the text
-  after "#### " with thousands commas removed.
-* A user reward function is named "module:function" and called as `fn(solution_str,
-  ground_truth) -> float`. `RewardFn` combines several with weights; a function that raises
-  either aborts with an error naming the function and the sample (`on_error="raise"`) or scores
-  0 and is counted (`on_error="zero"`).
+* Signatures, told apart by the parameter names of the function (`signature_style`):
+  - "verl": `compute_score(data_source, solution_str, ground_truth, extra_info=None)`, one call
+    per sample, returning a float, or a dict whose "score" is the reward and whose other keys
+    are logged (verl's `custom_reward_function`).
+  - "trl": `fn(prompts, completions, **columns) -> list[float]`, one call per batch (TRL's
+    GRPOTrainer). Prompts are the dataset's prompts; completions are strings, or, for chat
+    prompts, `[{"role": "assistant", "content": text}]` as TRL passes them; every other column
+    of the row is a keyword argument (`ground_truth`, `data_source` and `extra_info` too).
+  - "pair": `fn(solution_str, ground_truth) -> float` (grpo_jax 0.1's).
+* `RewardFn` is a weighted sum of named functions (config `reward.fn`, `reward.weights`, or
+  verl's `custom_reward_function.path` / `.name`, which replaces reward.fn).
+* `score_batch` runs the calls in a `reward_pool.Pool` (per-call timeout, crash isolation) or
+  inline. A call that raises (or returns a non-finite value or a malformed result) either stops
+  the run with an error naming the function, the sample and the completion
+  (`on_error="raise"`) or scores 0 and is counted (`on_error="zero"`). A call that times out or
+  whose worker dies always scores 0 and is counted, as verl's scorers give their timeout_score
+  of 0: a strange completion costs that sample, never the run.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
+import inspect
 import logging
 import math
-import re
+import os
 from collections.abc import Callable, Sequence
+from typing import Any
 
-# verl: "Optimization: Regular expression matching on very long strings can be slow."
-_SOLUTION_CLIP_CHARS = 300
-_STRICT_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
-_NUMBER_RE = re.compile(r"(\-?[0-9\.\,]+)")
-EXTRACT_METHODS = ("strict", "flexible")
-ON_ERROR_MODES = ("raise", "zero")
+from grpo_jax import config as config_lib
+from grpo_jax import data, reward_pool, reward_score
 
-
-def gsm8k_extract(solution_str: str, *, method: str = "strict") -> str | None:
-    """Extracts the final answer string from a completion, exactly as verl's extract_solution.
-
-    Args:
-      solution_str: the decoded completion.
-      method: "strict" (last `#### <number>`, commas and "$" removed) or "flexible" (last
-        number-like run that is not "" or ".", commas kept).
-
-    Returns:
-      The answer string, or None when nothing matches.
-    """
-    if method not in EXTRACT_METHODS:
-        raise ValueError(f"gsm8k method must be one of {EXTRACT_METHODS}, got {method!r}")
-    if len(solution_str) > _SOLUTION_CLIP_CHARS:
-        solution_str = solution_str[-_SOLUTION_CLIP_CHARS:]
-    if method == "strict":
-        solutions = _STRICT_RE.findall(solution_str)
-        if not solutions:
-            return None
-        return solutions[-1].replace(",", "").replace("$", "")
-    answers = _NUMBER_RE.findall(solution_str)
-    final_answer = None
-    # verl's loop: when every run is invalid the loop ends on the first run (e.g. "."), which
-    # verl then returns; kept for parity.
-    for final_answer in reversed(answers):
-        if final_answer not in ("", "."):
-            break
-    return final_answer
+# The GSM8K scorer's public names, kept from grpo_jax 0.1 (now in reward_score).
+gsm8k_extract = reward_score.gsm8k_extract
+gsm8k_score = reward_score.gsm8k_score
+gsm8k_ground_truth = reward_score.gsm8k_ground_truth
+EXTRACT_METHODS = reward_score.EXTRACT_METHODS
+ON_ERROR_MODES = config_lib.ON_ERROR_MODES
+STYLES = ("verl", "trl", "pair")
 
 
-def gsm8k_score(
-    solution_str: str,
-    ground_truth: str,
-    *,
-    method: str = "strict",
-    format_score: float = 0.0,
-    score: float = 1.0,
-) -> float:
-    """verl's GSM8K compute_score: `score` on an exact string match, `format_score` on a
-    well-formed wrong answer, 0 when no answer is found."""
-    answer = gsm8k_extract(solution_str, method=method)
-    if answer is None:
-        return 0.0
-    return float(score) if answer == ground_truth else float(format_score)
+def signature_style(fn: Callable, name: str = "") -> str:
+    """ "verl", "trl" or "pair" from the parameter names (see the module docstring)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"reward function {name or fn!r}: cannot read its signature ({e})") from e
+    names = list(params)
+    if "completions" in params:
+        return "trl"
+    if names[:3] == ["data_source", "solution_str", "ground_truth"]:
+        return "verl"
+    positional = [
+        p
+        for p in params.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    ]
+    if len(positional) == 2:
+        return "pair"
+    raise ValueError(
+        f"reward function {name or fn!r} has parameters {names}; expected verl's "
+        "(data_source, solution_str, ground_truth, extra_info=None), TRL's (prompts, "
+        "completions, **kwargs) or (solution_str, ground_truth)"
+    )
 
 
-def gsm8k_ground_truth(answer_text: str) -> str:
-    """The ground truth of a raw GSM8K answer: the number after "#### ", commas removed.
-
-    Raises:
-      ValueError: when the answer has no "#### <number>" line.
-    """
-    match = _STRICT_RE.search(answer_text)
-    if match is None:
-        raise ValueError(f"GSM8K answer has no '#### <number>' line: {answer_text[-80:]!r}")
-    return match.group(1).replace(",", "")
-
-
-def load_function(spec: str) -> Callable[[str, str], float]:
-    """Imports a reward function named "module:function" (e.g. "grpo_jax.rewards:gsm8k_score")."""
+def load_function(spec: str) -> Callable:
+    """Imports a reward function named "module:function" ("grpo_jax.reward_score:gsm8k_score")."""
     module_name, sep, attr = spec.strip().partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"reward function must be 'module:function', got {spec!r}")
@@ -105,22 +87,40 @@ def load_function(spec: str) -> Callable[[str, str], float]:
         fn = getattr(fn, part)
     if not callable(fn):
         raise ValueError(f"reward function {spec!r} is not callable")
+    signature_style(fn, spec)
+    return fn
+
+
+def load_file_function(path: str, name: str) -> Callable:
+    """verl's custom_reward_function: function `name` of the Python file `path`."""
+    if not os.path.isfile(path):
+        raise ValueError(f"custom_reward_function.path={path!r} is not a file")
+    spec = importlib.util.spec_from_file_location(f"custom_reward_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        raise ValueError(f"custom_reward_function.path={path!r} failed to import: {e!r}") from e
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"custom_reward_function.name={name!r}: {path!r} defines no such function")
+    signature_style(fn, f"{path}:{name}")
     return fn
 
 
 @dataclasses.dataclass(frozen=True)
 class RewardFn:
-    """A weighted sum of reward functions, each called as fn(solution_str, ground_truth).
+    """A weighted sum of reward functions.
 
     Attributes:
-      names: "module:function" of each function (used in errors and metrics).
-      fns: the callables.
+      names: a name per function (used in errors and metrics).
+      fns: the callables (any of the three signatures).
       weights: one weight per function.
-      on_error: "raise" (error naming function and sample) or "zero" (score 0, counted).
+      on_error: "raise" or "zero" (what a raising call does).
     """
 
     names: tuple[str, ...]
-    fns: tuple[Callable[[str, str], float], ...]
+    fns: tuple[Callable, ...]
     weights: tuple[float, ...]
     on_error: str = "raise"
 
@@ -135,27 +135,39 @@ class RewardFn:
             raise ValueError(
                 f"reward.on_error must be one of {ON_ERROR_MODES}, got {self.on_error!r}"
             )
+        for name, fn in zip(self.names, self.fns, strict=True):
+            signature_style(fn, name)
+
+    @classmethod
+    def of(cls, *fns: Callable, weights: Sequence[float] | None = None, on_error="raise"):
+        """From callables (library use): names are their __name__s."""
+        names = tuple(getattr(f, "__name__", repr(f)) for f in fns)
+        weights = tuple(weights) if weights is not None else (1.0,) * len(fns)
+        return cls(names, tuple(fns), tuple(float(w) for w in weights), on_error)
 
 
 def make_reward_fn(specs: str, weights: str = "", *, on_error: str = "raise") -> RewardFn:
-    """Builds a RewardFn from comma-separated "module:function" specs and optional weights.
+    """A RewardFn from comma-separated "module:function" specs and optional weights.
 
     Args:
-      specs: e.g. "grpo_jax.rewards:gsm8k_score,my_pkg.fmt:reward" (config field reward.fn).
+      specs: e.g. "grpo_jax.reward_score:gsm8k_score,my_pkg.fmt:reward" (config reward.fn).
       weights: e.g. "1.0,0.1"; empty means weight 1 for every function (reward.weights).
       on_error: "raise" or "zero" (reward.on_error).
     """
-    names = tuple(s.strip() for s in specs.split(",") if s.strip())
-    if weights.strip():
-        try:
-            ws = tuple(float(w) for w in weights.split(","))
-        except ValueError as e:
-            raise ValueError(
-                f"reward.weights must be comma-separated floats, got {weights!r}"
-            ) from e
-    else:
-        ws = (1.0,) * len(names)
-    return RewardFn(names, tuple(load_function(n) for n in names), ws, on_error)
+    cfg = config_lib.RewardConfig(fn=specs, weights=weights, on_error=on_error)
+    return from_config(cfg)
+
+
+def from_config(
+    cfg: config_lib.RewardConfig,
+    custom: config_lib.CustomRewardFunction = config_lib.CustomRewardFunction(),
+) -> RewardFn:
+    """The run's RewardFn: verl's custom_reward_function when its path is set, else reward.fn."""
+    if custom.path:
+        fn = load_file_function(custom.path, custom.name)
+        return RewardFn((f"{custom.path}:{custom.name}",), (fn,), (1.0,), cfg.on_error)
+    fns = tuple(load_function(s) for s in cfg.specs)
+    return RewardFn(cfg.specs, fns, cfg.weight_values, cfg.on_error)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,44 +176,151 @@ class RewardResult:
 
     Attributes:
       scores_B: the weighted total per sample.
-      per_fn: per function name, the raw (unweighted) scores of every sample.
-      num_errors: how many (function, sample) calls raised and were scored 0.
+      per_fn: per function name, the raw (unweighted) score of every sample.
+      extras: per extra key of dict results (e.g. "acc", "pred"), one value per sample (None
+        where a sample's result lacked it); with several functions the keys are
+        "<function>/<key>".
+      num_errors: calls that raised or returned a bad value and were scored 0 (on_error="zero").
+      num_lost: calls that timed out or whose worker died (scored 0 whatever on_error says).
     """
 
     scores_B: list[float]
     per_fn: dict[str, list[float]]
+    extras: dict[str, list[Any]]
     num_errors: int
+    num_lost: int
+
+
+class RewardError(RuntimeError):
+    """A reward function failed under on_error="raise"."""
+
+
+def _completion(example: data.Example, text: str):
+    return text if isinstance(example.prompt, str) else [{"role": "assistant", "content": text}]
+
+
+def _calls(style: str, fn: Callable, solutions: Sequence[str], examples: Sequence[data.Example]):
+    if style == "trl":
+        rows = [
+            {
+                **ex.columns,
+                "ground_truth": ex.ground_truth,
+                "data_source": ex.data_source,
+                "extra_info": ex.extra_info,
+            }
+            for ex in examples
+        ]
+        keys = dict.fromkeys(k for row in rows for k in row)
+        columns = {k: [row.get(k) for row in rows] for k in keys}
+        kwargs = dict(
+            prompts=[ex.prompt for ex in examples],
+            completions=[_completion(ex, s) for ex, s in zip(examples, solutions, strict=True)],
+            **columns,
+        )
+        return [(fn, (), kwargs)]
+    if style == "verl":
+        return [
+            (fn, (ex.data_source, s, ex.ground_truth, ex.extra_info), {})
+            for s, ex in zip(solutions, examples, strict=True)
+        ]
+    return [(fn, (s, ex.ground_truth), {}) for s, ex in zip(solutions, examples, strict=True)]
+
+
+def _as_score(value) -> tuple[float, dict]:
+    """A call's result -> (score, extra keys); raises ValueError on a malformed one."""
+    extra = {}
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise ValueError(f"returned a dict without 'score': {sorted(value)}")
+        extra = {k: v for k, v in value.items() if k != "score"}
+        value = value["score"]
+    score = float(value)
+    if not math.isfinite(score):
+        raise ValueError(f"returned non-finite value {score}")
+    return score, extra
 
 
 def score_batch(
-    reward_fn: RewardFn, solutions: Sequence[str], ground_truths: Sequence[str]
+    reward_fn: RewardFn,
+    solutions: Sequence[str],
+    examples: Sequence[data.Example],
+    *,
+    pool: reward_pool.Pool | None = None,
 ) -> RewardResult:
-    """Scores every (solution, ground truth) pair with every function of `reward_fn`.
+    """Scores every completion with every function of `reward_fn` (see the module docstring).
+
+    Args:
+      reward_fn: the functions and weights.
+      solutions: B decoded completions (special tokens skipped).
+      examples: the B Examples they answer (repeated n times per prompt).
+      pool: worker processes; None runs the calls in this process without a timeout.
 
     Raises:
-      RuntimeError: with on_error="raise", naming the function, the sample index and the text,
-        when a function raises or returns a non-finite value.
+      RewardError: with on_error="raise", naming the function, the sample and the completion.
     """
-    if len(solutions) != len(ground_truths):
-        raise ValueError(f"{len(solutions)} solutions but {len(ground_truths)} ground truths")
-    per_fn = {name: [] for name in reward_fn.names}
-    totals = [0.0] * len(solutions)
-    num_errors = 0
-    for name, fn, w in zip(reward_fn.names, reward_fn.fns, reward_fn.weights):
-        for i, (sol, gt) in enumerate(zip(solutions, ground_truths)):
+    if len(solutions) != len(examples):
+        raise ValueError(f"{len(solutions)} solutions but {len(examples)} examples")
+    batch = len(solutions)
+    styles = [signature_style(fn, name) for name, fn in zip(reward_fn.names, reward_fn.fns)]
+    calls, owners = [], []
+    for f, (fn, style) in enumerate(zip(reward_fn.fns, styles, strict=True)):
+        c = _calls(style, fn, solutions, examples)
+        calls += c
+        owners += [f] * len(c)
+    outcomes = pool.map(calls) if pool is not None else reward_pool.run_inline(calls)
+
+    per_fn = {name: [0.0] * batch for name in reward_fn.names}
+    extras: dict[str, list[Any]] = {}
+    totals = [0.0] * batch
+    num_errors = num_lost = 0
+    prefix = len(reward_fn.names) > 1
+    samples_of = {f: 0 for f in range(len(reward_fn.fns))}  # next sample index per function
+
+    def fail(name, i, why, *, lost):
+        nonlocal num_errors, num_lost
+        where = (
+            f"reward function {name} on sample {i} (ground truth "
+            f"{examples[i].ground_truth!r}, completion tail {solutions[i][-200:]!r})"
+        )
+        if lost:
+            num_lost += 1
+            logging.warning("%s: %s; scored 0", where, why)
+            return
+        if reward_fn.on_error == "raise":
+            raise RewardError(
+                f"{where} failed: {why} (reward.on_error='zero' scores such "
+                "samples 0 and counts them)"
+            )
+        num_errors += 1
+        logging.warning("%s failed: %s; scored 0", where, why.strip().splitlines()[-1])
+
+    for f, outcome in zip(owners, outcomes, strict=True):
+        name, style = reward_fn.names[f], styles[f]
+        if style == "trl":
+            indices = range(batch)
+            results = outcome.value
+            if outcome.error is None and not (
+                isinstance(results, Sequence) and len(results) == batch
+            ):
+                got = len(results) if isinstance(results, Sequence) else type(results).__name__
+                outcome = reward_pool.Outcome(
+                    error=f"returned {got!r} results, expected a list of {batch} scores"
+                )
+        else:
+            indices = [samples_of[f]]
+            samples_of[f] += 1
+            results = [outcome.value]
+        for j, i in enumerate(indices):
+            if outcome.error is not None:
+                fail(name, i, outcome.error, lost=outcome.lost)
+                continue
             try:
-                value = float(fn(sol, gt))
-                if not math.isfinite(value):
-                    raise ValueError(f"returned non-finite value {value}")
-            except Exception as e:  # noqa: BLE001 - user code may raise anything
-                if reward_fn.on_error == "raise":
-                    raise RuntimeError(
-                        f"reward function {name} failed on sample {i} "
-                        f"(ground truth {gt!r}, solution tail {sol[-200:]!r}): {e!r}"
-                    ) from e
-                logging.warning("reward function %s failed on sample %d: %r (scored 0)", name, i, e)
-                num_errors += 1
-                value = 0.0
-            per_fn[name].append(value)
-            totals[i] += w * value
-    return RewardResult(totals, per_fn, num_errors)
+                score, extra = _as_score(results[j])
+            except (TypeError, ValueError) as e:
+                fail(name, i, repr(e), lost=False)
+                continue
+            per_fn[name][i] = score
+            totals[i] += reward_fn.weights[f] * score
+            for k, v in extra.items():
+                extras.setdefault(f"{name}/{k}" if prefix else k, [None] * batch)[i] = v
+    return RewardResult(totals, per_fn, extras, num_errors, num_lost)

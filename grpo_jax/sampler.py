@@ -285,6 +285,20 @@ def select_tokens(
     return tokens_B, log_probs_B
 
 
+def check_sampling_settings(*, temperature: float, top_p: float, top_k: int) -> None:
+    """The rules of the sampling settings, in one place (here, the sidecar, config.py).
+
+    Raises:
+      ValueError: 'name=value why'.
+    """
+    if not (temperature >= 0.0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature={temperature!r} must be finite and >= 0 (0 = greedy)")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p={top_p!r} must be in (0, 1] (1 = off)")
+    if top_k < -1:
+        raise ValueError(f"top_k={top_k!r} must be -1 or 0 (off) or >= 1")
+
+
 def check_sampling_args(
     prompt_shape: tuple[int, ...],
     mask_shape: tuple[int, ...],
@@ -312,12 +326,7 @@ def check_sampling_args(
         raise ValueError(f"n must be >= 1, got {n}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not (temperature >= 0.0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if top_k < -1:
-        raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {top_k}")
+    check_sampling_settings(temperature=temperature, top_p=top_p, top_k=top_k)
     eos_token_ids = tuple(int(e) for e in eos_token_ids)
     for token in (*eos_token_ids, pad_token_id):
         if not 0 <= token < vocab_size:

@@ -80,12 +80,33 @@ class TrainBatch:
     ref_log_probs_BT: jax.Array | None = None
 
 
+def check_loss_settings(
+    *, policy_loss_mode: str, loss_agg_mode: str, clip_ratio_c: float, kl_loss_type: str
+) -> None:
+    """The update's loss settings (LossConfig and config.ActorConfig), with loss.py's own rules.
+
+    Raises:
+      ValueError: 'field=value why', the field named as in the config's `actor` section.
+    """
+    loss_lib.check_choice("policy_loss.loss_mode", policy_loss_mode,
+                          loss_lib.policy_loss_mode_names())  # fmt: skip
+    loss_lib.check_choice("loss_agg_mode", loss_agg_mode, loss_lib.AGG_MODES)
+    loss_lib.check_choice("kl_loss_type", kl_loss_type, loss_lib.KL_TYPES)
+    if kl_loss_type.startswith("full"):
+        raise ValueError(
+            f"kl_loss_type={kl_loss_type!r}: 'full' needs full reference logits, which the "
+            "chunked trainer never builds; use kl, abs, mse or low_var_kl (optionally with '+')"
+        )
+    loss_lib.check_clip_ratio_c(clip_ratio_c)
+
+
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
     """Static actor-loss settings (config section `actor`, plus `rollout.temperature`).
 
     Paper symbols: clip_ratio_low/high = epsilon_low/high (DAPO clip-higher when they differ),
     kl_loss_coef = beta (GRPO eq. 3 uses k3 = "low_var_kl"), clip_ratio_c = dual-clip c.
+    Built by `config.ActorConfig.loss_config`; checked by `check_loss_settings`.
     """
 
     policy_loss_mode: str = "vanilla"
@@ -95,7 +116,7 @@ class LossConfig:
     clip_ratio_high: float | None = None
     clip_ratio_c: float = 3.0
     entropy_coeff: float = 0.0
-    calculate_entropy: bool = True
+    calculate_entropy: bool = False
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
@@ -104,24 +125,13 @@ class LossConfig:
     chunk_size: int = 1024  # token rows per log-prob chunk (memory vs. speed)
 
     def __post_init__(self):
-        for field, value, allowed in (
-            ("actor.policy_loss.loss_mode", self.policy_loss_mode, loss_lib.POLICY_LOSS_MODES),
-            ("actor.loss_agg_mode", self.loss_agg_mode, loss_lib.AGG_MODES),
-            ("actor.kl_loss_type", self.kl_loss_type, loss_lib.KL_TYPES),
-        ):
-            if value not in allowed:
-                raise ValueError(f"{field} must be one of {allowed}, got {value!r}")
-        if self.kl_loss_type.startswith("full"):
-            raise ValueError(
-                "actor.kl_loss_type 'full'/'full+' needs full reference logits, which the "
-                "chunked trainer never materialises; use kl, abs, mse or low_var_kl (+ variants)"
-            )
-        if self.clip_ratio_c <= 1.0:
-            raise ValueError(f"actor.clip_ratio_c must be > 1, got {self.clip_ratio_c}")
-        if self.temperature <= 0:
-            raise ValueError(
-                f"rollout.temperature must be > 0 for training, got {self.temperature}"
-            )
+        check_loss_settings(
+            policy_loss_mode=self.policy_loss_mode,
+            loss_agg_mode=self.loss_agg_mode,
+            clip_ratio_c=self.clip_ratio_c,
+            kl_loss_type=self.kl_loss_type,
+        )
+        loss_lib.check_temperature(self.temperature)
 
 
 def response_log_probs(

@@ -26,7 +26,7 @@ import pytest
 
 import train
 from configs import demo
-from grpo_jax import data, demo_task, metrics
+from grpo_jax import config, data, dataset, demo_task, loading, loss, metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -47,16 +47,38 @@ def _set(c, dotted: str, value) -> None:
     c[leaf] = value
 
 
+# Enum-like fields and their allowed values (from the library's own tuples).
+CHOICES = {
+    "data.source": config.DATA_SOURCES,
+    "data.truncation": config.TRUNCATION_MODES,
+    "data.on_malformed": config.ON_MALFORMED_MODES,
+    "mesh.distributed": ("auto", "on", "off"),
+    "model.source": ("hf", "random"),
+    "model.tokenizer": ("hf", "char"),
+    "model.dtype": ("float32", "bfloat16"),
+    "model.param_dtype": ("float32", "bfloat16"),
+    "actor.loss_agg_mode": loss.AGG_MODES,
+    "actor.kl_loss_type": loss.KL_TYPES,
+    "actor.policy_loss.loss_mode": loss.POLICY_LOSS_MODES,
+    "actor.optim.lr_scheduler_type": config.LR_SCHEDULES,
+    "rollout.name": ("jax", "vllm"),
+    "algorithm.adv_estimator": config.ADV_ESTIMATORS,
+    "algorithm.kl_penalty": tuple(k for k in loss.KL_TYPES if not k.startswith("full")),
+    "algorithm.kl_ctrl.type": ("fixed",),
+    "reward.on_error": config.ON_ERROR_MODES,
+    "trainer.resume_mode": ("auto", "disable"),
+}
+
+
 def _choices(field):
     """(field, bad value, every allowed value must appear in the message)."""
-    allowed = train.CHOICES[field]
-    return field, "bogus", [f"{field}='bogus'", *(repr(a) for a in allowed)]
+    return field, "bogus", [f"{field}='bogus'", *(repr(a) for a in CHOICES[field])]
 
 
 # (dotted field, invalid value, substrings the error must contain). The field name is always
 # required; the rest is the allowed range or the fix.
 INVALID = [
-    *[_choices(f) for f in sorted(train.CHOICES)],
+    *[_choices(f) for f in sorted(CHOICES)],
     ("rollout.n", 1, ["rollout.n=1", ">= 2"]),
     ("data.train_batch_size", 0, ["data.train_batch_size=0", ">= 1"]),
     ("data.val_batch_size", 0, ["data.val_batch_size=0", ">= 1"]),
@@ -85,9 +107,10 @@ INVALID = [
     ("rollout.temperature", 0.0, ["rollout.temperature=0.0", "> 0"]),
     ("rollout.temperature", math.nan, ["rollout.temperature=nan", "> 0"]),
     ("rollout.val_kwargs.temperature", -0.5, ["rollout.val_kwargs.temperature=-0.5", ">= 0"]),
+    ("rollout.val_kwargs.top_p", 0.0, ["rollout.val_kwargs.top_p=0.0", "(0, 1]"]),
     ("rollout.top_p", 0.0, ["rollout.top_p=0.0", "(0, 1]"]),
     ("rollout.top_p", 1.5, ["rollout.top_p=1.5", "(0, 1]"]),
-    ("rollout.top_k", 0, ["rollout.top_k=0", "-1 (off) or >= 1"]),
+    ("rollout.top_k", -2, ["rollout.top_k=-2", "-1 or 0 (off) or >= 1"]),
     ("actor.optim.lr", 0.0, ["actor.optim.lr=0.0", "> 0"]),
     ("actor.optim.lr", -1e-3, ["actor.optim.lr=-0.001", "> 0"]),
     ("actor.optim.lr", math.inf, ["actor.optim.lr=inf", "finite"]),
@@ -99,16 +122,16 @@ INVALID = [
     ("actor.optim.min_lr_ratio", -0.5, ["actor.optim.min_lr_ratio=-0.5", "[0, 1]"]),
     ("actor.grad_clip", 0.0, ["actor.grad_clip=0.0", "> 0"]),
     ("actor.clip_ratio", 0.0, ["actor.clip_ratio=0.0", "> 0"]),
-    ("actor.clip_ratio_low", -0.2, ["actor.clip_ratio_low=-0.2", "> 0 or None"]),
-    ("actor.clip_ratio_high", 0.0, ["actor.clip_ratio_high=0.0", "> 0 or None"]),
+    ("actor.clip_ratio_low", -0.2, ["actor.clip_ratio_low=-0.2", "> 0"]),
+    ("actor.clip_ratio_high", 0.0, ["actor.clip_ratio_high=0.0", "> 0"]),
     ("actor.clip_ratio_c", 1.0, ["actor.clip_ratio_c=1.0", "> 1"]),
     ("actor.kl_loss_coef", -0.1, ["actor.kl_loss_coef=-0.1", ">= 0"]),
     ("actor.kl_loss_type", "full", ["actor.kl_loss_type='full'", "kl, abs, mse or low_var_kl"]),
     ("actor.loss_scale_factor", 0.0, ["actor.loss_scale_factor=0.0", "> 0 or None"]),
     ("algorithm.kl_ctrl.kl_coef", -1.0, ["algorithm.kl_ctrl.kl_coef=-1.0", ">= 0"]),
-    ("trainer.save_freq", 0, ["trainer.save_freq=0", "-1 or >= 1"]),
-    ("trainer.save_freq", -2, ["trainer.save_freq=-2", "-1 or >= 1"]),
-    ("trainer.test_freq", 0, ["trainer.test_freq=0", "-1 or >= 1"]),
+    ("trainer.save_freq", 0, ["trainer.save_freq=0", "-1 (never) or >= 1"]),
+    ("trainer.save_freq", -2, ["trainer.save_freq=-2", "-1 (never) or >= 1"]),
+    ("trainer.test_freq", 0, ["trainer.test_freq=0", "-1 (never) or >= 1"]),
     ("trainer.total_training_steps", 0, ["trainer.total_training_steps=0", ">= 1 or None"]),
     ("data.val_max_samples", 0, ["data.val_max_samples=0", "-1 (all) or >= 1"]),
     ("data.seed", -1, ["data.seed=-1", ">= 0"]),
@@ -123,14 +146,21 @@ INVALID = [
         ["model.tiny.num_heads=4", "model.tiny.num_kv_heads=3", "multiple"],
     ),
     ("mesh.shape", (1, 1), ["mesh.shape=(1, 1)", "3 entries"]),
-    ("data.source", "jsonl", ["data.source='jsonl'", "data.path", "data.val_path"]),
-    ("model.source", "hf", ["model.path is required", "model.source='hf'"]),
-    ("reward.fn", " , ", ["reward.fn is empty", "'module:function'"]),
+    (
+        "data.source",
+        "files",
+        ["data.path=None is required with source='files'", "data.val_path=None is required"],
+    ),
+    ("data.source", "hf", ["data.path=None must name the dataset"]),
+    ("model.source", "hf", ["model.path=None is required", "model.source='hf'"]),
+    ("reward.fn", " , ", ["reward.fn=' , ' is empty", "'module:function'"]),
+    ("reward.num_workers", -1, ["reward.num_workers=-1", ">= 0"]),
+    ("reward.timeout_s", 0.0, ["reward.timeout_s=0.0", "> 0"]),
     ("reward.fn", "no_colon", ["reward.fn", "'module:function'"]),
     ("reward.fn", "no_such_module_xyz:f", ["reward.fn", "cannot import module"]),
     ("reward.fn", "grpo_jax.rewards:no_such_fn", ["reward.fn", "has no 'no_such_fn'"]),
     ("reward.weights", "1.0,x", ["reward.weights", "comma-separated floats"]),
-    ("reward.weights", "1.0,2.0", ["reward.weights", "2 weights for 1 functions"]),
+    ("reward.weights", "1.0,2.0", ["reward.weights", "has 2 weights for 1 functions"]),
 ]
 
 
@@ -145,8 +175,9 @@ def test_invalid_config_value_is_named(field, value, expected):
     msg = str(err.value)
     for part in expected:
         assert part in msg, f"{part!r} missing from: {msg}"
-    # Exactly one problem is reported: the one injected (the demo config itself is valid).
-    assert msg.count("\n") == 1, msg
+    # Only the injected problem is reported (the demo config itself is valid); a source without
+    # its files misses two paths.
+    assert msg.count("\n") == (2 if (field, value) == ("data.source", "files") else 1), msg
     TRIED["config values"] += 1
 
 
@@ -170,8 +201,9 @@ def test_demo_and_gsm8k_configs_are_valid():
 def test_invalid_for_mesh_is_named(field, value, dp, expected):
     c = demo.get_config()
     _set(c, field, value)
-    with pytest.raises(ValueError, match="invalid config for the mesh") as err:
-        train.check_mesh(c, dp)
+    c.actor.ppo_mini_batch_size = min(c.actor.ppo_mini_batch_size, c.data.train_batch_size)
+    with pytest.raises(config.ConfigError) as err:
+        train.check_config(c).check_mesh(dp)
     assert expected in str(err.value)
     TRIED["config values"] += 1
 
@@ -285,15 +317,27 @@ def _jsonl_config(path: str, **overrides):
     c.data.path = c.data.val_path = path
     for k, v in overrides.items():
         _set(c, k, v)
-    train.check_config(c)
-    return c
+    return train.check_config(c)
+
+
+def _encode(run):
+    """The train prompts the way loop.train tokenises them."""
+    tok = loading.tokenizer(run.model)
+    examples = dataset.load_examples(run.data, "train")
+    return tok, data.encode(
+        tok,
+        examples,
+        max_prompt_length=run.data.max_prompt_length,
+        filter_overlong_prompts=run.data.filter_overlong_prompts,
+        truncation=run.data.truncation,
+    )
 
 
 def test_malformed_rows_skipped_counted_with_line_numbers(tmp_path, caplog):
     path = _jsonl(tmp_path, [line for line, _ in ROWS])
     c = _jsonl_config(path, **{"data.on_malformed": "skip"})
     with caplog.at_level("WARNING"):
-        examples = train.load_examples(c, "train")
+        examples = dataset.load_examples(c.data, "train")
     good_lines = [i + 1 for i, (_, why) in enumerate(ROWS) if why is None]
     bad = [(i + 1, why) for i, (_, why) in enumerate(ROWS) if why is not None]
     assert [ex.line for ex in examples] == good_lines
@@ -309,7 +353,7 @@ def test_malformed_rows_rejected_with_line_numbers(tmp_path):
     path = _jsonl(tmp_path, [line for line, _ in ROWS])
     c = _jsonl_config(path, **{"data.on_malformed": "error"})
     with pytest.raises(ValueError) as err:
-        train.load_examples(c, "train")
+        dataset.load_examples(c.data, "train")
     msg = str(err.value)
     bad_lines = [i + 1 for i, (_, why) in enumerate(ROWS) if why is not None]
     assert f"{len(bad_lines)} malformed row(s)" in msg and "data.on_malformed='skip'" in msg
@@ -353,10 +397,9 @@ def _overlong_config(tmp_path, **overrides):
 
 def test_overlong_prompts_filtered_and_counted(tmp_path, caplog):
     c = _overlong_config(tmp_path, **{"data.filter_overlong_prompts": True})
-    tok = train.load_tokenizer(c)
     with caplog.at_level("WARNING"):
-        ps = train.encode_split(c, tok, "train")
-    assert [ex.question for ex in ps.examples] == ["1+1", "12+1"]
+        _, ps = _encode(c)
+    assert [ex.prompt[0]["content"] for ex in ps.examples] == ["1+1", "12+1"]
     assert ps.num_filtered == 2 and "filtered 2 prompt(s) longer than 6 tokens" in caplog.text
     TRIED["prompts"] += 2
 
@@ -366,7 +409,7 @@ def test_overlong_prompts_rejected_naming_line_and_fields(tmp_path):
         tmp_path, **{"data.filter_overlong_prompts": False, "data.truncation": "error"}
     )
     with pytest.raises(ValueError) as err:
-        train.encode_split(c, train.load_tokenizer(c), "train")
+        _encode(c)
     msg = str(err.value)
     for part in (
         "line 3",
@@ -384,8 +427,7 @@ def test_overlong_prompts_truncated(tmp_path, side):
     c = _overlong_config(
         tmp_path, **{"data.filter_overlong_prompts": False, "data.truncation": side}
     )
-    tok = train.load_tokenizer(c)
-    ps = train.encode_split(c, tok, "train")
+    tok, ps = _encode(c)
     assert len(ps) == 4 and ps.num_filtered == 0
     full = [
         tok(data.chat_prompt(tok, q, suffix=""), add_special_tokens=False)["input_ids"]
@@ -402,9 +444,11 @@ def test_overlong_prompts_truncated(tmp_path, side):
 
 
 def test_every_prompt_overlong_is_an_error(tmp_path):
-    c = _overlong_config(tmp_path, **{"data.max_prompt_length": 4})
+    c = _overlong_config(
+        tmp_path, **{"data.max_prompt_length": 4, "data.filter_overlong_prompts": True}
+    )
     with pytest.raises(ValueError, match="every prompt is longer than data.max_prompt_length=4"):
-        train.encode_split(c, train.load_tokenizer(c), "train")
+        _encode(c)
     TRIED["prompts"] += 4
 
 
@@ -445,10 +489,8 @@ def test_failing_reward_raise_names_function_and_sample(tmp_path, jax_cache):
         jax_cache=jax_cache,
     )
     assert r.returncode != 0
-    assert "reward function test_faults:failing_reward failed on sample 0" in r.stderr, r.stderr[
-        -3000:
-    ]
-    assert "ground truth" in r.stderr and "solution tail" in r.stderr
+    assert "reward function test_faults:failing_reward on sample 0" in r.stderr, r.stderr[-3000:]
+    assert "ground truth" in r.stderr and "completion tail" in r.stderr and "failed:" in r.stderr
     assert not metrics.read(str(tmp_path / "run"))  # no step completed
     TRIED["reward failures"] += 1
 
@@ -468,6 +510,6 @@ def test_failing_reward_zero_is_counted(tmp_path, jax_cache):
     # 4 prompts x rollout.n 2 = 8 samples, each failing once (the gsm8k scorer never fails).
     assert row["reward/num_errors"] == 8
     assert row["reward/test_faults:failing_reward/mean"] == 0.0
-    assert "reward function test_faults:failing_reward failed on sample 7" in r.stderr
-    assert "(scored 0)" in r.stderr
+    assert "reward function test_faults:failing_reward on sample 7" in r.stderr
+    assert "; scored 0" in r.stderr
     TRIED["reward failures"] += 8

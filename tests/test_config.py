@@ -11,6 +11,25 @@ sys.path.insert(0, ROOT)
 
 import train  # noqa: E402
 from configs import common, demo, gsm8k, gsm8k_drgrpo  # noqa: E402
+from grpo_jax import config  # noqa: E402
+
+
+def _set(c, dotted, value):
+    section, _, leaf = dotted.rpartition(".")
+    node = c
+    for part in section.split("."):
+        node = node[part]
+    node[leaf] = value
+
+
+def test_the_config_tree_is_the_dataclasses():
+    """configs/common.py derives the tree from grpo_jax/config.py: same fields, same defaults."""
+    tree = common.grpo_config()
+    assert config.from_dict(config.RunConfig, tree.to_dict()) == config.RunConfig()
+    assert config.to_dict(config.RunConfig()).keys() == tree.to_dict().keys()
+    # A None default is a typed placeholder: the CLI still type-checks an override.
+    with pytest.raises(TypeError):
+        tree.model.path = 3
 
 
 def test_gsm8k_has_verl_recipe_defaults():
@@ -64,17 +83,23 @@ def test_shipped_configs_validate(get):
     c = get()
     if c.data.source == "tfds":
         c.model.path = "/some/model"  # the only required field without a default
-    train.check_config(c)
+    run = train.check_config(c)
+    assert isinstance(run, config.RunConfig)
 
 
 @pytest.mark.parametrize(
     "field, value, match",
     [
         ("rollout.n", 1, r"rollout.n=1 must be >= 2 for grpo"),
+        ("rollout.temperature", 0.0, r"rollout.temperature=0.0 must be > 0"),
+        ("rollout.top_p", 1.5, r"rollout.top_p=1.5 must be in \(0, 1\]"),
+        ("rollout.val_kwargs.top_k", -3, r"rollout.val_kwargs.top_k=-3 must be -1 or 0"),
+        ("actor.kl_loss_type", "full", r"actor.kl_loss_type='full': 'full' needs full reference"),
+        ("actor.optim.lr", -1.0, r"actor.optim.lr=-1.0 must be finite and > 0"),
         (
             "actor.ppo_mini_batch_size",
             3,
-            r"ppo_mini_batch_size=3 must divide data.train_batch_size=16",
+            r"actor.ppo_mini_batch_size=3 must divide data.train_batch_size=16",
         ),
         (
             "actor.loss_agg_mode",
@@ -83,6 +108,7 @@ def test_shipped_configs_validate(get):
         ),
         ("actor.kl_loss_type", "k4", r"actor.kl_loss_type='k4' must be one of \[.*'low_var_kl'"),
         ("rollout.name", "sglang", r"rollout.name='sglang' must be one of \['jax', 'vllm'\]"),
+        ("data.source", "csv", r"data.source='csv' must be one of \['files', 'jsonl', 'hf'"),
         (
             "data.truncation",
             "middle",
@@ -91,7 +117,7 @@ def test_shipped_configs_validate(get):
         (
             "algorithm.adv_estimator",
             "gae",
-            r"adv_estimator='gae' must be one of \['grpo', 'rloo'\]",
+            r"algorithm.adv_estimator='gae' must be one of \['grpo', 'rloo'\]",
         ),
         (
             "reward.on_error",
@@ -104,13 +130,13 @@ def test_shipped_configs_validate(get):
             r"reward.fn: reward function 'nope_module:f': cannot import",
         ),
         ("actor.clip_ratio_c", 1.0, r"actor.clip_ratio_c=1.0 must be > 1"),
-        ("trainer.save_freq", 0, r"trainer.save_freq=0: -1 or >= 1"),
+        ("trainer.save_freq", 0, r"trainer.save_freq=0 must be -1 \(never\) or >= 1"),
+        ("reward.timeout_s", 0.0, r"reward.timeout_s=0.0 must be > 0"),
     ],
 )
 def test_invalid_values_name_field_and_allowed(field, value, match):
     c = demo.get_config()
-    section, _, leaf = field.rpartition(".")
-    train._get(c, section)[leaf] = value
+    _set(c, field, value)
     with pytest.raises(ValueError, match=match):
         train.check_config(c)
 
@@ -122,39 +148,49 @@ def test_vllm_section_checked_up_front():
         train.check_config(c)
     c.rollout.vllm.python = sys.executable
     c.rollout.vllm.env = "NOEQUALS"
-    with pytest.raises(ValueError, match=r"rollout.vllm: env entry 'NOEQUALS' must be NAME=VALUE"):
+    with pytest.raises(
+        ValueError, match=r"rollout.vllm: env='NOEQUALS': entry 'NOEQUALS' must be NAME=VALUE"
+    ):
         train.check_config(c)
 
 
 def test_all_problems_reported_together():
     c = demo.get_config()
-    c.rollout.n = 1
+    c.data.truncation = "middle"
     c.rollout.name = "tpu"
-    with pytest.raises(ValueError) as e:
+    c.actor.optim.betas = (0.9, 1.5)
+    with pytest.raises(config.ConfigError) as e:
         train.check_config(c)
-    assert "rollout.n=1" in str(e.value) and "rollout.name='tpu'" in str(e.value)
+    assert len(e.value.problems) == 3, e.value.problems
+    for want in ("data.truncation='middle'", "rollout.name='tpu'", "actor.optim.betas=(0.9, 1.5)"):
+        assert want in str(e.value)
 
 
-def test_jsonl_and_hf_sources_need_paths():
+def test_file_and_hf_sources_need_paths():
     c = gsm8k.get_config()
-    c.data.source = "jsonl"
-    with pytest.raises(ValueError, match="needs data.path and data.val_path") as e:
+    c.data.source = "files"
+    with pytest.raises(config.ConfigError) as e:
         train.check_config(c)
-    assert "model.path is required" in str(e.value)
+    assert "data.path=None is required with source='files'" in str(e.value)
+    assert "data.val_path=None is required" in str(e.value)
+    assert "model.path=None is required" in str(e.value)
+    c.data.source = "hf"
+    with pytest.raises(config.ConfigError, match="data.path=None must name the dataset"):
+        train.check_config(c)
 
 
 def test_mesh_divisibility():
     c = demo.get_config()  # 16 prompts x 8 samples; micro 128 per device
-    train.check_mesh(c, 1)
+    train.check_config(c).check_mesh(1)
     c.actor.ppo_micro_batch_size_per_gpu = 48
     with pytest.raises(
         ValueError,
         match=r"48 x 2 devices = 96 must divide the mini-batch of "
         r"ppo_mini_batch_size x rollout.n = 128",
     ):
-        train.check_mesh(c, 2)
+        train.check_config(c).check_mesh(2)
     with pytest.raises(ValueError, match=r"train_batch_size=16 must be a multiple of the 3"):
-        train.check_mesh(demo.get_config(), 3)
+        train.check_config(demo.get_config()).check_mesh(3)
 
 
 def test_unknown_field_rejected_by_the_cli():
@@ -184,4 +220,29 @@ def test_loss_config_from_actor_section():
         0.001,
         0.2,
         1.0,
+    )
+    # verl's ActorConfig sets both clip bounds to 0.2: clip_ratio alone changes neither.
+    c = gsm8k.get_config()
+    c.actor.clip_ratio = 0.28
+    lc = train.make_loss_config(c)
+    assert (lc.clip_ratio_low, lc.clip_ratio_high) == (0.2, 0.2)
+
+
+def test_library_defaults_are_verls():
+    run = config.RunConfig()
+    assert (run.actor.clip_ratio_low, run.actor.clip_ratio_high, run.actor.clip_ratio_c) == (
+        0.2,
+        0.2,
+        3.0,
+    )
+    assert (run.trainer.save_freq, run.trainer.test_freq, run.actor.calculate_entropy) == (
+        -1,
+        -1,
+        False,
+    )
+    assert (run.data.max_prompt_length, run.data.max_response_length) == (512, 512)
+    # lr_warmup_steps <= 0 falls back to the ratio, as verl.
+    optim = config.OptimConfig(lr_warmup_steps=0, lr_warmup_steps_ratio=0.1)
+    assert (
+        optim.warmup_steps(50) == 5 and config.OptimConfig(lr_warmup_steps=3).warmup_steps(50) == 3
     )

@@ -1,6 +1,7 @@
-"""Data pipeline: malformed rows, verl prompt + chat template, overlong policy, resumable order."""
+"""Prompts: the chat template, overlong policy, batches and the resumable order.
 
-import json
+Reading files, HF datasets and tfds into Examples is tested in tests/test_dataset.py.
+"""
 
 import numpy as np
 import pytest
@@ -8,49 +9,11 @@ import pytest
 from grpo_jax import data, demo_task
 
 
-def _write(tmp_path, lines):
-    p = tmp_path / "d.jsonl"
-    p.write_text("\n".join(lines) + "\n")
-    return str(p)
-
-
-GOOD = json.dumps({"question": "2+3?", "answer": "2+3=5\n#### 5"})
-
-
-def test_malformed_rows_skipped_with_line_numbers(tmp_path, caplog):
-    path = _write(
-        tmp_path,
-        [
-            GOOD,
-            "{not json",
-            json.dumps({"question": "", "answer": "#### 1"}),
-            json.dumps({"question": "q"}),
-            json.dumps({"question": "q", "answer": "no number"}),
-            json.dumps({"question": "big", "answer": "#### 1,234"}),
-        ],
-    )
-    exs = data.read_jsonl(path, on_malformed="skip")
-    assert [(e.line, e.ground_truth) for e in exs] == [(1, "5"), (6, "1234")]
-    assert "4 malformed row(s)" in caplog.text
-    for line in (
-        "line 2: invalid JSON",
-        "line 3: missing or empty 'question'",
-        "line 4: missing 'answer'",
-        "line 5: answer has no",
-    ):
-        assert line in caplog.text
-
-
-def test_malformed_rows_rejected(tmp_path):
-    path = _write(tmp_path, [GOOD, json.dumps({"question": "q", "answer": "x"})])
-    with pytest.raises(ValueError, match=r"1 malformed row\(s\): line 2"):
-        data.read_jsonl(path, on_malformed="error")
-    with pytest.raises(ValueError, match=r"skip.*error.*'drop'"):
-        data.read_jsonl(path, on_malformed="drop")
-
-
 def _examples(questions):
-    return [data.Example(q, f"#### {i}", str(i), i + 1) for i, q in enumerate(questions)]
+    return [
+        data.Example(({"role": "user", "content": q},), str(i), line=i + 1)
+        for i, q in enumerate(questions)
+    ]
 
 
 def test_prompt_is_verl_instruction_in_chat_template():
@@ -60,8 +23,7 @@ def test_prompt_is_verl_instruction_in_chat_template():
     assert text == "<|user|>2+3?" + suffix + "<|assistant|>"
     ps = data.encode(
         tok,
-        _examples(["2+3?"]),
-        suffix=suffix,
+        _examples(["2+3?" + suffix]),
         max_prompt_length=512,
         filter_overlong_prompts=False,
         truncation="error",
@@ -69,14 +31,20 @@ def test_prompt_is_verl_instruction_in_chat_template():
     # char tokenizer: <|user|> + 4 chars of "2+3?" + the suffix + <|assistant|>
     assert len(ps.prompt_ids[0]) == 1 + 4 + len(suffix) + 1
     assert tok.decode(ps.prompt_ids[0], skip_special_tokens=True) == "2+3?" + suffix
+    # A plain-string prompt (TRL's standard format) is used as it is, without the template.
+    plain = data.Example("2+3=")
+    ps = data.encode(
+        tok, [plain], max_prompt_length=8, filter_overlong_prompts=False, truncation="error"
+    )
+    assert tok.decode(ps.prompt_ids[0], skip_special_tokens=False) == "2+3="
 
 
 def test_overlong_filter_and_truncation():
     tok = demo_task.char_tokenizer()
     exs = _examples(["ab", "abcdef"])  # 4 and 8 tokens with the two role markers
-    kw = dict(suffix="", max_prompt_length=5)
+    kw = dict(max_prompt_length=5)
     ps = data.encode(tok, exs, filter_overlong_prompts=True, truncation="error", **kw)
-    assert len(ps) == 1 and ps.num_filtered == 1 and ps.examples[0].question == "ab"
+    assert len(ps) == 1 and ps.num_filtered == 1 and ps.examples[0].prompt[0]["content"] == "ab"
     with pytest.raises(ValueError, match="line 2 has 8 tokens > data.max_prompt_length=5"):
         data.encode(tok, exs, filter_overlong_prompts=False, truncation="error", **kw)
     left = data.encode(tok, exs, filter_overlong_prompts=False, truncation="left", **kw)
@@ -120,12 +88,3 @@ def test_order_epochs_drop_last_and_exact_resume():
     assert data.epoch_order(5, epoch=4, seed=0, shuffle=False).tolist() == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="train_batch_size=11 exceeds the 10"):
         data.steps_per_epoch(10, 11)
-
-
-def test_arithmetic_rows_parse_and_are_disjoint():
-    train, val = demo_task.arithmetic_rows(300, 50, max_operand=29, seed=0)
-    exs = data.parse_rows(train, source="demo", on_malformed="error")
-    for e in exs:
-        a, b = map(int, e.question.split("+"))
-        assert e.ground_truth == str(a + b)
-    assert not {r["question"] for r in val} & {r["question"] for r in train}

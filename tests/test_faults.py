@@ -74,7 +74,7 @@ BASE_OVERRIDES = (
 )
 # Wall-clock measurements, different in every run (see module docstring).
 TIMING_PREFIX = "timing_s/"
-TIMING_KEYS = ("perf/throughput",)
+TIMING_KEYS = ("perf/throughput", "perf/time_per_step")
 RUN_TIMEOUT_S = 600
 FIGURES = {
     "kills survived": 0,

@@ -1,8 +1,9 @@
-"""verl GSM8K scorer parity on hand-written cases, and the user reward-function plumbing."""
+"""verl GSM8K scorer on hand-written cases, and the reward plumbing: signatures, weights, the
+worker pool's timeouts and crash isolation, and on_error."""
 
 import pytest
 
-from grpo_jax import rewards
+from grpo_jax import config, data, reward_pool, rewards
 
 
 @pytest.mark.parametrize(
@@ -75,28 +76,122 @@ def _boom(solution, ground_truth):
     return 1.0
 
 
+def _examples(ground_truths, prompt="q"):
+    return [
+        data.Example(prompt, gt, "openai/gsm8k", {"k": i}, {"level": i})
+        for i, gt in enumerate(ground_truths)
+    ]
+
+
 def test_weighted_combination():
     fn = rewards.make_reward_fn(
         f"grpo_jax.rewards:gsm8k_score,{__name__}:_length_reward", "1.0,0.5"
     )
-    res = rewards.score_batch(fn, ["#### 7", "#### 8"], ["7", "7"])
+    res = rewards.score_batch(fn, ["#### 7", "#### 8"], _examples(["7", "7"]))
     # sample 0: 1.0*1 + 0.5*(6/10) = 1.3; sample 1: 1.0*0 + 0.5*0.6 = 0.3
     assert res.scores_B == pytest.approx([1.3, 0.3])
     assert res.per_fn["grpo_jax.rewards:gsm8k_score"] == [1.0, 0.0]
     assert res.num_errors == 0
 
 
+def _verl_style(data_source, solution_str, ground_truth, extra_info=None):
+    hit = solution_str.strip() == ground_truth
+    return {"score": float(hit), "acc": hit, "pred": solution_str.strip(), "k": extra_info["k"]}
+
+
+def _trl_style(prompts, completions, level, ground_truth, **kwargs):
+    # TRL passes chat completions as [{"role": "assistant", "content": ...}] for chat prompts.
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [float(t == g) + 0.1 * lv for t, g, lv in zip(texts, ground_truth, level, strict=True)]
+
+
+def test_the_three_signatures():
+    assert rewards.signature_style(_verl_style) == "verl"
+    assert rewards.signature_style(_trl_style) == "trl"
+    assert rewards.signature_style(_length_reward) == "pair"
+    with pytest.raises(ValueError, match="expected verl's"):
+        rewards.signature_style(lambda a, b, c: 0.0)
+    # verl: a dict's "score" is the reward, its other keys are kept per sample.
+    res = rewards.score_batch(rewards.RewardFn.of(_verl_style), ["7", "8"], _examples(["7", "7"]))
+    assert res.scores_B == [1.0, 0.0]
+    assert res.extras == {"acc": [True, False], "pred": ["7", "8"], "k": [0, 1]}
+    # TRL: one call for the batch, columns as keyword lists, chat completions for chat prompts.
+    chat = _examples(["7", "7"], prompt=({"role": "user", "content": "q"},))
+    res = rewards.score_batch(rewards.RewardFn.of(_trl_style), ["7", "8"], chat)
+    assert res.scores_B == pytest.approx([1.0, 0.1])
+
+
+def test_custom_reward_function_file_replaces_reward_fn(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return 2.0 if solution_str == ground_truth else 0.5\n"
+    )
+    custom = config.CustomRewardFunction(path=str(path))
+    fn = rewards.from_config(config.RewardConfig(), custom)
+    assert rewards.score_batch(fn, ["1", "2"], _examples(["1", "1"])).scores_B == [2.0, 0.5]
+    with pytest.raises(ValueError, match="defines no such function"):
+        rewards.from_config(config.RewardConfig(), config.CustomRewardFunction(str(path), "nope"))
+
+
 def test_raising_reward_fn_raise_mode_names_fn_and_sample():
     fn = rewards.make_reward_fn(f"{__name__}:_boom", on_error="raise")
-    with pytest.raises(RuntimeError, match=rf"{__name__}:_boom failed on sample 1"):
-        rewards.score_batch(fn, ["ok", "boom!", "ok"], ["1", "1", "1"])
+    with pytest.raises(rewards.RewardError, match=rf"{__name__}:_boom on sample 1"):
+        rewards.score_batch(fn, ["ok", "boom!", "ok"], _examples(["1", "1", "1"]))
 
 
 def test_raising_reward_fn_zero_mode_counts():
     fn = rewards.make_reward_fn(f"{__name__}:_boom", on_error="zero")
-    res = rewards.score_batch(fn, ["ok", "boom!", "boom"], ["1", "1", "1"])
+    res = rewards.score_batch(fn, ["ok", "boom!", "boom"], _examples(["1", "1", "1"]))
     assert res.scores_B == [1.0, 0.0, 0.0]
     assert res.num_errors == 2
+
+
+def _hangs_or_dies(solution, ground_truth):
+    import os
+    import time
+
+    if solution == "hang":
+        time.sleep(600)
+    if solution == "die":
+        os._exit(3)  # a crash of the process, not an exception
+    return 1.0
+
+
+def test_pool_times_out_a_hanging_call_and_survives_a_dead_worker():
+    fn = rewards.RewardFn.of(_hangs_or_dies, on_error="raise")
+    with reward_pool.Pool(2, timeout_s=2.0) as pool:
+        res = rewards.score_batch(
+            fn, ["ok", "hang", "die", "ok", "ok"], _examples(["1"] * 5), pool=pool
+        )
+        # The hang and the crash cost their sample only, even with on_error="raise".
+        assert res.scores_B == [1.0, 0.0, 0.0, 1.0, 1.0]
+        assert (res.num_lost, res.num_errors, pool.restarts) == (2, 0, 2)
+        # The replaced workers serve the next batch.
+        assert (
+            rewards.score_batch(fn, ["ok"] * 4, _examples(["1"] * 4), pool=pool).scores_B
+            == [1.0] * 4
+        )
+
+
+def test_pool_runs_closures_and_reports_exceptions():
+    offset = 0.25  # a closure over a local: cloudpickle ships it by value
+
+    def shifted(solution, ground_truth):
+        if solution == "bad":
+            raise ValueError("bad completion")
+        return float(solution == ground_truth) + offset
+
+    with reward_pool.Pool(1, timeout_s=30.0) as pool:
+        res = rewards.score_batch(
+            rewards.RewardFn.of(shifted, on_error="zero"),
+            ["1", "bad"],
+            _examples(["1", "1"]),
+            pool=pool,
+        )
+        assert res.scores_B == [1.25, 0.0] and res.num_errors == 1
+        with pytest.raises(rewards.RewardError, match="ValueError: bad completion"):
+            rewards.score_batch(rewards.RewardFn.of(shifted), ["bad"], _examples(["1"]), pool=pool)
 
 
 @pytest.mark.parametrize(
@@ -105,7 +200,7 @@ def test_raising_reward_fn_zero_mode_counts():
         ("no_colon", "module:function"),
         ("not_a_module_xyz:f", "cannot import"),
         ("grpo_jax.rewards:nope", "has no 'nope'"),
-        ("grpo_jax.rewards:_SOLUTION_CLIP_CHARS", "not callable"),
+        ("grpo_jax.rewards:STYLES", "not callable"),
     ],
 )
 def test_bad_specs(spec, match):
@@ -114,9 +209,9 @@ def test_bad_specs(spec, match):
 
 
 def test_bad_weights_and_modes():
-    with pytest.raises(ValueError, match="2 weights for 1 functions"):
+    with pytest.raises(ValueError, match="has 2 weights for 1 functions"):
         rewards.make_reward_fn("grpo_jax.rewards:gsm8k_score", "1,2")
     with pytest.raises(ValueError, match="comma-separated floats"):
         rewards.make_reward_fn("grpo_jax.rewards:gsm8k_score", "one")
-    with pytest.raises(ValueError, match=r"raise.*zero.*'ignore'"):
+    with pytest.raises(ValueError, match=r"on_error='ignore' must be one of \['raise', 'zero'\]"):
         rewards.make_reward_fn("grpo_jax.rewards:gsm8k_score", on_error="ignore")

@@ -38,7 +38,7 @@ def _step(state, batch, *, micro, mini=8, index=0, lr=1e-2, loss_config=None, tx
         batch,
         jnp.int32(index),
         jnp.float32(lr),
-        loss_config=loss_config or trainer.LossConfig(),
+        loss_config=loss_config or trainer.LossConfig(calculate_entropy=True),
         tx=tx or _ADAM,
         mini_batch_size=mini,
         micro_batch_size=micro,
@@ -191,10 +191,12 @@ def test_lr_schedule_values():
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(loss_agg_mode="mean"), r"actor.loss_agg_mode must be one of .*token-mean"),
-        (dict(kl_loss_type="k4"), r"actor.kl_loss_type must be one of .*low_var_kl"),
-        (dict(policy_loss_mode="ppo"), r"actor.policy_loss.loss_mode must be one of .*vanilla"),
-        (dict(clip_ratio_c=1.0), r"clip_ratio_c must be > 1"),
+        (dict(loss_agg_mode="mean"), r"loss_agg_mode='mean' must be one of .*token-mean"),
+        (dict(kl_loss_type="k4"), r"kl_loss_type='k4' must be one of .*low_var_kl"),
+        (dict(kl_loss_type="full"), r"kl_loss_type='full': 'full' needs full reference logits"),
+        (dict(policy_loss_mode="ppo"), r"policy_loss.loss_mode='ppo' must be one of .*vanilla"),
+        (dict(clip_ratio_c=1.0), r"clip_ratio_c=1.0 must be > 1"),
+        (dict(temperature=0.0), r"temperature=0.0 must be > 0"),
     ],
 )
 def test_loss_config_errors(kw, match):

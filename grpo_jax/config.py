@@ -1,0 +1,858 @@
+"""The typed configuration of a GRPO run: one frozen dataclass per section, with verl's names.
+
+This module owns every knob of a run, its default and its checks. The sections and leaf names are
+verl 0.9.1's (`actor_rollout_ref.actor.X` -> `actor.X`, `actor_rollout_ref.rollout.X` ->
+`rollout.X`, `data.X`, `algorithm.X`, `trainer.X`, `custom_reward_function.X`), so a verl run
+script ports line by line (README "verl override mapping"); the defaults are verl's
+(verl-semantics.md section 7) unless a comment says otherwise. `configs/common.py` turns
+`RunConfig()` into the ml_collections tree that `train.py --config.X=...` overrides, so this file
+is the single list of fields; library users build the dataclasses directly.
+
+Checks:
+  * Per field, in each section's `__post_init__`. Where a library function owns a rule (the
+    sampler's temperature / top-p / top-k, the actor loss's modes and clip bounds), the section
+    calls that function, so each rule lives in one place; the message names the dotted field.
+  * Across sections, in `RunConfig.__post_init__` (group size vs estimator, mini-batch vs batch,
+    paths the source needs, reward weights vs functions, ...).
+  * Against the device mesh, in `RunConfig.check_mesh(dp)` once the mesh is known.
+A section raises `ConfigError` listing all of its problems; `from_dict` collects the problems of
+every section before raising, so one run of a bad config reports them together.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import math
+import shlex
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """An invalid config; `problems` lists each one as 'dotted.field=value: why'."""
+
+    def __init__(self, problems: Sequence[str]):
+        self.problems = tuple(problems)
+        super().__init__("invalid config:\n  " + "\n  ".join(self.problems))
+
+
+class _Checks:
+    """Collects the problems of one section; `done()` raises them together."""
+
+    def __init__(self, section: str):
+        self.section, self.problems = section, []
+
+    def need(self, ok: bool, field: str, value: Any, why: str) -> None:
+        if not ok:
+            self.problems.append(f"{self.section}.{field}={value!r} {why}")
+
+    def choice(self, field: str, value: Any, allowed: Sequence[Any]) -> None:
+        self.need(value in allowed, field, value, f"must be one of {list(allowed)}")
+
+    def call(self, fn, *args, **kwargs) -> Any:
+        """Runs a library validator; its ValueError ('name=value ...') is prefixed by section."""
+        try:
+            return fn(*args, **kwargs)
+        except ValueError as e:
+            self.problems.append(f"{self.section}.{e}")
+            return None
+
+    def done(self) -> None:
+        collector = _COLLECTOR.get()
+        if collector is not None:  # inside from_dict: gather, raise once at the end
+            collector += self.problems
+        elif self.problems:
+            raise ConfigError(self.problems)
+
+
+# While `from_dict` builds a config, sections add their problems here instead of raising, so
+# the checks across sections still run and every problem is reported in one error.
+_COLLECTOR: contextvars.ContextVar[list | None] = contextvars.ContextVar("collector", default=None)
+
+
+def _positive(checks: _Checks, obj, *names: str) -> None:
+    for name in names:
+        checks.need(getattr(obj, name) >= 1, name, getattr(obj, name), "must be >= 1")
+
+
+def split_list(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """'a,b' / ['a', 'b'] / None -> ('a', 'b') / ('a', 'b') / (); blanks dropped."""
+    if value is None:
+        return ()
+    items = value.split(",") if isinstance(value, str) else value
+    return tuple(s.strip() for s in items if str(s).strip())
+
+
+# ---------------------------------------------------------------------------------------------
+# data
+
+
+DATA_SOURCES = ("files", "jsonl", "hf", "tfds", "arithmetic")
+TRUNCATION_MODES = ("error", "left", "right")
+ON_MALFORMED_MODES = ("skip", "error")
+VERL_GSM8K_INSTRUCTION = ' Let\'s think step by step and output the final answer after "####".'
+
+
+@dataclasses.dataclass(frozen=True)
+class ArithmeticConfig:
+    """The built-in arithmetic task (data.source="arithmetic"; grpo_jax/demo_task.py)."""
+
+    num_train: int = 2000  # training questions
+    num_val: int = 200  # held-out questions
+    max_operand: int = 99  # operands are drawn from [0, max_operand]
+    modulus: int = 0  # > 0: the answer is (a + b) mod modulus ("a+b%m")
+    seed: int = 0  # generator seed (train and val are disjoint when the space allows)
+
+    def __post_init__(self):
+        c = _Checks("data.arithmetic")
+        _positive(c, self, "num_train", "num_val")
+        for name in ("max_operand", "modulus", "seed"):
+            c.need(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
+        c.done()
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Section `data`: where prompts come from, their format, batch sizes and lengths.
+
+    Sources (grpo_jax/dataset.py): "files" (parquet / jsonl / json files in verl's layout, raw
+    GSM8K jsonl, or any layout with a `prompt_key` column; "jsonl" is the same), "hf" (anything
+    `datasets.load_dataset` loads: a hub id when online, or a local dataset dir or script),
+    "tfds" (a tensorflow-datasets builder, read through array_record without TensorFlow) and
+    "arithmetic" (the built-in demo task).
+    """
+
+    source: str = "files"
+    path: str | None = None  # train file(s), comma-separated; for "hf" the dataset id or dir
+    val_path: str | None = None  # validation file(s); for "hf"/"tfds" the val_split is used
+    train_split: str = "train"  # hf / tfds split for training
+    val_split: str = "test"  # hf / tfds split for validation
+    hf_name: str | None = None  # hf: the dataset config name (GSM8K on the hub: "main")
+    tfds_name: str = "gsm8k"  # tfds builder name
+    tfds_data_dir: str | None = None  # tfds data_dir (None = tfds' default ~/tensorflow_datasets)
+    prompt_key: str = "prompt"  # column with chat messages (verl) or a plain prompt string (TRL)
+    reward_fn_key: str = "data_source"  # column that selects the scorer (verl)
+    ground_truth_key: str = "reward_model.ground_truth"  # dotted path of the ground truth
+    prompt_suffix: str = VERL_GSM8K_INSTRUCTION  # appended to raw GSM8K questions only
+    train_batch_size: int = 1024  # prompts per step
+    val_batch_size: int = 256  # prompts per validation generate call
+    val_max_samples: int = -1  # -1 = the whole validation split
+    max_prompt_length: int = 512  # tokens after the chat template
+    max_response_length: int = 512  # generated tokens per completion
+    prompt_length_bucket: int = 64  # the update's prompt width rounds up to this (fewer compiles)
+    filter_overlong_prompts: bool = False  # drop prompts longer than max_prompt_length
+    truncation: str = "error"  # "error" | "left" | "right" for overlong prompts not dropped
+    shuffle: bool = True  # reshuffle the train set every epoch (seeded)
+    seed: int = 1  # shuffle seed
+    on_malformed: str = "skip"  # "skip" (count + warn with line numbers) | "error"
+    arithmetic: ArithmeticConfig = ArithmeticConfig()
+
+    def __post_init__(self):
+        c = _Checks("data")
+        c.choice("source", self.source, DATA_SOURCES)
+        c.choice("truncation", self.truncation, TRUNCATION_MODES)
+        c.choice("on_malformed", self.on_malformed, ON_MALFORMED_MODES)
+        _positive(c, self, "train_batch_size", "val_batch_size", "max_prompt_length")
+        _positive(c, self, "max_response_length", "prompt_length_bucket")
+        c.need(
+            self.val_max_samples == -1 or self.val_max_samples >= 1,
+            "val_max_samples",
+            self.val_max_samples,
+            "must be -1 (all) or >= 1",
+        )
+        c.need(self.seed >= 0, "seed", self.seed, "must be >= 0")
+        c.done()
+
+    def check_source(self) -> None:
+        """What loading from `source` needs (the loader and train.py call it; a library user who
+        passes examples directly never does)."""
+        c = _Checks("data")
+        if self.source in ("files", "jsonl"):
+            c.need(bool(self.paths), "path", self.path, f"is required with source={self.source!r}")
+            c.need(
+                bool(self.val_paths),
+                "val_path",
+                self.val_path,
+                f"is required with source={self.source!r}",
+            )
+        if self.source == "hf":
+            c.need(bool(self.paths), "path", self.path, "must name the dataset for source='hf'")
+        c.done()
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return split_list(self.path)
+
+    @property
+    def val_paths(self) -> tuple[str, ...]:
+        return split_list(self.val_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# model
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyModelConfig:
+    """Shape of the random model of model.source="random" (tests, smoke runs)."""
+
+    hidden_size: int = 64  # D
+    intermediate_size: int = 128  # F
+    num_layers: int = 2  # L
+    num_heads: int = 4  # N
+    num_kv_heads: int = 2  # K
+    head_dim: int = 16  # H
+    seed: int = 0  # init seed
+
+    def __post_init__(self):
+        c = _Checks("model.tiny")
+        _positive(c, self, "hidden_size", "intermediate_size", "num_layers", "num_heads")
+        _positive(c, self, "num_kv_heads", "head_dim")
+        if self.num_heads >= 1 and self.num_kv_heads >= 1:
+            c.need(
+                self.num_heads % self.num_kv_heads == 0,
+                "num_heads",
+                self.num_heads,
+                f"must be a multiple of model.tiny.num_kv_heads={self.num_kv_heads} (grouped-query "
+                "attention)",
+            )
+        c.done()
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Section `model`: which weights and tokenizer, and how the model computes."""
+
+    path: str | None = None  # HF checkpoint dir, hub id, or a .gguf file (source "hf")
+    source: str = "hf"  # "hf" (load model.path) | "random" (init model.tiny)
+    tokenizer: str = "hf"  # "hf" (from model.path, GGUF included) | "char" (built-in)
+    dtype: str = "float32"  # compute dtype: "float32" | "bfloat16"
+    param_dtype: str = "float32"  # parameter / optimizer dtype: "float32" | "bfloat16"
+    enable_gradient_checkpointing: bool = False  # remat each layer in the update (verl name)
+    tiny: TinyModelConfig = TinyModelConfig()
+
+    def __post_init__(self):
+        c = _Checks("model")
+        c.choice("source", self.source, ("hf", "random"))
+        c.choice("tokenizer", self.tokenizer, ("hf", "char"))
+        c.choice("dtype", self.dtype, ("float32", "bfloat16"))
+        c.choice("param_dtype", self.param_dtype, ("float32", "bfloat16"))
+        c.done()
+
+    def check_source(self) -> None:
+        """What loading needs (the loader and train.py call it; not needed for a given model)."""
+        c = _Checks("model")
+        if "hf" in (self.source, self.tokenizer):
+            c.need(
+                bool(self.path),
+                "path",
+                self.path,
+                "is required with model.source='hf' or "
+                "model.tokenizer='hf' (an HF checkpoint dir, hub id or .gguf file)",
+            )
+        c.done()
+
+
+# ---------------------------------------------------------------------------------------------
+# actor
+
+
+LR_SCHEDULES = ("constant", "cosine")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """Section `actor.optim`: AdamW and its learning-rate schedule."""
+
+    lr: float = 1e-6  # peak learning rate
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW (b1, b2)
+    weight_decay: float = 0.01  # decoupled weight decay
+    lr_warmup_steps: int = -1  # linear warm-up steps; <= 0 = use lr_warmup_steps_ratio (verl)
+    lr_warmup_steps_ratio: float = 0.0  # warm-up as a fraction of the total training steps
+    lr_scheduler_type: str = "constant"  # "constant" | "cosine" (after the warm-up)
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+
+    def __post_init__(self):
+        c = _Checks("actor.optim")
+        c.need(math.isfinite(self.lr) and self.lr > 0, "lr", self.lr, "must be finite and > 0")
+        c.need(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            "betas",
+            self.betas,
+            "must be two values in [0, 1)",
+        )
+        c.need(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
+        c.choice("lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULES)
+        for name in ("lr_warmup_steps_ratio", "min_lr_ratio"):
+            c.need(0 <= getattr(self, name) <= 1, name, getattr(self, name), "must be in [0, 1]")
+        c.done()
+
+    def warmup_steps(self, total_steps: int) -> int:
+        """verl: lr_warmup_steps when > 0, else lr_warmup_steps_ratio * total_steps."""
+        if self.lr_warmup_steps > 0:
+            return self.lr_warmup_steps
+        return int(self.lr_warmup_steps_ratio * total_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLossConfig:
+    """Section `actor.policy_loss`."""
+
+    loss_mode: str = "vanilla"  # loss.POLICY_LOSS_MODES (or a registered one)
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorConfig:
+    """Section `actor`: the update (mini/micro-batches, PPO clip, KL loss, entropy, optimizer).
+
+    Paper symbols: clip_ratio_low/high = epsilon_low/high (DAPO clip-higher when they differ),
+    kl_loss_coef = beta (GRPO eq. 3 uses k3 = "low_var_kl"), clip_ratio_c = dual-clip c.
+    """
+
+    ppo_mini_batch_size: int = 256  # prompts per optimizer step (x rollout.n sequences)
+    ppo_micro_batch_size_per_gpu: int = 8  # sequences per device per accumulation step
+    ppo_epochs: int = 1  # passes over the batch (mu)
+    clip_ratio: float = 0.2  # epsilon; verl's ActorConfig sets low/high explicitly (below)
+    clip_ratio_low: float = 0.2  # epsilon_low (verl default 0.2, not clip_ratio)
+    clip_ratio_high: float = 0.2  # epsilon_high (DAPO clip-higher: 0.28)
+    clip_ratio_c: float = 3.0  # dual-clip c (> 1), negative advantages only
+    loss_agg_mode: str = "token-mean"  # loss.AGG_MODES
+    loss_scale_factor: float | None = None  # Dr.GRPO constant of seq-mean-token-sum-norm
+    entropy_coeff: float = 0.0  # entropy bonus weight
+    calculate_entropy: bool = False  # also compute the update pass's entropy (actor/entropy_loss)
+    use_kl_loss: bool = False  # add beta * KL(policy || ref) to the loss (GRPO paper)
+    kl_loss_coef: float = 0.001  # beta
+    kl_loss_type: str = "low_var_kl"  # kl | abs | mse | low_var_kl, "+" variants
+    grad_clip: float = 1.0  # global grad-norm clip; a non-finite norm skips the update
+    policy_loss: PolicyLossConfig = PolicyLossConfig()
+    optim: OptimConfig = OptimConfig()
+
+    def __post_init__(self):
+        c = _Checks("actor")
+        _positive(c, self, "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs")
+        c.need(self.grad_clip > 0, "grad_clip", self.grad_clip, "must be > 0")
+        c.need(self.kl_loss_coef >= 0, "kl_loss_coef", self.kl_loss_coef, "must be >= 0")
+        c.need(
+            self.loss_scale_factor is None or self.loss_scale_factor > 0,
+            "loss_scale_factor",
+            self.loss_scale_factor,
+            "must be > 0 or None",
+        )
+        for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
+            c.need(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
+        from grpo_jax import trainer  # the actor loss's own rules (modes, dual clip, KL type)
+
+        c.call(trainer.check_loss_settings, **self._loss_kwargs())
+        c.done()
+
+    def _loss_kwargs(self) -> dict:
+        return dict(
+            policy_loss_mode=self.policy_loss.loss_mode,
+            loss_agg_mode=self.loss_agg_mode,
+            clip_ratio_c=self.clip_ratio_c,
+            kl_loss_type=self.kl_loss_type,
+        )
+
+    def loss_config(self, *, temperature: float):
+        """The update's static `trainer.LossConfig` (plus the rollout temperature)."""
+        from grpo_jax import trainer
+
+        return trainer.LossConfig(
+            **self._loss_kwargs(),
+            clip_ratio=self.clip_ratio,
+            clip_ratio_low=self.clip_ratio_low,
+            clip_ratio_high=self.clip_ratio_high,
+            entropy_coeff=self.entropy_coeff,
+            calculate_entropy=self.calculate_entropy,
+            use_kl_loss=self.use_kl_loss,
+            kl_loss_coef=self.kl_loss_coef,
+            loss_scale_factor=self.loss_scale_factor,
+            temperature=temperature,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# rollout
+
+
+@dataclasses.dataclass(frozen=True)
+class ValKwargs:
+    """Section `rollout.val_kwargs`: sampling for validation (verl: greedy, one sample)."""
+
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1
+    do_sample: bool = False  # False = greedy whatever the temperature (verl)
+    n: int = 1  # samples per validation prompt (mean@n, best@n, maj@n)
+
+    def __post_init__(self):
+        from grpo_jax import sampler
+
+        c = _Checks("rollout.val_kwargs")
+        _positive(c, self, "n")
+        c.call(
+            sampler.check_sampling_settings,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+        )
+        c.done()
+
+    @property
+    def sampling_temperature(self) -> float:
+        return self.temperature if self.do_sample else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class VLLMSettings:
+    """Section `rollout.vllm`: the sidecar server (vllm_sidecar.VLLMConfig, field by field).
+
+    `extra_args` is shell-split and `env` is "NAME=VALUE,..." so both travel as strings
+    through the command line; `sidecar_config()` parses them.
+    """
+
+    python: str = ""  # interpreter of the vLLM venv (starts a server); exclusive with url
+    url: str = ""  # attach to a running server instead (e.g. "http://10.0.0.5:8000")
+    host: str = "127.0.0.1"  # interface a started server listens on
+    port: int = 0  # port of a started server; 0 = pick a free one
+    gpu_memory_utilization: float = 0.4  # vLLM's GPU memory fraction (JAX shares the GPU)
+    dtype: str = "bfloat16"  # "auto" | "float32" | "bfloat16" | "float16"
+    max_model_len: int = 0  # prompt + response limit; 0 = the model's max positions
+    seed: int = 0  # server --seed
+    extra_args: str = ""  # more server flags, shell-split (CPU: "--enforce-eager")
+    env: str = ""  # "NAME=VALUE,..." for the server (CPU: "VLLM_CPU_KVCACHE_SPACE=1")
+    startup_timeout_s: float = 600.0  # start/restart deadline until /health answers
+    request_timeout_s: float = 600.0  # one generation request (one prompt, n samples)
+    sync_timeout_s: float = 300.0  # one weight reload
+    max_restarts: int = 3  # restarts of a dead server per call before failing
+    restart_backoff_s: float = 5.0  # first back-off, doubled each restart
+    stop_timeout_s: float = 30.0  # SIGTERM -> SIGKILL grace period
+    max_concurrent_requests: int = 64  # prompts in flight at once
+
+    def sidecar_config(self):
+        """The vllm_sidecar.VLLMConfig (raises ValueError naming a bad value)."""
+        from grpo_jax import vllm_sidecar  # only the vllm path needs it
+
+        env = []
+        for item in split_list(self.env):
+            name, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"env={self.env!r}: entry {item!r} must be NAME=VALUE")
+            env.append((name, value))
+        fields = dataclasses.asdict(self) | {"extra_args": shlex.split(self.extra_args)}
+        return vllm_sidecar.VLLMConfig(**(fields | {"env": tuple(env)}))
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Section `rollout`: the rollout engine and its sampling settings."""
+
+    name: str = "jax"  # "jax" (native sampler) | "vllm" (sidecar server)
+    n: int = 5  # G, completions per prompt (verl: 1, for its default gae; its GRPO recipes: 5)
+    temperature: float = 1.0  # sampling temperature; log-probs are divided by it too (verl)
+    top_p: float = 1.0  # nucleus sampling; 1 = off
+    top_k: int = -1  # -1 = off
+    log_prob_micro_batch_size_per_gpu: int = 16  # sequences per device for old/ref log-probs
+    val_kwargs: ValKwargs = ValKwargs()
+    vllm: VLLMSettings = VLLMSettings()
+
+    def __post_init__(self):
+        from grpo_jax import sampler
+
+        c = _Checks("rollout")
+        c.choice("name", self.name, ("jax", "vllm"))
+        _positive(c, self, "n", "log_prob_micro_batch_size_per_gpu")
+        # Training divides the log-probs by the temperature, so the log-prob rule (> 0) applies
+        # here; it implies the sampler's (>= 0), whose top-p and top-k rules come next.
+        from grpo_jax import loss
+
+        ok = c.call(loss.check_temperature, self.temperature) is not None
+        c.call(
+            sampler.check_sampling_settings,
+            temperature=self.temperature if ok else 1.0,
+            top_p=self.top_p,
+            top_k=self.top_k,
+        )
+        if self.name == "vllm":
+            try:
+                self.vllm.sidecar_config()
+            except ValueError as e:
+                c.problems.append(f"rollout.vllm: {e}")
+        c.done()
+
+
+# ---------------------------------------------------------------------------------------------
+# algorithm, reward, warm-up, trainer, checkpoint, mesh
+
+
+ADV_ESTIMATORS = ("grpo", "rloo")
+
+
+@dataclasses.dataclass(frozen=True)
+class KLCtrlConfig:
+    """Section `algorithm.kl_ctrl`: the coefficient of the in-reward KL penalty."""
+
+    type: str = "fixed"  # "fixed" only (the adaptive controller is not implemented)
+    kl_coef: float = 0.001  # beta of the in-reward KL
+
+    def __post_init__(self):
+        c = _Checks("algorithm.kl_ctrl")
+        c.choice("type", self.type, ("fixed",))
+        c.need(self.kl_coef >= 0, "kl_coef", self.kl_coef, "must be >= 0")
+        c.done()
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmConfig:
+    """Section `algorithm`: the advantage estimator and the KL-in-reward penalty."""
+
+    adv_estimator: str = "grpo"  # "grpo" | "rloo"
+    norm_adv_by_std_in_grpo: bool = True  # divide by the group std (False = Dr.GRPO)
+    use_kl_in_reward: bool = False  # subtract kl_ctrl.kl_coef * KL(old || ref) from the reward
+    kl_penalty: str = "kl"  # estimator of the in-reward KL (actor.kl_loss_type names)
+    kl_ctrl: KLCtrlConfig = KLCtrlConfig()
+
+    def __post_init__(self):
+        from grpo_jax import loss
+
+        c = _Checks("algorithm")
+        c.call(loss.check_choice, "adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
+        c.call(
+            loss.check_choice,
+            "kl_penalty",
+            self.kl_penalty,
+            [k for k in loss.KL_TYPES if "full" not in k],
+        )
+        c.done()
+
+
+ON_ERROR_MODES = ("raise", "zero")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    """Section `reward`: the reward functions, how they are combined and run (grpo_jax/rewards.py).
+
+    A function is named "module:function" and may have any of three signatures, told apart by
+    its parameter names: verl's `compute_score(data_source, solution_str, ground_truth,
+    extra_info=None) -> float | dict`, TRL's batched `fn(prompts, completions, **columns) ->
+    list[float]`, or `fn(solution_str, ground_truth) -> float`.
+    """
+
+    fn: str = "grpo_jax.reward_score:default_compute_score"  # comma-separated specs
+    weights: str = ""  # comma-separated weights, "" = all 1.0
+    on_error: str = "raise"  # "raise" (stop, naming function + sample) | "zero" (score 0, counted)
+    num_workers: int = 2  # scorer processes; 0 = score in the trainer (no timeout)
+    timeout_s: float = 30.0  # per call of a function (one sample, or one batch for TRL-style)
+
+    def __post_init__(self):
+        c = _Checks("reward")
+        c.choice("on_error", self.on_error, ON_ERROR_MODES)
+        c.need(bool(self.specs), "fn", self.fn, "is empty: give at least one 'module:function'")
+        c.need(self.num_workers >= 0, "num_workers", self.num_workers, "must be >= 0")
+        c.need(self.timeout_s > 0, "timeout_s", self.timeout_s, "must be > 0")
+        try:
+            weights = self.weight_values
+        except ValueError:
+            c.need(False, "weights", self.weights, "must be comma-separated floats")
+        else:
+            c.need(
+                len(weights) == len(self.specs),
+                "weights",
+                self.weights,
+                f"has {len(weights)} weights for {len(self.specs)} functions in reward.fn",
+            )
+        c.done()
+
+    @property
+    def specs(self) -> tuple[str, ...]:
+        return split_list(self.fn)
+
+    @property
+    def weight_values(self) -> tuple[float, ...]:
+        given = split_list(self.weights)
+        return tuple(float(w) for w in given) if given else (1.0,) * len(self.specs)
+
+
+@dataclasses.dataclass(frozen=True)
+class CustomRewardFunction:
+    """Section `custom_reward_function` (verl): a scorer in a Python file replaces reward.fn.
+
+    verl semantics: `path` is a .py file, `name` the function in it (default compute_score),
+    called as compute_score(data_source, solution_str, ground_truth, extra_info).
+    """
+
+    path: str | None = None  # a .py file; None = use reward.fn
+    name: str = "compute_score"  # the function in that file
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupConfig:
+    """Section `warmup`: optional supervised steps on the reference answers before GRPO."""
+
+    steps: int = 0  # 0 = none
+    batch_size: int = 64  # prompts per SFT step
+    lr: float = 1e-3  # constant AdamW lr of the warm-up
+
+    def __post_init__(self):
+        c = _Checks("warmup")
+        c.need(self.steps >= 0, "steps", self.steps, "must be >= 0")
+        _positive(c, self, "batch_size")
+        c.need(self.lr > 0, "lr", self.lr, "must be > 0")
+        c.done()
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    """Section `trainer`: run length, validation and checkpoint cadence, the workdir."""
+
+    default_local_dir: str = "runs/grpo"  # workdir: metrics, checkpoints, plot, HF export
+    total_epochs: int = 30  # passes over the train set
+    total_training_steps: int | None = None  # None = epochs x steps per epoch
+    save_freq: int = -1  # checkpoint every N steps; -1 = never (see checkpoint.save_last)
+    test_freq: int = -1  # validate every N steps and at the last step; -1 = never
+    val_before_train: bool = True  # validate before the first step
+    resume_mode: str = "auto"  # "auto" (latest checkpoint in the workdir) | "disable"
+    seed: int = 0  # rollout rng seed
+    max_consecutive_nonfinite: int = 10  # stop after this many skipped (non-finite) updates
+    progress_bar: bool = True  # tqdm bar with ETA
+    tensorboard: bool = True  # also log to workdir/tensorboard
+
+    def __post_init__(self):
+        c = _Checks("trainer")
+        c.choice("resume_mode", self.resume_mode, ("auto", "disable"))
+        _positive(c, self, "total_epochs", "max_consecutive_nonfinite")
+        for name in ("save_freq", "test_freq"):
+            value = getattr(self, name)
+            c.need(value == -1 or value >= 1, name, value, "must be -1 (never) or >= 1")
+        c.need(
+            self.total_training_steps is None or self.total_training_steps >= 1,
+            "total_training_steps",
+            self.total_training_steps,
+            "must be >= 1 or None",
+        )
+        c.done()
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Section `checkpoint` (verl: trainer.max_actor_ckpt_to_keep)."""
+
+    max_to_keep: int = 3  # orbax checkpoints kept
+    save_last: bool = True  # also save after the last step (verl saves only per save_freq)
+    export_hf: bool = True  # write workdir/hf (safetensors + tokenizer) at the end
+
+    def __post_init__(self):
+        c = _Checks("checkpoint")
+        _positive(c, self, "max_to_keep")
+        c.done()
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Section `mesh`: the device mesh (data, fsdp, tensor) and its logical-axis rules."""
+
+    shape: tuple[int, int, int] = (-1, 1, 1)  # -1 fills with the remaining devices
+    rules: tuple | None = None  # ((logical name, mesh axes), ...); None = LOGICAL_RULES
+    distributed: str = "auto"  # jax.distributed start-up: "auto" (detect) | "on" | "off"
+
+    def __post_init__(self):
+        c = _Checks("mesh")
+        c.need(
+            len(self.shape) == 3, "shape", self.shape, "must have 3 entries (data, fsdp, tensor)"
+        )
+        c.choice("distributed", self.distributed, ("auto", "on", "off"))
+        c.done()
+
+
+# ---------------------------------------------------------------------------------------------
+# the whole run
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Every section of a GRPO run; `__post_init__` holds the checks across sections."""
+
+    data: DataConfig = DataConfig()
+    model: ModelSpec = ModelSpec()
+    actor: ActorConfig = ActorConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    reward: RewardConfig = RewardConfig()
+    custom_reward_function: CustomRewardFunction = CustomRewardFunction()
+    warmup: WarmupConfig = WarmupConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    mesh: MeshConfig = MeshConfig()
+
+    def __post_init__(self):
+        c = _Checks("")
+        a, d, r = self.actor, self.data, self.rollout
+        if self.algorithm.adv_estimator in ("grpo", "rloo"):
+            c.need(
+                r.n >= 2,
+                "rollout.n",
+                r.n,
+                f"must be >= 2 for {self.algorithm.adv_estimator} "
+                "(group baselines need at least two samples per prompt)",
+            )
+        if a.ppo_mini_batch_size >= 1:  # else its own section reported it
+            c.need(
+                d.train_batch_size % a.ppo_mini_batch_size == 0,
+                "actor.ppo_mini_batch_size",
+                a.ppo_mini_batch_size,
+                f"must divide data.train_batch_size={d.train_batch_size}",
+            )
+        c.problems = [p.removeprefix(".") for p in c.problems]
+        c.done()
+
+    @property
+    def needs_reference(self) -> bool:
+        """A KL term (in the loss or in the reward) needs the frozen reference policy."""
+        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    @property
+    def on_policy(self) -> bool:
+        """One optimizer step per batch: the old policy is the current one (ratio 1).
+
+        Then the update takes old = stop_gradient(current log-probs), as verl's legacy actor
+        does, instead of a separate old-log-prob pass; the KL-in-reward still needs the pass.
+        """
+        return self.data.train_batch_size == self.actor.ppo_mini_batch_size and (
+            self.actor.ppo_epochs == 1
+        )
+
+    @property
+    def needs_old_log_probs(self) -> bool:
+        """Whether a step runs the old-log-prob pass before the update."""
+        return not self.on_policy or self.algorithm.use_kl_in_reward
+
+    @property
+    def mini_batches_per_step(self) -> int:
+        return self.data.train_batch_size // self.actor.ppo_mini_batch_size
+
+    def check_mesh(self, dp: int) -> None:
+        """Batch sizes that must split over the dp = data x fsdp devices of the mesh."""
+        problems = []
+        n, a, d = self.rollout.n, self.actor, self.data
+        mini = a.ppo_mini_batch_size * n
+        micro = a.ppo_micro_batch_size_per_gpu * dp
+        if mini % micro and micro % mini:
+            problems.append(
+                f"actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu} x {dp} "
+                f"devices = {micro} must divide the mini-batch of ppo_mini_batch_size x rollout.n"
+                f" = {mini} sequences"
+            )
+        lp = self.rollout.log_prob_micro_batch_size_per_gpu * dp
+        batch = d.train_batch_size * n
+        if batch % lp and lp % batch:
+            problems.append(
+                f"rollout.log_prob_micro_batch_size_per_gpu x {dp} devices = {lp} must divide "
+                f"the batch of {batch} sequences"
+            )
+        for name in ("train_batch_size", "val_batch_size"):
+            if getattr(d, name) % dp:
+                problems.append(
+                    f"data.{name}={getattr(d, name)} must be a multiple of the {dp} data devices"
+                )
+        if problems:
+            raise ConfigError(problems)
+
+
+# ---------------------------------------------------------------------------------------------
+# dicts <-> dataclasses
+
+
+def _field_types(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _is_dataclass_type(tp) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def from_dict(cls, values: Mapping[str, Any], *, section: str = ""):
+    """Builds dataclass `cls` from nested dicts (e.g. `ConfigDict.to_dict()`).
+
+    Unknown keys are problems; the problems of every section, and those across sections, are
+    collected and raised together as one ConfigError. Lists become tuples.
+    """
+    if _COLLECTOR.get() is None:
+        problems: list[str] = []
+        token = _COLLECTOR.set(problems)
+        try:
+            built = from_dict(cls, values, section=section)
+        finally:
+            _COLLECTOR.reset(token)
+        if problems:
+            raise ConfigError(problems)
+        return built
+    problems = []
+    kwargs = {}
+    hints = _field_types(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in names:
+            problems.append(f"{section}{key}: unknown field (allowed: {sorted(names)})")
+    for f in dataclasses.fields(cls):
+        if f.name not in values:
+            continue
+        value, tp = values[f.name], hints[f.name]
+        if _is_dataclass_type(tp):
+            if not isinstance(value, Mapping):
+                problems.append(f"{section}{f.name}: expected a section, got {value!r}")
+                continue
+            kwargs[f.name] = from_dict(tp, value, section=f"{section}{f.name}.")
+            continue
+        kwargs[f.name] = _to_tuples(value)
+    _COLLECTOR.get().extend(problems)
+    return cls(**kwargs)
+
+
+def _to_tuples(value):
+    if isinstance(value, (list, tuple)):
+        return tuple(_to_tuples(v) for v in value)
+    return value
+
+
+def to_dict(obj) -> dict:
+    """The nested-dict form of a config dataclass (tuples kept), e.g. for workdir/config.json."""
+    return {
+        f.name: to_dict(v) if dataclasses.is_dataclass(v := getattr(obj, f.name)) else v
+        for f in dataclasses.fields(obj)
+    }
+
+
+def defaults_with_types(cls) -> dict[str, Any]:
+    """{field: default or ("placeholder", type)} for `cls` and its sections, recursively.
+
+    configs/common.py builds the ml_collections tree from this; a None default comes with the
+    type its annotation allows, so an override is type-checked.
+    """
+    return _defaults_of(cls())
+
+
+def _defaults_of(instance) -> dict[str, Any]:
+    out = {}
+    hints = _field_types(type(instance))
+    for f in dataclasses.fields(instance):
+        value, tp = getattr(instance, f.name), hints[f.name]
+        if _is_dataclass_type(tp):
+            out[f.name] = _defaults_of(value)
+        elif value is None:
+            out[f.name] = ("placeholder", _first_concrete_type(tp))
+        else:
+            out[f.name] = value
+    return out
+
+
+def _first_concrete_type(tp):
+    args = typing.get_args(tp) if isinstance(tp, types.UnionType) or typing.get_origin(tp) else ()
+    for arg in args or (tp,):
+        origin = typing.get_origin(arg) or arg
+        if origin is not type(None):
+            return origin
+    raise TypeError(f"no concrete type in {tp}")

@@ -1,0 +1,84 @@
+"""The model and tokenizer of a `config.ModelSpec`: an HF checkpoint, a GGUF file or a random model.
+
+Used by train.py, and by library users who want the same loading: `tokenizer(spec)`, then
+`model(spec, tokenizer, mesh, rules)`, which places every parameter in its sharding as it is
+read (grpo_jax.model.load), and `special_ids` for the EOS and pad ids both engines use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from grpo_jax import config as config_lib
+from grpo_jax import demo_task, sharding
+from grpo_jax import model as model_lib
+
+
+def tokenizer(spec: config_lib.ModelSpec):
+    """The tokenizer: built-in characters, the GGUF file's own, or AutoTokenizer(model.path)."""
+    spec.check_source()
+    if spec.tokenizer == "char":
+        return demo_task.char_tokenizer()
+    if spec.path.endswith(".gguf"):
+        from grpo_jax import gguf_checkpoint
+
+        return gguf_checkpoint.load_tokenizer(spec.path)
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(spec.path)
+
+
+def model(
+    spec: config_lib.ModelSpec, tok, mesh, rules, *, max_positions: int
+) -> tuple[model_lib.ModelConfig, dict]:
+    """(ModelConfig, params) placed in their shardings, from model.path or random (model.tiny).
+
+    Args:
+      spec: the model section.
+      tok: the tokenizer (its vocabulary must fit the model's).
+      mesh, rules: where the params go (sharding.shard_fn).
+      max_positions: positions the random model must support (prompt + response + margin).
+    """
+    spec.check_source()
+    dtype, param_dtype = jnp.dtype(spec.dtype), jnp.dtype(spec.param_dtype)
+    if spec.source == "hf":
+        cfg, params = model_lib.load(
+            spec.path, dtype=param_dtype, shardings=sharding.shard_fn(mesh, rules)
+        )
+        cfg = dataclasses.replace(cfg, dtype=dtype, remat=spec.enable_gradient_checkpointing)
+        if len(tok) > cfg.vocab_size:
+            raise ValueError(
+                f"the tokenizer of model.path={spec.path!r} has {len(tok)} tokens, more than the "
+                f"model's vocabulary of {cfg.vocab_size}"
+            )
+        return cfg, params
+    t = spec.tiny
+    cfg = model_lib.ModelConfig(
+        arch="qwen2",
+        vocab_size=len(tok),
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_layers=t.num_layers,
+        num_heads=t.num_heads,
+        num_kv_heads=t.num_kv_heads,
+        head_dim=t.head_dim,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        remat=spec.enable_gradient_checkpointing,
+        max_position_embeddings=max_positions,
+        eos_token_ids=(tok.eos_token_id,),
+        pad_token_id=tok.pad_token_id,
+    )
+    return cfg, sharding.init_sharded_params(cfg, mesh, jax.random.key(t.seed), rules)
+
+
+def special_ids(tok, cfg: model_lib.ModelConfig) -> tuple[tuple[int, ...], int]:
+    """(EOS ids: the model's and the tokenizer's, pad id: the tokenizer's, else the first EOS)."""
+    eos = tuple(sorted(set(cfg.eos_token_ids) | {tok.eos_token_id} - {None}))
+    if not eos:
+        raise ValueError("neither the model config nor the tokenizer defines an EOS token")
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    return eos, pad

@@ -1,0 +1,493 @@
+"""The GRPO training loop as a library function: `train(run, model, tokenizer, data, reward)`.
+
+`train` owns what happens around each step (grpo_jax/step.py has the step itself):
+
+  setup     mesh and rules, prompts tokenised, params placed in their shardings, AdamW state,
+            the frozen reference (when a KL term needs it), the jitted programs, the rollout
+            engine, the reward worker pool;
+  resume    from the newest readable checkpoint in the workdir (exact: params, optimizer state,
+            rng, data position, counters, the reference when a warm-up produced it);
+  warm-up   optional supervised steps on reference answers, then a fresh optimizer;
+  loop      per step: the next prompts, `step.run_step`, validation every trainer.test_freq
+            steps and at the last step (verl: none with test_freq=-1), a checkpoint every
+            trainer.save_freq steps (and after the last step with checkpoint.save_last), one
+            metrics.jsonl line, the callbacks;
+  result    the final state and the metrics history.
+
+Only process 0 writes metrics. A non-finite loss or gradient skips that update; after
+trainer.max_consecutive_nonfinite consecutive skips the run stops with an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpo_jax import (
+    checkpoint,
+    data,
+    dataset,
+    distributed,
+    loading,
+    metrics,
+    rewards,
+    sharding,
+    step,
+    trainer,
+    validation,
+)
+from grpo_jax import config as config_lib
+from grpo_jax import model as model_lib
+from grpo_jax import reward_pool as reward_pool_lib
+
+Callback = Callable[[int, dict], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """What `train` returns.
+
+    Attributes:
+      state: the final trainer.TrainState (params, optimizer state, update count).
+      model_config: the model's config (for export).
+      history: every metrics row written by this call, {"step": ..., ...}.
+      workdir: where metrics and checkpoints went.
+    """
+
+    state: trainer.TrainState
+    model_config: model_lib.ModelConfig
+    history: list[dict]
+    workdir: str
+
+
+def make_optimizer(run: config_lib.RunConfig, total_steps: int):
+    """(tx, schedule): verl's AdamW and its per-step learning rate."""
+    o = run.actor.optim
+    tx = trainer.make_optimizer(
+        grad_clip=run.actor.grad_clip, betas=tuple(o.betas), weight_decay=o.weight_decay
+    )
+    schedule = trainer.lr_schedule(
+        lr=o.lr,
+        warmup_steps=o.warmup_steps(total_steps),
+        total_steps=total_steps,
+        kind=o.lr_scheduler_type,
+        min_lr_ratio=o.min_lr_ratio,
+    )
+    return tx, schedule
+
+
+def total_steps(run: config_lib.RunConfig, num_prompts: int) -> int:
+    """trainer.total_training_steps, else total_epochs x full batches per epoch."""
+    per_epoch = data.steps_per_epoch(num_prompts, run.data.train_batch_size)
+    return run.trainer.total_training_steps or run.trainer.total_epochs * per_epoch
+
+
+def make_engine(run, model_config, mesh, *, eos_ids, pad_id, workdir):
+    """The configured rollout engine (rollout.name): native sampler or vLLM sidecar."""
+    if run.rollout.name == "jax":
+        return step.NativeEngine(model_config, mesh, eos_ids=eos_ids, pad_id=pad_id)
+    from grpo_jax import vllm_sidecar
+
+    sidecar = vllm_sidecar.VLLMSidecar(
+        run.rollout.vllm.sidecar_config(), model_config, os.path.join(workdir, "vllm")
+    )
+    return step.SidecarEngine(sidecar, eos_ids=eos_ids, pad_id=pad_id)
+
+
+def train(
+    run: config_lib.RunConfig,
+    *,
+    model_config: model_lib.ModelConfig,
+    params,
+    tokenizer,
+    train_data: Sequence[data.Example | Mapping[str, Any]],
+    val_data: Sequence[data.Example | Mapping[str, Any]] = (),
+    reward_fn: rewards.RewardFn | Callable | None = None,
+    mesh=None,
+    rules=None,
+    callbacks: Sequence[Callback] = (),
+) -> Result:
+    """Runs GRPO (see the module docstring) and returns the final state and metrics.
+
+    Args:
+      run: every setting (grpo_jax.config); the workdir is run.trainer.default_local_dir.
+      model_config, params: the policy (and the reference, copied before the first update).
+      tokenizer: an HF tokenizer (with a chat template for chat-message prompts).
+      train_data, val_data: the prompts: data.Examples (grpo_jax.dataset reads files into
+        them) or raw rows (dicts in any layout grpo_jax.dataset knows, e.g. {"prompt": chat
+        messages or a string, ...other columns}).
+      reward_fn: a rewards.RewardFn, a single reward callable (any of rewards' three
+        signatures), or None for run.reward / run.custom_reward_function.
+      mesh, rules: the device mesh and logical-axis rules; default from run.mesh. Call inside
+        `sharding.use_mesh(mesh, rules)` (train does it when it builds the mesh itself).
+      callbacks: called as fn(step, metrics_row) after every step's row is written.
+    """
+    if mesh is None:
+        mesh = sharding.make_mesh(tuple(run.mesh.shape))
+        rules = sharding.rules_from_config(run.mesh.rules)
+        with sharding.use_mesh(mesh, rules):
+            return train(
+                run,
+                model_config=model_config,
+                params=params,
+                tokenizer=tokenizer,
+                train_data=train_data,
+                val_data=val_data,
+                reward_fn=reward_fn,
+                mesh=mesh,
+                rules=rules,
+                callbacks=callbacks,
+            )
+    rules = sharding.rules_from_config(None) if rules is None else rules
+    if reward_fn is None:
+        reward_fn = rewards.from_config(run.reward, run.custom_reward_function)
+    elif not isinstance(reward_fn, rewards.RewardFn):
+        reward_fn = rewards.RewardFn.of(reward_fn, on_error=run.reward.on_error)
+    dp = mesh.shape["data"] * mesh.shape["fsdp"]
+    run.check_mesh(dp)
+    workdir = run.trainer.default_local_dir
+    os.makedirs(workdir, exist_ok=True)
+    is_main = distributed.is_main_process()
+
+    # DATA, PARAMS, OPTIMIZER
+    encode = functools.partial(
+        data.encode,
+        tokenizer,
+        max_prompt_length=run.data.max_prompt_length,
+        filter_overlong_prompts=run.data.filter_overlong_prompts,
+        truncation=run.data.truncation,
+    )
+    layout = dataset.Layout.of(run.data)
+    train_set = encode(_examples(train_data, "train_data", layout, run.data.on_malformed))
+    val_set = (
+        encode(_examples(val_data, "val_data", layout, run.data.on_malformed)) if val_data else None
+    )
+    steps = total_steps(run, len(train_set))
+    eos_ids, pad_id = loading.special_ids(tokenizer, model_config)
+    tx, schedule = make_optimizer(run, steps)
+    param_sh = sharding.param_shardings(model_config, mesh, rules)
+    params = jax.device_put(params, param_sh)
+    state_sh = trainer.TrainState(
+        sharding.replicated(mesh),
+        param_sh,
+        sharding.tx_state_shardings(tx, model_lib.abstract_params(model_config), param_sh, mesh),
+    )
+    state = jax.jit(functools.partial(trainer.init_state, tx=tx), out_shardings=state_sh)(params)
+    ref_params = params if run.needs_reference else None  # `state` holds a copy: never donated
+    ref_in_ckpt = run.needs_reference and run.warmup.steps > 0
+    del params
+    root_key = jax.random.key_data(jax.random.key(run.trainer.seed))
+    programs = step.make_programs(run, model_config, tx, dp=dp)
+    logging.info(
+        "model %s; %d train / %d val prompts (%d / %d filtered); %d steps",
+        model_config,
+        len(train_set),
+        len(val_set or ()),
+        train_set.num_filtered,
+        val_set.num_filtered if val_set else 0,
+        steps,
+    )
+
+    # RESUME
+    mngr = checkpoint.manager(
+        os.path.join(workdir, "checkpoints"), max_to_keep=run.checkpoint.max_to_keep
+    )
+    writer = metrics.Writer(workdir, tensorboard=run.trainer.tensorboard, enabled=is_main)
+    loop = _LoopState(state, ref_params, root_key, data.Position(), 0)
+    start_step, first_row = 0, {}
+    restored = None
+    if run.trainer.resume_mode == "auto":
+        restored = checkpoint.restore_latest(
+            mngr, loop.abstract(state_sh, param_sh, mesh, with_ref=ref_in_ckpt)
+        )
+    if restored is not None:
+        start_step, tree, meta = restored
+        loop = loop.restored(tree, meta, with_ref=ref_in_ckpt)
+        writer.truncate_after(start_step)
+        if start_step not in [r["step"] for r in metrics.read(workdir)]:
+            writer.write(start_step, meta["metrics"])  # killed between the save and the row
+        logging.info(
+            "resumed from step %d (data epoch %d, index %d)",
+            start_step,
+            loop.position.epoch,
+            loop.position.index,
+        )
+    else:
+        writer.truncate_after(-1)
+        if run.warmup.steps:
+            loop.state, first_row = warm_up(
+                run,
+                loop.state,
+                tx,
+                train_set,
+                tokenizer,
+                mesh,
+                eos_id=eos_ids[0],
+                pad_id=pad_id,
+                micro_rows=programs.micro_rows,
+                model_config=model_config,
+            )
+            if run.needs_reference:  # the reference is the warmed-up policy (a copy)
+                loop.ref_params = jax.tree.map(jnp.copy, loop.state.params)
+
+    engine = make_engine(run, model_config, mesh, eos_ids=eos_ids, pad_id=pad_id, workdir=workdir)
+    pool = (
+        reward_pool_lib.Pool(run.reward.num_workers, timeout_s=run.reward.timeout_s)
+        if run.reward.num_workers
+        else None
+    )
+    ctx = step.StepContext(run, programs, engine, tokenizer, reward_fn, mesh, pool)
+    val_sampling = step.SamplingParams(
+        run.rollout.val_kwargs.n,
+        run.data.max_response_length,
+        run.rollout.val_kwargs.sampling_temperature,
+        run.rollout.val_kwargs.top_p,
+        run.rollout.val_kwargs.top_k,
+    )
+
+    def evaluate(params):
+        return validation.validate(
+            engine,
+            params,
+            val_set,
+            reward_fn=reward_fn,
+            tokenizer=tokenizer,
+            sampling=val_sampling,
+            batch_size=run.data.val_batch_size,
+            pad_id=pad_id,
+            seed=run.trainer.seed,
+            pool=pool,
+        )
+
+    history = []
+    try:
+        engine.start(loop.state.params)  # weights in sync until the first update
+        if start_step == 0 and run.trainer.val_before_train and val_set is not None:
+            first_row |= evaluate(loop.state.params)
+        if first_row:
+            writer.write(0, first_row)
+            history.append({"step": 0, **first_row})
+        history += _steps(
+            run,
+            ctx,
+            loop,
+            train_set,
+            schedule,
+            start_step,
+            steps,
+            mngr,
+            writer,
+            evaluate if val_set is not None else None,
+            callbacks,
+            is_main,
+        )
+    finally:
+        engine.close()
+        if pool is not None:
+            pool.close()
+        writer.close()
+    return Result(loop.state, model_config, history, workdir)
+
+
+def _examples(rows, name: str, layout, on_malformed: str) -> list[data.Example]:
+    if all(isinstance(r, data.Example) for r in rows):
+        return list(rows)
+    return dataset.parse_rows(rows, source=name, on_malformed=on_malformed, layout=layout)
+
+
+@dataclasses.dataclass
+class _LoopState:
+    """What changes from step to step and goes into a checkpoint."""
+
+    state: trainer.TrainState
+    ref_params: Any
+    root_key: jax.Array
+    position: data.Position
+    consecutive_bad: int
+
+    def tree(self, *, with_ref: bool) -> dict:
+        tree = {"train": self.state, "rng": self.root_key}
+        return tree | ({"ref": self.ref_params} if with_ref else {})
+
+    def abstract(self, state_sh, param_sh, mesh, *, with_ref: bool):
+        shardings = {"train": state_sh, "rng": sharding.replicated(mesh)}
+        if with_ref:
+            shardings["ref"] = param_sh
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            jax.eval_shape(lambda: self.tree(with_ref=with_ref)),
+            shardings,
+        )
+
+    def restored(self, tree, meta, *, with_ref: bool) -> _LoopState:
+        return _LoopState(
+            tree["train"],
+            tree["ref"] if with_ref else self.ref_params,
+            tree["rng"],
+            data.Position(meta["data_epoch"], meta["data_index"]),
+            meta["consecutive_nonfinite"],
+        )
+
+    def meta(self, step: int, row: dict) -> dict:
+        # `row` is the step's metrics row: a kill after the save but before it is written would
+        # otherwise lose it for good (the resumed run starts after this step).
+        return {
+            "step": step,
+            "data_epoch": self.position.epoch,
+            "data_index": self.position.index,
+            "consecutive_nonfinite": self.consecutive_bad,
+            "metrics": row,
+        }
+
+
+def _steps(
+    run, ctx, loop, train_set, schedule, start, steps, mngr, writer, evaluate, callbacks, is_main
+) -> list[dict]:
+    import tqdm
+
+    bar = tqdm.tqdm(
+        total=steps,
+        initial=start,
+        disable=not (is_main and run.trainer.progress_bar),
+        desc="grpo",
+        dynamic_ncols=True,
+    )
+    with_ref = run.needs_reference and run.warmup.steps > 0
+    history, last_val = [], {}
+    t = run.trainer
+    for i in range(start, steps):
+        t_step = time.perf_counter()
+        idx, loop.position = data.next_indices(
+            len(train_set),
+            loop.position,
+            run.data.train_batch_size,
+            seed=run.data.seed,
+            shuffle=run.data.shuffle,
+        )
+        prompts = data.make_batch(train_set, idx, pad_token_id=ctx.engine.pad_id)
+        rng = jax.random.fold_in(jax.random.wrap_key_data(loop.root_key), i)
+        timing = {}
+        if i > start:  # the params changed in the last update
+            synced = ctx.engine.sync(loop.state.params)
+            if synced is not None:
+                timing["timing_s/weight_sync"] = synced
+        loop.state, row = step.run_step(ctx, loop.state, loop.ref_params, prompts, rng, schedule(i))
+        loop.consecutive_bad = loop.consecutive_bad + 1 if row["actor/update_skipped"] else 0
+        if loop.consecutive_bad >= t.max_consecutive_nonfinite:
+            raise RuntimeError(
+                f"{loop.consecutive_bad} consecutive steps had non-finite losses or gradients "
+                f"(limit trainer.max_consecutive_nonfinite={t.max_consecutive_nonfinite}); last "
+                f"grad norm {row['actor/grad_norm']}"
+            )
+        row["actor/nonfinite_consecutive"] = loop.consecutive_bad
+        row["training/epoch"] = loop.position.epoch
+        row["training/global_step"] = i + 1
+        done = i + 1
+        timing["timing_s/step"] = time.perf_counter() - t_step  # verl: validation excluded
+        if evaluate is not None and t.test_freq > 0 and (done % t.test_freq == 0 or done == steps):
+            last_val = _timed(timing, "testing", evaluate, loop.state.params)
+            row |= last_val
+        row |= timing
+        row["perf/time_per_step"] = timing["timing_s/step"]
+        row["perf/throughput"] = (
+            row["perf/total_num_tokens"] / timing["timing_s/step"] / jax.device_count()
+        )
+        save = t.save_freq > 0 and done % t.save_freq == 0
+        if save or (done == steps and run.checkpoint.save_last):
+            t0 = time.perf_counter()
+            checkpoint.save(mngr, done, loop.tree(with_ref=with_ref), loop.meta(done, row))
+            row["timing_s/save_checkpoint"] = time.perf_counter() - t0
+        writer.write(done, row)
+        history.append({"step": done, **row})
+        for callback in callbacks:
+            callback(done, row)
+        bar.set_postfix(score=f"{row['critic/score/mean']:.3f}")
+        bar.update(1)
+    bar.close()
+    return history
+
+
+def warm_up(
+    run, state, tx, train_set, tokenizer, mesh, *, eos_id, pad_id, micro_rows, model_config
+) -> tuple[trainer.TrainState, dict]:
+    """Supervised warm-up on the reference answers (warmup.steps), then a fresh optimizer.
+
+    Returns:
+      (state, metrics): update count 0 and a fresh optimizer state; the last warm-up NLL.
+    """
+    w = run.warmup
+    missing = [ex.line for ex in train_set.examples if ex.answer is None]
+    if missing:
+        raise ValueError(
+            f"warmup.steps={w.steps} needs a reference answer per prompt (extra_info.answer, or "
+            f"the answer of a raw GSM8K row); {len(missing)} prompts have none (lines "
+            f"{missing[:5]}...)"
+        )
+    sft_fn = jax.jit(
+        functools.partial(
+            trainer.sft_step,
+            model_config=model_config,
+            tx=tx,
+            micro_batch_size=min(micro_rows, w.batch_size),
+        ),
+        donate_argnums=0,
+    )
+    position = data.Position()
+    nll = float("nan")
+    for i in range(w.steps):
+        idx, position = data.next_indices(
+            len(train_set), position, w.batch_size, seed=run.data.seed + 1, shuffle=True
+        )
+        batch = sft_batch(
+            train_set,
+            idx,
+            tokenizer,
+            mesh,
+            eos_id=eos_id,
+            pad_id=pad_id,
+            max_response_length=run.data.max_response_length,
+        )
+        state, m = sft_fn(state, batch, jnp.float32(w.lr))
+        nll = float(m["sft/nll"])
+        if i % 10 == 0 or i == w.steps - 1:
+            logging.info("warm-up step %d/%d: nll %.4f", i + 1, w.steps, nll)
+    fresh = trainer.TrainState(jnp.zeros_like(state.step), state.params, tx.init(state.params))
+    return fresh, {"warmup/nll": nll, "warmup/steps": w.steps}
+
+
+def sft_batch(train_set, indices, tokenizer, mesh, *, eos_id, pad_id, max_response_length):
+    """Prompt + reference answer (+ EOS) for the supervised warm-up, answers right-padded."""
+    pb = data.make_batch(train_set, indices, pad_token_id=pad_id)
+    r = max_response_length
+    answers = [ex.answer for ex in pb.examples]
+    ans_ids = tokenizer(answers, add_special_tokens=False)["input_ids"]
+    resp_PT = np.full((len(indices), r), pad_id, np.int32)
+    mask_PT = np.zeros((len(indices), r), np.int32)
+    for p, ids in enumerate(ans_ids):
+        ids = (list(ids) + [eos_id])[:r]
+        resp_PT[p, : len(ids)] = ids
+        mask_PT[p, : len(ids)] = 1
+    arrays = dict(
+        input_ids_BS=np.concatenate([pb.prompt_ids_PT, resp_PT], 1),
+        attention_mask_BS=np.concatenate([pb.prompt_mask_PT, mask_PT], 1),
+        response_ids_BT=resp_PT,
+        response_mask_BT=mask_PT,
+        advantages_BT=np.zeros(resp_PT.shape, np.float32),
+    )
+    return trainer.TrainBatch(**{k: distributed.to_device(v, mesh) for k, v in arrays.items()})
+
+
+def _timed(timing: dict, key: str, fn, *args):
+    t0 = time.perf_counter()
+    out = fn(*args)
+    timing[f"timing_s/{key}"] = time.perf_counter() - t0
+    return out

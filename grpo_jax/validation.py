@@ -1,0 +1,126 @@
+"""Validation: sample the validation prompts, score them, and report per data source.
+
+Metric names are verl 0.9.1's (`process_validation_metrics`): for every data source and every
+scored variable (the reward, plus each numeric key of a dict-valued score such as "acc"),
+`<var>/mean@N` and, when `rollout.val_kwargs.n` = N > 1, `std@N`, `best@N/mean`, `worst@N/mean`
+and, when the scorer returns a "pred" answer, `maj@N/mean` (the score of the majority answer).
+They are prefixed `val-core/<data_source>/` for verl's core variable ("acc" when the scorer
+reports it, else "reward") and its mean/best/maj metrics, and `val-aux/<data_source>/` for the
+rest.
+
+Deliberate difference: verl estimates best@N / worst@N / maj@N with a bootstrap over subsets of
+size N drawn with replacement; here they are exact over the N samples of each prompt (max, min
+and majority of those N), which is what the names say and needs no random seed.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from grpo_jax import data, distributed, rewards, step
+
+
+def validate(
+    engine,
+    params,
+    prompts: data.PromptSet,
+    *,
+    reward_fn: rewards.RewardFn,
+    tokenizer,
+    sampling: step.SamplingParams,
+    batch_size: int,
+    pad_id: int,
+    seed: int,
+    pool=None,
+) -> dict[str, float]:
+    """Samples `sampling.n` completions per validation prompt and returns the metrics.
+
+    The prompts go in chunks of `batch_size`; the last chunk is padded with its last prompt so
+    every call has one compiled shape (the padding rows are not scored).
+    """
+    n = sampling.n
+    scores, sources, lengths, extras = [], [], [], {}
+    for start in range(0, len(prompts), batch_size):
+        idx = list(range(start, min(start + batch_size, len(prompts))))
+        real = len(idx)
+        idx += [idx[-1]] * (batch_size - real)
+        pb = data.make_batch(prompts, idx, pad_token_id=pad_id)
+        rollout = step.generate(engine, params, pb, jax.random.key(seed), sampling)
+        ids = distributed.to_host(rollout.response_ids)[: real * n]
+        mask = distributed.to_host(rollout.response_mask)[: real * n]
+        texts = step.decode(tokenizer, ids, mask)
+        examples = [ex for ex in pb.examples[:real] for _ in range(n)]
+        res = rewards.score_batch(reward_fn, texts, examples, pool=pool)
+        for key in set(extras) | set(res.extras):  # a key missing on either side is None there
+            extras[key] = extras.get(key, [None] * len(scores)) + res.extras.get(
+                key, [None] * len(texts)
+            )
+        scores += res.scores_B
+        sources += [ex.data_source for ex in examples]
+        lengths += mask.sum(1).tolist()
+    preds = extras.get("pred", [None] * len(scores))
+    out = group_metrics(sources, {"reward": scores, **extras}, preds, n=n)
+    out["val-aux/response_length/mean"] = float(np.mean(lengths))
+    return out
+
+
+def _numeric(values) -> bool:
+    return all(isinstance(v, (int, float, bool, np.number)) for v in values)
+
+
+def group_metrics(
+    sources: Sequence[str],
+    variables: dict[str, Sequence],
+    preds: Sequence,
+    *,
+    n: int,
+) -> dict[str, float]:
+    """verl-named metrics from per-sample values; the n samples of a prompt are adjacent.
+
+    Per data source, a variable counts when it is numeric on every sample of that source (a
+    scorer's "acc" on MATH rows, say, but not on GSM8K rows whose scorer returns a float), and
+    the core variable is "acc" when the source has it, else "reward" (verl).
+    """
+    out = {}
+    sources_P = np.asarray(sources, dtype=object).reshape(-1, n)[:, 0]
+    preds_PN = np.asarray(preds, dtype=object).reshape(-1, n)
+    for source in dict.fromkeys(sources_P):
+        rows = sources_P == source
+        columns = {}
+        for var, values in variables.items():
+            vals_PN = np.asarray(values, dtype=object).reshape(-1, n)[rows]
+            if var != "pred" and _numeric(vals_PN.ravel()):
+                columns[var] = vals_PN.astype(np.float64)
+        core_var = "acc" if "acc" in columns else "reward"
+        has_pred = n > 1 and all(p is not None for p in preds_PN[rows].ravel())
+        for var, vals in columns.items():
+            metrics = {f"mean@{n}": vals.mean(axis=1)}
+            if n > 1:
+                metrics |= {
+                    f"std@{n}": vals.std(axis=1),
+                    f"best@{n}/mean": vals.max(axis=1),
+                    f"worst@{n}/mean": vals.min(axis=1),
+                }
+                if has_pred:
+                    metrics[f"maj@{n}/mean"] = np.array(
+                        [_majority(v, p) for v, p in zip(vals, preds_PN[rows], strict=True)]
+                    )
+            for name, per_prompt in metrics.items():
+                core = var == core_var and name.split("@")[0] in ("mean", "best", "maj")
+                prefix = "val-core" if core else "val-aux"
+                out[f"{prefix}/{source}/{var}/{name}"] = float(np.mean(per_prompt))
+    return out
+
+
+def _majority(values, preds) -> float:
+    """The value of the first sample whose prediction is the most common one (verl calc_maj_val)."""
+    counts = collections.Counter(str(p) for p in preds)
+    top = max(counts.values())
+    for v, p in zip(values, preds, strict=True):
+        if counts[str(p)] == top:
+            return float(v)
+    raise AssertionError("unreachable: some prediction is the most common")

@@ -1,0 +1,71 @@
+"""The README's "Training from Python" snippet runs as written, then resumes, in one interpreter.
+
+The snippet is a laptop's or a notebook's: one device. The test suite's own process has 8 fake
+CPU devices (conftest.py), on which the default data-parallel mesh would hold 8 copies of the
+model and its Adam moments, so the snippet runs in a fresh interpreter with the default single
+CPU device, like a notebook kernel: exactly the README's text is exec'd there, then the resume,
+all as library calls (no train.py).
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import reference
+
+from grpo_jax import demo_task, metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Runs in the fresh interpreter: the snippet, then the same call with 3 steps (a resume).
+DRIVER = """
+import dataclasses, json, sys
+namespace = {}
+exec(compile(open(sys.argv[1]).read(), "README.md", "exec"), namespace)
+run, result = namespace["run"], namespace["result"]
+more = dataclasses.replace(run, trainer=dataclasses.replace(run.trainer, total_training_steps=3))
+again = namespace["loop"].train(
+    more, model_config=namespace["model_config"], params=namespace["params"],
+    tokenizer=namespace["tokenizer"], train_data=namespace["prompts"],
+    reward_fn=namespace["reward"],
+)
+print(json.dumps({"first": [r["step"] for r in result.history], "last": result.history[-1],
+                  "again": [r["step"] for r in again.history], "updates": int(again.state.step)}))
+"""
+
+
+def _snippet() -> str:
+    with open(os.path.join(ROOT, "README.md")) as f:
+        section = f.read().split("## Training from Python", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+@pytest.mark.slow
+def test_training_from_python_snippet_runs_and_resumes(tmp_path):
+    try:
+        demo_task.smollm2_gguf()
+    except FileNotFoundError as e:
+        reference.require("hf", str(e))
+    (tmp_path / "snippet.py").write_text(_snippet())
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(tmp_path / "snippet.py")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    workdir = tmp_path / "runs" / "sums"
+    assert got["first"] == [1, 2] and got["again"] == [3]  # the resume ran step 3 only
+    assert got["updates"] == 3  # one optimizer update per step, none repeated
+    assert got["last"]["actor/update_skipped"] == 0 and got["last"]["response_length/mean"] > 0
+    assert [r["step"] for r in metrics.read(str(workdir))] == [1, 2, 3]
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["1", "2", "3"]
+    assert os.path.exists(workdir / "hf" / "model.safetensors")
