@@ -11,6 +11,7 @@ sys.path.insert(0, ROOT)
 
 import train  # noqa: E402
 from configs import common, demo, gsm8k, gsm8k_drgrpo  # noqa: E402
+from configs import math as math_config  # noqa: E402
 from grpo_jax import config  # noqa: E402
 
 
@@ -78,10 +79,12 @@ def test_parse_arg_big_vision_semantics():
         common.parse_arg("smoke=maybe", smoke=False)
 
 
-@pytest.mark.parametrize("get", [gsm8k.get_config, gsm8k_drgrpo.get_config, demo.get_config])
+@pytest.mark.parametrize(
+    "get", [gsm8k.get_config, gsm8k_drgrpo.get_config, demo.get_config, math_config.get_config]
+)
 def test_shipped_configs_validate(get):
     c = get()
-    if c.data.source == "tfds":
+    if c.model.source == "hf" and not c.model.path:
         c.model.path = "/some/model"  # the only required field without a default
     run = train.check_config(c)
     assert isinstance(run, config.RunConfig)
