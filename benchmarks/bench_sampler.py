@@ -8,7 +8,7 @@ between them, and the JSON reports the median, min and max tokens/s and their ra
 grpo_jax compile time (first call minus the median steady call).
 
     python benchmarks/bench_sampler.py                        # d=256, 4 layers, V=32k, P=8 n=8 R=128
-    python benchmarks/bench_sampler.py --size qwen2.5-0.5b --jax-only   # on a GPU
+    python benchmarks/bench_sampler.py --size qwen2.5-0.5b --jax-only --dtype bfloat16  # GPU
 """
 
 import argparse
@@ -98,12 +98,13 @@ def _worker_hf(workdir: str, n: int, new_tokens: int, repeats: int) -> dict:
     }
 
 
-def _worker_jax(workdir: str, n: int, new_tokens: int, repeats: int) -> dict:
+def _worker_jax(workdir: str, n: int, new_tokens: int, repeats: int, dtype: str) -> dict:
     import jax
+    import jax.numpy as jnp
 
     from grpo_jax import model, sampler
 
-    config, params = model.load_hf_checkpoint(workdir)
+    config, params = model.load_hf_checkpoint(workdir, dtype=jnp.dtype(dtype))
     prompts = np.load(os.path.join(workdir, "prompts.npz"))
     ids, mask = prompts["ids"].astype(np.int32), prompts["mask"].astype(np.int32)
 
@@ -139,6 +140,7 @@ def _spawn(worker: str, workdir: str, args: argparse.Namespace) -> dict:
         f"--n={args.n}",
         f"--new-tokens={args.new_tokens}",
         f"--repeats={args.repeats}",
+        f"--dtype={args.dtype}",
     ]
     # The repository root goes on the path so the benchmark runs without `pip install -e .`.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -170,6 +172,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per framework")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per round")
     parser.add_argument("--jax-only", action="store_true", help="skip transformers (GPU runs)")
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="grpo_jax params"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--worker", choices=("make", "hf", "jax"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -179,9 +184,12 @@ def main() -> None:
         _make_checkpoint(args.workdir, args.size, args.prompts, args.seed)
         print("{}")
         return
-    if args.worker is not None:
-        worker = {"hf": _worker_hf, "jax": _worker_jax}[args.worker]
-        print(json.dumps(worker(args.workdir, args.n, args.new_tokens, args.repeats)))
+    if args.worker == "hf":
+        print(json.dumps(_worker_hf(args.workdir, args.n, args.new_tokens, args.repeats)))
+        return
+    if args.worker == "jax":
+        result = _worker_jax(args.workdir, args.n, args.new_tokens, args.repeats, args.dtype)
+        print(json.dumps(result))
         return
 
     tokens = args.prompts * args.n * args.new_tokens
@@ -202,7 +210,8 @@ def main() -> None:
             "new_tokens": args.new_tokens,
             "prompt_width": 64,
             "tokens_per_call": tokens,
-            "sampling": "temperature 1, no top-k/top-p, no EOS, float32",
+            "sampling": "temperature 1, no top-k/top-p, no EOS",
+            "dtype": {"grpo_jax": args.dtype, "hf_generate": "float32"},
         },
         "grpo_jax": {
             **_summary([t for r in runs["grpo_jax"] for t in r["times"]], tokens),

@@ -42,6 +42,8 @@ import jax.numpy as jnp
 from grpo_jax import model as model_lib
 
 _DEFAULT_BUCKET_MULTIPLE = 64
+# Compaction stops once the slots would drop below this: tiny batches are not worth a compile.
+MIN_COMPACT_SLOTS = 4
 
 
 @flax.struct.dataclass
@@ -72,15 +74,25 @@ class Rollout:
 
 @flax.struct.dataclass
 class SampleState:
-    """The `lax.while_loop` carry of the decode loop (B = P*n rows, R = max_new_tokens)."""
+    """The decode loop's state: S slots decoding rows of the B = P*n rollout rows.
 
-    t: jax.Array  # int32 scalar: response position of the token drawn from `logits_BV`
-    logits_BV: jax.Array  # float32: next-token logits of every row
-    done_B: jax.Array  # bool: the row has emitted an EOS at a position < t
-    response_ids_BR: jax.Array  # int32: pad_token_id where not (yet) generated
-    response_mask_BR: jax.Array  # int32
-    log_probs_BR: jax.Array  # float32
+    Slots start as the rows themselves; a compaction keeps the live ones, so S shrinks as rows
+    finish, while the outputs stay [B, R] and each slot writes into its own row.
+    """
+
+    t: jax.Array  # int32 scalar: response position of the token drawn from `logits_SV`
+    logits_SV: jax.Array  # float32: next-token logits of every slot
+    row_S: jax.Array  # int32: the rollout row a slot decodes
+    keys_S: jax.Array  # typed keys: the row's key (fold_in(rng, row))
+    done_S: jax.Array  # bool: the slot's row has emitted an EOS at a position < t
+    ids_SR: jax.Array  # int32: the slot's response so far, pad_token_id where not generated
+    mask_SR: jax.Array  # int32
+    log_probs_SR: jax.Array  # float32
     cache: model_lib.KVCache
+    # The [B, R] outputs of rows whose slots a compaction dropped (all rows, in row order).
+    ids_BR: jax.Array
+    mask_BR: jax.Array
+    log_probs_BR: jax.Array
 
 
 def bucket_length(t: int, multiple: int = _DEFAULT_BUCKET_MULTIPLE) -> int:
@@ -349,6 +361,7 @@ def sample(
     eos_token_ids: Sequence[int] = (),
     pad_token_id: int = 0,
     weights_version: int = -1,
+    compaction: bool = True,
 ) -> Rollout:
     """Samples n completions for each of P left-padded prompts (see the module docstring).
 
@@ -370,6 +383,9 @@ def sample(
       eos_token_ids: ids that end a response (may be several, or none).
       pad_token_id: id for left padding and for response positions after the first EOS.
       weights_version: recorded in `Rollout.weights_version`.
+      compaction: decode in phases, compacting the live rows into half the slots whenever they
+        fit, so finished rows stop costing decode steps (the default). Off, or when `sample`
+        is traced inside an outer jit, the call is one while_loop over all rows.
 
     Returns:
       A `Rollout` with B = P*n rows, prompt i at rows [i*n, (i+1)*n).
@@ -394,111 +410,233 @@ def sample(
     if pad_cols:
         prompt_ids = jnp.pad(prompt_ids, ((0, 0), (pad_cols, 0)), constant_values=pad_token_id)
         prompt_mask = jnp.pad(prompt_mask, ((0, 0), (pad_cols, 0)))
-    return _sample_jit(
+    st = _Static(
         config,
+        n,
+        max_new_tokens,
+        float(temperature),
+        float(top_p),
+        int(top_k),
+        eos_token_ids,
+        int(pad_token_id),
+    )
+    args = (
+        st,
         params,
         prompt_ids,
         prompt_mask,
         as_typed_key(jnp.asarray(rng)),
         jnp.int32(weights_version),
-        n=n,
-        max_new_tokens=max_new_tokens,
-        temperature=float(temperature),
-        top_p=float(top_p),
-        top_k=int(top_k),
-        eos_token_ids=eos_token_ids,
-        pad_token_id=int(pad_token_id),
+    )
+    if not compaction or isinstance(prompt_ids, jax.core.Tracer):
+        return _sample_jit(*args)
+    return _sample_compacting(
+        *args, multiple=_batch_multiple(prompt_ids), min_slots=MIN_COMPACT_SLOTS
     )
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "config",
-        "n",
-        "max_new_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "eos_token_ids",
-        "pad_token_id",
-    ),
-)
-def _sample_jit(
-    config,
+def _batch_multiple(x: jax.Array) -> int:
+    """How many ways the batch axis of `x` is split (slot counts must stay divisible)."""
+    sharding = getattr(x, "sharding", None)
+    if sharding is None or not hasattr(sharding, "shard_shape"):
+        return 1
+    return x.shape[0] // sharding.shard_shape(x.shape)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """The static settings of one sampling call (hashable: a jit static argument)."""
+
+    config: model_lib.ModelConfig
+    n: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+
+
+def _start(st: _Static, params, prompt_ids_PT, prompt_mask_PT, rng) -> SampleState:
+    """Prefill once per prompt, share the cache across the n samples, draw token 0."""
+    num_prompts, prompt_len = prompt_ids_PT.shape
+    batch = num_prompts * st.n
+    # The last generated token is never fed back, hence max_new_tokens - 1 decode slots.
+    cache = model_lib.init_cache(st.config, num_prompts, prompt_len + st.max_new_tokens - 1)
+    logits_PV, cache = model_lib.prefill(st.config, params, prompt_ids_PT, prompt_mask_PT, cache)
+    cache = model_lib.repeat_cache(cache, st.n)
+    state = SampleState(
+        t=jnp.int32(0),
+        logits_SV=jnp.repeat(logits_PV, st.n, axis=0).astype(jnp.float32),
+        row_S=jnp.arange(batch, dtype=jnp.int32),
+        keys_S=row_keys(rng, batch),
+        done_S=jnp.zeros((batch,), jnp.bool_),
+        ids_SR=jnp.full((batch, st.max_new_tokens), st.pad_token_id, jnp.int32),
+        mask_SR=jnp.zeros((batch, st.max_new_tokens), jnp.int32),
+        log_probs_SR=jnp.zeros((batch, st.max_new_tokens), jnp.float32),
+        cache=cache,
+        ids_BR=jnp.full((batch, st.max_new_tokens), st.pad_token_id, jnp.int32),
+        mask_BR=jnp.zeros((batch, st.max_new_tokens), jnp.int32),
+        log_probs_BR=jnp.zeros((batch, st.max_new_tokens), jnp.float32),
+    )
+    return dataclasses.replace(_draw(st, state), t=jnp.int32(1))
+
+
+def _draw(st: _Static, state: SampleState) -> SampleState:
+    """Selects the token at response position state.t of every slot and records it."""
+    step_keys_S = jax.vmap(jax.random.fold_in, in_axes=(0, None))(state.keys_S, state.t)
+    tokens_S, log_probs_S = select_tokens(
+        state.logits_SV, step_keys_S, temperature=st.temperature, top_k=st.top_k, top_p=st.top_p
+    )
+    live_S = ~state.done_S
+    tokens_S = jnp.where(live_S, tokens_S, st.pad_token_id)
+    is_eos_S = jnp.isin(tokens_S, jnp.asarray(st.eos_token_ids, jnp.int32)) & live_S
+    return dataclasses.replace(
+        state,
+        done_S=state.done_S | is_eos_S,
+        ids_SR=state.ids_SR.at[:, state.t].set(tokens_S),
+        mask_SR=state.mask_SR.at[:, state.t].set(live_S.astype(jnp.int32)),
+        log_probs_SR=state.log_probs_SR.at[:, state.t].set(jnp.where(live_S, log_probs_S, 0.0)),
+    )
+
+
+def _decode(st: _Static, params, state: SampleState, stop_at) -> SampleState:
+    """Decodes until max_new_tokens, or until at most `stop_at` slots are still live."""
+
+    def cond(state: SampleState) -> jax.Array:
+        live = jnp.sum(~state.done_S)
+        return (state.t < st.max_new_tokens) & (live > 0) & (live > stop_at)
+
+    def body(state: SampleState) -> SampleState:
+        # Feed back the token drawn at t - 1 (pad for finished slots; their outputs are ignored).
+        prev_S = state.ids_SR[:, state.t - 1]
+        logits_SV, cache = model_lib.decode_step(st.config, params, prev_S, state.cache)
+        state = dataclasses.replace(state, logits_SV=logits_SV, cache=cache)
+        return dataclasses.replace(_draw(st, state), t=state.t + 1)
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+@functools.partial(jax.jit, static_argnames="size")
+def _compact(state: SampleState, *, size: int) -> SampleState:
+    """Keeps `size` slots, the live ones first: finished rows stop costing decode steps."""
+    keep_S = jnp.argsort(state.done_S, stable=True)[:size]
+    state = _flush(state)  # every row's output so far, before slots are dropped
+    c = state.cache
+    cache = dataclasses.replace(
+        c,
+        k_LBKHS=jnp.take(c.k_LBKHS, keep_S, axis=1),
+        v_LBKSH=jnp.take(c.v_LBKSH, keep_S, axis=1),
+        mask_BS=c.mask_BS[keep_S],
+        pos_B=c.pos_B[keep_S],
+    )
+    return dataclasses.replace(
+        state,
+        logits_SV=state.logits_SV[keep_S],
+        row_S=state.row_S[keep_S],
+        keys_S=state.keys_S[keep_S],
+        done_S=state.done_S[keep_S],
+        ids_SR=state.ids_SR[keep_S],
+        mask_SR=state.mask_SR[keep_S],
+        log_probs_SR=state.log_probs_SR[keep_S],
+        cache=cache,
+    )
+
+
+def _flush(state: SampleState) -> SampleState:
+    """Writes every slot's outputs into its row of the [B, R] outputs."""
+    return dataclasses.replace(
+        state,
+        ids_BR=state.ids_BR.at[state.row_S].set(state.ids_SR),
+        mask_BR=state.mask_BR.at[state.row_S].set(state.mask_SR),
+        log_probs_BR=state.log_probs_BR.at[state.row_S].set(state.log_probs_SR),
+    )
+
+
+def _rollout(
+    st: _Static, prompt_ids_PT, prompt_mask_PT, state, weights_version, *, compacted: bool
+) -> Rollout:
+    num_prompts = prompt_ids_PT.shape[0]
+    # Without a compaction slot s is row s: the slot outputs are the rollout (and keep the
+    # prompts' batch sharding, which a scatter by row would lose).
+    if compacted:
+        state = _flush(state)
+        out = (state.ids_BR, state.mask_BR, state.log_probs_BR)
+    else:
+        out = (state.ids_SR, state.mask_SR, state.log_probs_SR)
+    return Rollout(
+        prompt_ids=jnp.repeat(prompt_ids_PT, st.n, axis=0),
+        prompt_mask=jnp.repeat(prompt_mask_PT, st.n, axis=0),
+        response_ids=out[0],
+        response_mask=out[1],
+        log_probs=out[2],
+        group_ids=jnp.repeat(jnp.arange(num_prompts, dtype=jnp.int32), st.n),
+        weights_version=weights_version,
+    )
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _sample_jit(st: _Static, params, prompt_ids_PT, prompt_mask_PT, rng, weights_version):
+    """The whole call as one program (no compaction): traceable, e.g. by plan.py."""
+    state = _decode(st, params, _start(st, params, prompt_ids_PT, prompt_mask_PT, rng), 0)
+    return _rollout(st, prompt_ids_PT, prompt_mask_PT, state, weights_version, compacted=False)
+
+
+_start_jit = jax.jit(_start, static_argnums=0)
+_decode_jit = jax.jit(_decode, static_argnums=0, donate_argnums=2)
+_rollout_jit = jax.jit(_rollout, static_argnums=0, static_argnames="compacted")
+
+
+def _next_size(size: int, multiple: int) -> int:
+    """The slot count after a compaction: half, rounded up to the data devices' multiple."""
+    return max(multiple, -(-(size // 2) // multiple) * multiple)
+
+
+def _sample_compacting(
+    st: _Static,
     params,
     prompt_ids_PT,
     prompt_mask_PT,
     rng,
     weights_version,
     *,
-    n,
-    max_new_tokens,
-    temperature,
-    top_p,
-    top_k,
-    eos_token_ids,
-    pad_token_id,
-):
-    """The compiled body of `sample` on already bucketed prompts [P,Tb]."""
-    num_prompts, prompt_len = prompt_ids_PT.shape
-    batch = num_prompts * n
-    eos_E = jnp.asarray(eos_token_ids, jnp.int32)
-    keys_B = row_keys(rng, batch)
+    multiple: int,
+    min_slots: int,
+) -> Rollout:
+    """Decodes in phases: whenever the live rows fit half the slots, the cache is compacted.
 
-    # PREFILL ONCE PER PROMPT, THEN SHARE THE CACHE ACROSS THE n SAMPLES.
-    # The last generated token is never fed back, hence max_new_tokens - 1 decode slots.
-    cache = model_lib.init_cache(config, num_prompts, prompt_len + max_new_tokens - 1)
-    logits_PV, cache = model_lib.prefill(config, params, prompt_ids_PT, prompt_mask_PT, cache)
-    cache = model_lib.repeat_cache(cache, n)
-    logits_BV = jnp.repeat(logits_PV, n, axis=0)
-
-    def draw(state: SampleState) -> SampleState:
-        """Selects the token at response position state.t from state.logits_BV and records it."""
-        step_keys_B = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_B, state.t)
-        tokens_B, log_probs_B = select_tokens(
-            state.logits_BV, step_keys_B, temperature=temperature, top_k=top_k, top_p=top_p
-        )
-        live_B = ~state.done_B
-        tokens_B = jnp.where(live_B, tokens_B, pad_token_id)
-        is_eos_B = jnp.isin(tokens_B, eos_E) & live_B
-        return dataclasses.replace(
-            state,
-            done_B=state.done_B | is_eos_B,
-            response_ids_BR=state.response_ids_BR.at[:, state.t].set(tokens_B),
-            response_mask_BR=state.response_mask_BR.at[:, state.t].set(live_B.astype(jnp.int32)),
-            log_probs_BR=state.log_probs_BR.at[:, state.t].set(jnp.where(live_B, log_probs_B, 0.0)),
-        )
-
-    def cond(state: SampleState) -> jax.Array:
-        return (state.t < max_new_tokens) & ~jnp.all(state.done_B)
-
-    def body(state: SampleState) -> SampleState:
-        # Feed back the token drawn at t - 1 (pad for finished rows; their outputs are ignored).
-        prev_B = state.response_ids_BR[:, state.t - 1]
-        logits_BV, cache = model_lib.decode_step(config, params, prev_B, state.cache)
-        state = dataclasses.replace(state, logits_BV=logits_BV, cache=cache)
-        return dataclasses.replace(draw(state), t=state.t + 1)
-
-    # DECODE LOOP: token 0 comes from the prefill logits, tokens 1.. from decode steps.
-    state = SampleState(
-        t=jnp.int32(0),
-        logits_BV=logits_BV.astype(jnp.float32),
-        done_B=jnp.zeros((batch,), jnp.bool_),
-        response_ids_BR=jnp.full((batch, max_new_tokens), pad_token_id, jnp.int32),
-        response_mask_BR=jnp.zeros((batch, max_new_tokens), jnp.int32),
-        log_probs_BR=jnp.zeros((batch, max_new_tokens), jnp.float32),
-        cache=cache,
+    Each phase is one compiled while_loop over the current slot count (B, B/2, ..., down to
+    `min_slots`); the host only reads the live count between phases.
+    """
+    state = _start_jit(st, params, prompt_ids_PT, prompt_mask_PT, rng)
+    size = state.done_S.shape[0]
+    compacted = False
+    while True:
+        nxt = _next_size(size, multiple)
+        can_shrink = nxt < size and nxt >= min_slots
+        state = _decode_jit(st, params, state, jnp.int32(nxt if can_shrink else 0))
+        live = int(jnp.sum(~state.done_S))
+        if int(state.t) >= st.max_new_tokens or live == 0 or not can_shrink:
+            break
+        state, size, compacted = _compact(state, size=nxt), nxt, True
+    rollout = _rollout_jit(
+        st, prompt_ids_PT, prompt_mask_PT, state, weights_version, compacted=compacted
     )
-    state = dataclasses.replace(draw(state), t=jnp.int32(1))
-    state = jax.lax.while_loop(cond, body, state)
+    if compacted:  # rows back on the prompts' batch sharding (the gathers moved them)
+        rollout = jax.tree.map(
+            lambda x: jax.device_put(x, _row_sharding(prompt_ids_PT, x.ndim)), rollout
+        )
+    return rollout
 
-    return Rollout(
-        prompt_ids=jnp.repeat(prompt_ids_PT, n, axis=0),
-        prompt_mask=jnp.repeat(prompt_mask_PT, n, axis=0),
-        response_ids=state.response_ids_BR,
-        response_mask=state.response_mask_BR,
-        log_probs=state.log_probs_BR,
-        group_ids=jnp.repeat(jnp.arange(num_prompts, dtype=jnp.int32), n),
-        weights_version=weights_version,
+
+def _row_sharding(prompt_ids_PT, ndim: int):
+    """The prompts' split of the batch axis for an array of `ndim` dims (replicated scalars)."""
+    sharding = prompt_ids_PT.sharding
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding if ndim else None
+    if ndim == 0:
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    spec = jax.sharding.PartitionSpec(
+        sharding.spec[0] if sharding.spec else None, *([None] * (ndim - 1))
     )
+    return jax.sharding.NamedSharding(sharding.mesh, spec)

@@ -117,10 +117,10 @@ def test_repeat_cache_then_decode_matches_repeated_rows():
     mask_BP = jnp.array([[0, 1, 1], [1, 1, 1]], jnp.int32)
     _, cache = model.prefill(TINY, params, prompt_BP, mask_BP, model.init_cache(TINY, 2, 6))
     rep = model.repeat_cache(cache, 3)
-    assert rep.k_LBKSH.shape[1] == 6
+    assert rep.k_LBKHS.shape[1] == 6
     # Copies adjacent: rows 0,1,2 come from row 0 and rows 3,4,5 from row 1.
     np.testing.assert_array_equal(np.asarray(rep.pos_B), [2, 2, 2, 3, 3, 3])
-    np.testing.assert_array_equal(np.asarray(rep.k_LBKSH[:, 4]), np.asarray(cache.k_LBKSH[:, 1]))
+    np.testing.assert_array_equal(np.asarray(rep.k_LBKHS[:, 4]), np.asarray(cache.k_LBKHS[:, 1]))
     tokens_B = jnp.array([5, 6, 7, 8, 9, 10], jnp.int32)
     logits_BV, _ = model.decode_step(TINY, params, tokens_B, rep)
     full = model.forward(

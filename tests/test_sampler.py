@@ -327,6 +327,33 @@ def test_everything_after_the_first_eos_is_masked(tiny):
     assert not np.isin(ids_BR[~is_eos_BR & (mask_BR == 1)], eos).any()
 
 
+def test_compaction_gives_the_same_rollout_and_drops_finished_rows(tiny, monkeypatch):
+    """Rows ending at different times: the compacting decode equals the one-loop decode token
+    for token, and once half the rows are done it decodes on half the slots."""
+    config, params = tiny
+    ids_PT, mask_PT = _left_padded([5, 3, 4, 5, 2, 5, 1, 4], 5, config.vocab_size, seed=8)
+    kw = dict(n=4, max_new_tokens=24, eos_token_ids=tuple(range(10, 26)), pad_token_id=7)
+    slots = []
+    real = sampler._decode_jit
+
+    def counting(st, params, state, stop_at):
+        slots.append(state.done_S.shape[0])
+        return real(st, params, state, stop_at)
+
+    monkeypatch.setattr(sampler, "_decode_jit", counting)
+    got = sampler.sample(config, params, ids_PT, mask_PT, jax.random.key(5), **kw)
+    want = sampler.sample(
+        config, params, ids_PT, mask_PT, jax.random.key(5), compaction=False, **kw
+    )
+    lengths = np.asarray(want.response_mask).sum(1)
+    assert lengths.min() < 12 and lengths.max() == 24  # rows end early and late
+    assert slots[0] == 32 and slots[-1] < 32  # it did compact
+    for field in ("response_ids", "response_mask", "group_ids", "prompt_ids"):
+        np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
+    # Fewer slots change the matmul shapes, so the float sums differ in the last bits only.
+    np.testing.assert_allclose(got.log_probs, want.log_probs, rtol=1e-5, atol=1e-6)
+
+
 def test_early_stop_when_every_row_ends_at_once(tiny):
     config, params = tiny
     ids_PT, mask_PT = _left_padded([3, 6], 6, config.vocab_size, seed=6)

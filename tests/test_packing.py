@@ -1,0 +1,194 @@
+"""Packed token-budget micro-batches (grpo_jax/packing.py) compute exactly the unpadded numbers.
+
+The reference is the padded computation on one micro-batch (trainer.train_step with the whole
+mini-batch as its micro-batch; padding never contributes there either): the packed loss,
+gradients and metrics, summed over however many micro-batches the token budget makes, must
+equal it for every loss_agg_mode, on mixed prompt and response lengths.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from grpo_jax import loss, model, packing, trainer
+
+CFG = model.ModelConfig.tiny()
+B, P, T = 8, 7, 6
+
+
+def _rollout(seed=0):
+    """Left-padded prompts (lengths 1..7) and right-padded responses (lengths 1..6)."""
+    r = np.random.default_rng(seed)
+    p_len = r.integers(1, P + 1, B)
+    r_len = r.integers(1, T + 1, B)
+    prompt_ids = r.integers(1, CFG.vocab_size, (B, P)).astype(np.int32)
+    prompt_mask = (np.arange(P)[None] >= P - p_len[:, None]).astype(np.int32)
+    prompt_ids[prompt_mask == 0] = 0
+    resp_ids = r.integers(1, CFG.vocab_size, (B, T)).astype(np.int32)
+    resp_mask = (np.arange(T)[None] < r_len[:, None]).astype(np.int32)
+    resp_ids[resp_mask == 0] = 0
+    return prompt_ids, prompt_mask, resp_ids, resp_mask
+
+
+@pytest.fixture(scope="module")
+def params():
+    # O(1) weights so log-probs and gradients are far from flat.
+    p = model.init_params(CFG, jax.random.key(0))
+    return jax.tree.map(lambda x: x * 20.0 if x.ndim > 1 else x, p)
+
+
+def test_pack_places_every_token_once_within_budget():
+    prompt_ids, prompt_mask, resp_ids, resp_mask = _rollout(1)
+    packed = packing.pack(
+        prompt_ids,
+        prompt_mask,
+        resp_ids,
+        resp_mask,
+        max_tokens=32,
+        row_multiple=2,
+        row_len=16,
+    )
+    M, R, L = packed.tokens_MRL.shape
+    assert L % 16 == 0 and R % 2 == 0 and R * L <= 32 and M > 1
+    seen = np.zeros((B, T), int)
+    for m in range(M):
+        for r in range(R):
+            segs = packed.segments_MRL[m, r]
+            for seg in set(segs[segs > 0].tolist()):
+                (where,) = np.nonzero(segs == seg)
+                assert np.all(np.diff(where) == 1)  # a sequence is one contiguous span
+                np.testing.assert_array_equal(
+                    packed.positions_MRL[m, r, where], np.arange(len(where))
+                )
+            for n in range(packed.slot_bt_MRN.shape[-1]):
+                bt = packed.slot_bt_MRN[m, r, n]
+                if bt == B * T:
+                    continue
+                b, t = divmod(int(bt), T)
+                seen[b, t] += 1
+                pos = packed.slot_pos_MRN[m, r, n]
+                # The slot's position predicts the next token, which is response token t.
+                assert packed.tokens_MRL[m, r, pos + 1] == resp_ids[b, t]
+                assert packed.slot_label_MRN[m, r, n] == resp_ids[b, t]
+    np.testing.assert_array_equal(seen, resp_mask)  # every response token exactly once
+    assert packed.num_tokens_M.sum() == prompt_mask.sum() + resp_mask.sum()
+    with pytest.raises(ValueError, match="raise ppo_max_token_len_per_gpu"):
+        packing.pack(prompt_ids, prompt_mask, resp_ids, resp_mask, max_tokens=8, row_len=16)
+
+
+def _padded_batch(prompt_ids, prompt_mask, resp_ids, resp_mask, seed=0):
+    r = np.random.default_rng(seed + 10)
+    adv = (r.normal(size=(B, 1)) * resp_mask).astype(np.float32)
+    ref = (-2.0 + r.normal(size=(B, T)) * resp_mask).astype(np.float32)
+    return trainer.TrainBatch(
+        input_ids_BS=jnp.asarray(np.concatenate([prompt_ids, resp_ids], 1)),
+        attention_mask_BS=jnp.asarray(np.concatenate([prompt_mask, resp_mask], 1)),
+        response_ids_BT=jnp.asarray(resp_ids),
+        response_mask_BT=jnp.asarray(resp_mask),
+        advantages_BT=jnp.asarray(adv),
+        ref_log_probs_BT=jnp.asarray(ref),
+    )
+
+
+def test_packed_log_probs_equal_the_padded_forward(params):
+    prompt_ids, prompt_mask, resp_ids, resp_mask = _rollout(2)
+    batch = _padded_batch(prompt_ids, prompt_mask, resp_ids, resp_mask)
+    want, want_ent = trainer.compute_log_probs(
+        CFG,
+        params,
+        batch,
+        micro_batch_size=B,
+        temperature=0.7,
+        chunk_size=16,
+        calculate_entropy=True,
+    )
+    packed = packing.pack(prompt_ids, prompt_mask, resp_ids, resp_mask, max_tokens=32, row_len=16)
+    assert packed.num_micro > 1  # the budget really splits the batch
+    lp = ent = jnp.zeros((B, T))
+    for m in range(packed.num_micro):
+        micro = trainer.PackedMicro(**{k: jnp.asarray(v) for k, v in packed.micro(m).items()})
+        lp, ent = trainer.packed_log_probs_into(
+            CFG, params, micro, lp, ent, temperature=0.7, chunk_size=16, calculate_entropy=True
+        )
+    valid = resp_mask.astype(bool)
+    assert np.abs(np.asarray(want)[valid]).max() > 1.0  # not flat: the check has teeth
+    np.testing.assert_allclose(np.asarray(lp)[valid], np.asarray(want)[valid], atol=2e-5)
+    np.testing.assert_allclose(np.asarray(ent)[valid], np.asarray(want_ent)[valid], atol=2e-5)
+    assert np.all(np.asarray(lp)[~valid] == 0)
+
+
+def _grads_and_metrics_padded(params, batch, lc):
+    """The unpadded reference: one micro-batch, gradient through one SGD step."""
+    state = trainer.init_state(params, _SGD)
+    new, metrics = jax.jit(
+        functools.partial(
+            trainer.train_step,
+            model_config=CFG,
+            loss_config=lc,
+            tx=_SGD,
+            mini_batch_size=B,
+            micro_batch_size=B,
+        )
+    )(state, batch, jnp.int32(0), jnp.float32(1.0))
+    grads = jax.tree.map(lambda a, b: a - b, params, new.params)
+    return grads, metrics
+
+
+_SGD = optax.identity()  # apply_gradients steps by -lr * g: lr 1 reads g off
+
+
+@pytest.mark.parametrize("agg", loss.AGG_MODES)
+def test_packed_update_equals_the_unpadded_one_in_every_agg_mode(params, agg):
+    prompt_ids, prompt_mask, resp_ids, resp_mask = _rollout(3)
+    batch = _padded_batch(prompt_ids, prompt_mask, resp_ids, resp_mask)
+    # Off-policy old log-probs (ratios away from 1, so the clip is live), KL loss and entropy.
+    old, _ = trainer.compute_log_probs(
+        CFG,
+        params,
+        batch,
+        micro_batch_size=B,
+        temperature=1.0,
+        chunk_size=16,
+        calculate_entropy=False,
+    )
+    old = old + 0.3 * jnp.asarray(np.random.default_rng(4).normal(size=(B, T)), jnp.float32)
+    batch = batch.replace(old_log_probs_BT=old * batch.response_mask_BT)
+    lc = trainer.LossConfig(
+        loss_agg_mode=agg,
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+        entropy_coeff=0.01,
+        calculate_entropy=True,
+        chunk_size=16,
+    )
+    want_g, want_m = _grads_and_metrics_padded(params, batch, lc)
+
+    packed = packing.pack(prompt_ids, prompt_mask, resp_ids, resp_mask, max_tokens=32, row_len=16)
+    step = jax.jit(functools.partial(trainer.packed_micro_grads, model_config=CFG, loss_config=lc))
+    grads = jax.tree.map(jnp.zeros_like, params)
+    got_m = {}
+    for m in range(packed.num_micro):
+        micro = trainer.PackedMicro(**{k: jnp.asarray(v) for k, v in packed.micro(m).items()})
+        grads, metrics = step(params, grads, micro, batch)
+        for k, v in metrics.items():
+            got_m[k] = got_m.get(k, 0.0) + float(v)
+    assert packed.num_micro > 1
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_g), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-6, rtol=2e-4)
+    assert float(want_m["actor/pg_clipfrac"]) > 0  # the clip branch is exercised
+    for key in (
+        "actor/pg_loss",
+        "actor/kl_loss",
+        "actor/entropy",
+        "actor/loss",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/pg_clipfrac_lower",
+    ):
+        np.testing.assert_allclose(
+            got_m[key], float(want_m[key]), rtol=1e-5, atol=1e-6, err_msg=key
+        )
