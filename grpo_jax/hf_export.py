@@ -1,0 +1,415 @@
+"""Hugging Face checkpoint export: sharded safetensors written tensor by tensor, also under FSDP.
+
+This module owns writing params as a transformers / vLLM checkpoint: ``save`` (the export), the
+list of HF tensors a params tree maps to (``hf_tensors``, in transformers' save order), the
+shard plan (``plan_shards``, huggingface_hub's rule) and the per-tensor gather
+(``device_tensor`` / ``host_tensor``) that the vLLM sidecar's in-memory weight push shares. The
+name mapping and layouts themselves are ``model.HF_TO_JAX``.
+
+Design:
+  * One tensor at a time. Each HF tensor (a layer slice of a stacked param, transposed to torch's
+    ``[out, in]``) is cut out and laid out on the devices by one jitted program whose output is
+    replicated over the param's mesh, so a param split over hosts (FSDP across processes, not
+    fully addressable anywhere) becomes one whole tensor on every device; the writer copies that
+    one tensor to host, writes it and drops it. The program is compiled once per param (the layer
+    index is a traced argument). Every process runs every program in the same order (they are
+    collectives); only process 0 opens files.
+  * Host memory is bounded by the largest tensor, independent of ``max_shard_bytes``: the
+    safetensors format is a little-endian u64 header length, a JSON header (dtype, shape and
+    ``data_offsets`` of every tensor) padded with spaces to 8 bytes, then the raw bytes. All
+    shapes and dtypes are known before anything is gathered, so the header of a shard is written
+    first and its tensors are streamed after it. (``safetensors.numpy.save_file`` takes a whole
+    dict, i.e. a whole shard, in memory: 5 GB per shard at the default size.) The bytes equal
+    what ``save_file`` writes for the same tensors: tensors ordered by dtype (wider first, in
+    safetensors' dtype order) then name, compact JSON, ``{"format": "pt"}`` metadata.
+  * The layout is transformers 5's ``save_pretrained``: tensors sorted by ``natural_key`` (its
+    ``dot_natural_key``: ``lm_head``, embedding, then layer by layer, final norm), split into
+    shards by huggingface_hub's ``split_state_dict_into_shards_factory`` rule (greedy in that
+    order; a tensor larger than ``max_shard_bytes`` gets a shard of its own), written as
+    ``model-00001-of-0000N.safetensors`` plus ``model.safetensors.index.json``
+    (``metadata.total_size``, ``metadata.total_parameters``, ``weight_map``;
+    ``json.dumps(indent=2, sort_keys=True)``), or one ``model.safetensors`` and no index when
+    everything fits one shard. tests/test_hf_export.py checks the files byte for byte against
+    transformers' own ``save_pretrained`` of the same weights.
+  * Lossless: tensors are written in the params' dtype (bf16 stays bf16), and config.json's
+    ``dtype`` / ``torch_dtype`` say which.
+  * Files are written as ``.<name>.partial`` and renamed when complete; weight files a previous
+    export left in the directory that this one does not write are removed first, so an index
+    never points at stale shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import struct
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from grpo_jax import model as model_lib
+
+# 5 GiB shards (transformers 4's default; 5 writes "50GB" ones): a few files for a 7B model.
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# safetensors dtype names, and their rank in safetensors' Dtype enum (data is ordered by it,
+# highest first, then by name).
+_SAFETENSORS_DTYPES = {
+    np.dtype(np.float16): ("F16", 0),
+    np.dtype(jax.numpy.bfloat16): ("BF16", 1),
+    np.dtype(np.float32): ("F32", 2),
+    np.dtype(np.float64): ("F64", 3),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class HFTensor:
+    """One tensor of the checkpoint and where it comes from in the params.
+
+    Attributes:
+      name: HF tensor name, e.g. ``model.layers.3.mlp.up_proj.weight``.
+      param: flat params path, e.g. ``layers/mlp/up_proj/kernel``.
+      layer: index into the stacked ``L`` axis, or None for an unstacked param.
+      layout: ``model.HF_TO_JAX`` layout (``same``, ``bias``, ``linear``, ``linear_out``).
+      shape: HF (torch) shape.
+      dtype: numpy dtype, the param's (the export never casts).
+    """
+
+    name: str
+    param: str
+    layer: int | None
+    layout: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for key in sorted(tree):
+        name = f"{prefix}/{key}" if prefix else str(key)
+        if isinstance(tree[key], Mapping):
+            yield from _flatten(tree[key], name)
+        else:
+            yield name, tree[key]
+
+
+def _hf_layout(layout: str, y):
+    """A (per-layer) param in HF's layout (torch Linear weights are [out, in]); jnp or np."""
+    match layout:
+        case "same":
+            return y
+        case "bias":
+            return y.reshape(-1)
+        case "linear":
+            return y.reshape(y.shape[0], -1).T
+        case "linear_out":
+            return y.reshape(-1, y.shape[-1]).T
+    raise ValueError(f"unknown HF layout {layout!r}")
+
+
+def natural_key(name: str) -> tuple:
+    """transformers' ``dot_natural_key``: dot-separated parts, numbers compared as numbers.
+
+    transformers 5 sorts the state dict by it before sharding (``revert_weight_conversion``), so
+    ``lm_head.weight`` comes first and ``model.layers.2`` before ``model.layers.10``.
+    """
+    parts = []
+    for part in name.split("."):
+        if part.isdigit():
+            parts.append((0, int(part)))
+        else:
+            text = part.rstrip("0123456789")
+            digits = part[len(text) :]
+            parts.append((1, text, int(digits)) if digits else (1, text))
+    return tuple(parts)
+
+
+def hf_tensors(
+    config: model_lib.ModelConfig, params, *, untie_embeddings: bool = False
+) -> list[HFTensor]:
+    """The checkpoint's tensors in transformers' save order (``natural_key``), none gathered.
+
+    Args:
+      config: the params' model config.
+      params: params tree (``model.init_params`` layout); leaves need ``.shape`` and ``.dtype``.
+      untie_embeddings: for a tied model, also list ``lm_head.weight`` (read from the embedding).
+
+    Raises:
+      ValueError: a param is missing, unexpected or mis-shaped for ``config``.
+    """
+    model_lib.check_params(config, params)
+    flat = dict(_flatten(params))
+    sources = {template: (param, layout) for template, param, layout in model_lib.HF_TO_JAX}
+    if config.tie_word_embeddings and untie_embeddings:
+        sources["lm_head.weight"] = ("embed/embedding", "same")  # [V, D] is lm_head's layout too
+
+    out = []
+    for template, (param, layout) in sources.items():
+        if param not in flat:
+            continue  # a bias Llama does not have, the head of a tied model
+        x = flat[param]
+        layered = "{i}" in template
+        per_layer = jax.ShapeDtypeStruct(x.shape[1:] if layered else x.shape, x.dtype)
+        shape = tuple(jax.eval_shape(functools.partial(_hf_layout, layout), per_layer).shape)
+        for i in range(config.num_layers) if layered else [None]:
+            name = template.format(i=i) if layered else template
+            out.append(HFTensor(name, param, i, layout, shape, np.dtype(x.dtype)))
+    return sorted(out, key=lambda t: natural_key(t.name))
+
+
+def plan_shards(tensors: Sequence[HFTensor], max_shard_bytes: int) -> list[list[HFTensor]]:
+    """huggingface_hub's split: greedy in order; a tensor over the limit gets its own shard.
+
+    As in ``split_state_dict_into_shards_factory``, an oversized tensor's shard is appended
+    without closing the shard being filled, so the shard order can differ from tensor order.
+    """
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+    shards, current, size = [], [], 0
+    for t in tensors:
+        if t.nbytes > max_shard_bytes:
+            shards.append([t])
+            continue
+        if size + t.nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(t)
+        size += t.nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+def shard_filenames(num_shards: int) -> list[str]:
+    """``model.safetensors`` for one shard, else ``model-0000k-of-0000N.safetensors``."""
+    if num_shards == 1:
+        return [SINGLE_FILE]
+    return [f"model-{k + 1:05d}-of-{num_shards:05d}.safetensors" for k in range(num_shards)]
+
+
+def index_json(files: Sequence[tuple[str, Sequence[HFTensor]]]) -> str:
+    """``model.safetensors.index.json`` exactly as transformers' ``save_pretrained`` writes it."""
+    tensors = [t for _, shard in files for t in shard]
+    index = {
+        "metadata": {
+            "total_parameters": sum(t.numel for t in tensors),
+            "total_size": sum(t.nbytes for t in tensors),
+        },
+        "weight_map": {t.name: fname for fname, shard in files for t in shard},
+    }
+    return json.dumps(index, indent=2, sort_keys=True) + "\n"
+
+
+def _file_order(shard: Sequence[HFTensor]) -> list[HFTensor]:
+    """safetensors' data order: by dtype rank, highest first, then by name."""
+    for t in shard:
+        if t.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {t.name!r} has dtype {t.dtype}, not one safetensors takes")
+    return sorted(shard, key=lambda t: (-_SAFETENSORS_DTYPES[t.dtype][1], t.name))
+
+
+def safetensors_header(ordered: Sequence[HFTensor]) -> bytes:
+    """The 8-byte length plus the JSON header (space-padded to 8 bytes) of one shard file."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for t in ordered:
+        header[t.name] = {
+            "dtype": _SAFETENSORS_DTYPES[t.dtype][0],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
+        offset += t.nbytes
+    data = json.dumps(header, separators=(",", ":")).encode()
+    data += b" " * (-len(data) % 8)
+    return struct.pack("<Q", len(data)) + data
+
+
+# ---------------------------------------------------------------------------------------------
+# Gathering one tensor
+
+
+def _extract(x, *index, layout: str):
+    y = jax.lax.dynamic_index_in_dim(x, index[0], 0, keepdims=False) if index else x
+    return _hf_layout(layout, y)
+
+
+@functools.lru_cache(maxsize=256)
+def _program(layout: str, out_sharding):
+    return jax.jit(functools.partial(_extract, layout=layout), out_shardings=out_sharding)
+
+
+def device_tensor(x, t: HFTensor) -> jax.Array:
+    """HF tensor ``t`` of param ``x``, whole on every device that holds a part of ``x``.
+
+    A collective when ``x`` spans processes: every process must call it, in the same order.
+
+    Args:
+      x: the param ``t.param`` (a jax.Array, sharded or not, or a numpy array).
+      t: the tensor to cut out (``t.layer``) and lay out (``t.layout``).
+
+    Returns:
+      A jax.Array of shape ``t.shape``: replicated over ``x``'s mesh for a ``NamedSharding``,
+      else wherever XLA places it (``x`` is then fully addressable).
+
+    Raises:
+      ValueError: ``x`` is not fully addressable and its sharding is not a ``NamedSharding``.
+    """
+    if isinstance(x, np.ndarray):
+        host = x[t.layer] if t.layer is not None else x
+        return jax.numpy.asarray(np.ascontiguousarray(_hf_layout(t.layout, host)))
+    sharding = x.sharding
+    if isinstance(sharding, NamedSharding):
+        out_sharding = NamedSharding(sharding.mesh, PartitionSpec())
+    elif x.is_fully_addressable:
+        out_sharding = None
+    else:
+        raise ValueError(
+            f"param {t.param!r} spans processes with a {type(sharding).__name__}; "
+            "hf_export needs a NamedSharding to replicate one tensor at a time"
+        )
+    index = () if t.layer is None else (np.int32(t.layer),)
+    return _program(t.layout, out_sharding)(x, *index)
+
+
+def iter_device_tensors(
+    config: model_lib.ModelConfig, params, *, untie_embeddings: bool = False
+) -> Iterator[tuple[HFTensor, jax.Array]]:
+    """``hf_tensors`` paired with their ``device_tensor``, gathered one at a time as consumed."""
+    flat = dict(_flatten(params))
+    for t in hf_tensors(config, params, untie_embeddings=untie_embeddings):
+        yield t, device_tensor(flat[t.param], t)
+
+
+def host_tensor(x, t: HFTensor) -> np.ndarray:
+    """``device_tensor`` copied to this host (C-contiguous, the param's dtype)."""
+    out = device_tensor(x, t)
+    # A fully addressable result may still be split over this host's devices: np.asarray joins
+    # it. Otherwise it is replicated (NamedSharding, P()) and any local copy is the whole.
+    local = out if out.is_fully_addressable else out.addressable_data(0)
+    return np.ascontiguousarray(np.asarray(local))
+
+
+# ---------------------------------------------------------------------------------------------
+# save
+
+
+def _stale_weight_files(path: str, keep: set[str]) -> list[str]:
+    names = []
+    for name in os.listdir(path):
+        stem = name.removesuffix(".safetensors")
+        sharded = stem.startswith("model-") and "-of-" in stem and name.endswith(".safetensors")
+        if (name in (SINGLE_FILE, INDEX_FILE) or sharded) and name not in keep:
+            names.append(name)
+    return names
+
+
+def _write_atomic(path: str, data: bytes | str) -> None:
+    partial = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial")
+    with open(partial, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+    os.replace(partial, path)
+
+
+def save(
+    config: model_lib.ModelConfig,
+    params,
+    path: str | os.PathLike,
+    *,
+    untie_embeddings: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> None:
+    """Writes params as a HF checkpoint (safetensors + config.json) into directory ``path``.
+
+    Every process must call it (the per-tensor gathers are collectives); only process 0 writes,
+    and when it returns on any process the export is complete. Host memory holds one tensor at a
+    time (see the module docstring). transformers' ``AutoModelForCausalLM.from_pretrained``,
+    vLLM and ``model.load_hf_checkpoint`` read the result.
+
+    Args:
+      config: the params' model config (config.json comes from ``config.to_hf_dict``).
+      params: params tree, device arrays (sharded over any mesh, across processes too) or numpy.
+      path: output directory, created if needed. Weight files of an earlier export there that
+        this one does not overwrite are removed.
+      untie_embeddings: write a tied model untied (``lm_head.weight`` plus
+        ``tie_word_embeddings: false``), as vLLM's weight reload needs.
+      max_shard_bytes: shard size limit (transformers' ``max_shard_size``); one tensor larger
+        than it gets a shard of its own.
+
+    Raises:
+      ValueError: params that do not match ``config``, or a dtype safetensors cannot store.
+      OSError: process 0 could not write (on the other processes: RuntimeError naming it).
+    """
+    path = os.fspath(path)
+    tensors = hf_tensors(config, params, untie_embeddings=untie_embeddings)
+    shards = plan_shards(tensors, max_shard_bytes)
+    files = list(zip(shard_filenames(len(shards)), [_file_order(s) for s in shards]))
+    flat = dict(_flatten(params))
+    writer = jax.process_index() == 0
+    multiprocess = jax.process_count() > 1
+    error: BaseException | None = None
+
+    def guarded(fn, *args):
+        # Process 0 keeps taking part in the gathers after a write error (the other processes
+        # would hang in the next collective otherwise) and reports it at the end.
+        nonlocal error
+        if error is None:
+            try:
+                return fn(*args)
+            except OSError as e:
+                if not multiprocess:
+                    raise
+                error = e
+        return None
+
+    if writer:
+        os.makedirs(path, exist_ok=True)
+        for name in _stale_weight_files(path, {fname for fname, _ in files}):
+            os.remove(os.path.join(path, name))
+    for fname, ordered in files:
+        target = os.path.join(path, fname)
+        partial = os.path.join(path, f".{fname}.partial")
+        f = guarded(open, partial, "wb") if writer else None
+        if f is not None:
+            guarded(f.write, safetensors_header(ordered))
+        for t in ordered:
+            if writer:
+                value = host_tensor(flat[t.param], t)
+                if f is not None and error is None:
+                    guarded(f.write, value.reshape(-1).view(np.uint8).data)
+                del value
+            else:
+                device_tensor(flat[t.param], t).block_until_ready()
+        if f is not None:
+            f.close()
+            guarded(os.replace, partial, target)
+    if writer:
+        if len(files) > 1:
+            guarded(_write_atomic, os.path.join(path, INDEX_FILE), index_json(files))
+        hf_config = config.to_hf_dict(untie_embeddings=untie_embeddings)
+        # The dtype the weights were written in (params may have been cast after loading).
+        hf_config["dtype"] = hf_config["torch_dtype"] = str(tensors[0].dtype)
+        text = json.dumps(hf_config, indent=2, sort_keys=True)
+        guarded(_write_atomic, os.path.join(path, "config.json"), text)
+    if multiprocess:
+        from jax.experimental import multihost_utils
+
+        ok = multihost_utils.broadcast_one_to_all(np.int32(error is None))
+        if not int(ok):
+            if error is not None:
+                raise error
+            raise RuntimeError(f"process 0 failed to write the HF export to {path!r}; see its log")
