@@ -128,16 +128,37 @@ def main(argv):
             rules=rules,
         )
 
-    # EXPORT
-    if is_main:
-        if run.checkpoint.export_hf:
-            hf_dir = os.path.join(workdir, "hf")
-            model_lib.save_hf_checkpoint(result.model_config, result.state.params, hf_dir)
+    # EXPORT: a collective under multi-process FSDP (every process gathers, process 0 writes).
+    if run.checkpoint.export_hf:
+        hf_dir = os.path.join(workdir, "hf")
+        model_lib.save_hf_checkpoint(result.model_config, result.state.params, hf_dir)
+        if is_main:
             tokenizer.save_pretrained(hf_dir)
+    if is_main:
         plot.plot(workdir)
+        print(report(workdir))
         final = {k: v for k, v in metrics.read(workdir)[-1].items() if k.startswith("val")}
         logging.info("done: %s", json.dumps(final))
         print(json.dumps({"final": final, "workdir": workdir}))
+
+
+def report(workdir: str, *, samples: int = 2) -> str:
+    """The run in a few lines: the core validation metrics at the first and the last
+    validation, and `samples` logged completions of each (trainer.log_val_generations)."""
+    evals = [r for r in metrics.read(workdir) if any(k.startswith("val-core/") for k in r)]
+    lines = []
+    if evals:
+        first, last = evals[0], evals[-1]
+        for key in sorted(k for k in last if k.startswith("val-core/") and k in first):
+            lines.append(f"{key}: {first[key]:.3f} at step {first['step']} -> "
+                         f"{last[key]:.3f} at step {last['step']}")
+    generations = loop.read_generations(workdir)
+    if generations:
+        for step in sorted({min(generations), max(generations)}):
+            lines.append(f"validation samples at step {step}:")
+            for g in generations[step][:samples]:
+                lines.append(f"  {g['input']!r} -> {g['output']!r} (score {g['score']:.3g})")
+    return "\n".join(lines)
 
 
 def parse_flags(argv):

@@ -138,6 +138,9 @@ class DataConfig:
     ground_truth_key: str = "reward_model.ground_truth"  # dotted path of the ground truth
     prompt_suffix: str = VERL_GSM8K_INSTRUCTION  # appended to raw GSM8K questions only
     train_batch_size: int = 1024  # prompts per step
+    # Prompts per generation batch of DAPO's dynamic sampling (algorithm.filter_groups); None =
+    # train_batch_size.
+    gen_batch_size: int | None = None
     val_batch_size: int = 256  # prompts per validation generate call
     val_max_samples: int = -1  # -1 = the whole validation split
     max_prompt_length: int = 512  # tokens after the chat template
@@ -164,6 +167,8 @@ class DataConfig:
             "must be -1 (all) or >= 1",
         )
         c.need(self.seed >= 0, "seed", self.seed, "must be >= 0")
+        c.need(self.gen_batch_size is None or self.gen_batch_size >= 1, "gen_batch_size",
+               self.gen_batch_size, "must be >= 1 or None")
         c.done()
 
     def check_source(self) -> None:
@@ -232,6 +237,10 @@ class ModelSpec:
     dtype: str = "float32"  # compute dtype: "float32" | "bfloat16"
     param_dtype: str = "float32"  # parameter / optimizer dtype: "float32" | "bfloat16"
     enable_gradient_checkpointing: bool = False  # remat each layer in the update (verl name)
+    # What a rematerialised layer keeps (model.REMAT_POLICIES): "nothing_saveable" (its input
+    # only), "dots_with_no_batch_dims_saveable" (the projections; attention is recomputed),
+    # "dots_saveable" (every matmul output).
+    gradient_checkpointing_policy: str = "nothing_saveable"
     tiny: TinyModelConfig = TinyModelConfig()
 
     def __post_init__(self):
@@ -240,6 +249,11 @@ class ModelSpec:
         c.choice("tokenizer", self.tokenizer, ("hf", "char"))
         c.choice("dtype", self.dtype, ("float32", "bfloat16"))
         c.choice("param_dtype", self.param_dtype, ("float32", "bfloat16"))
+        c.choice(
+            "gradient_checkpointing_policy",
+            self.gradient_checkpointing_policy,
+            ("nothing_saveable", "dots_with_no_batch_dims_saveable", "dots_saveable"),
+        )
         c.done()
 
     def check_source(self) -> None:
@@ -299,9 +313,43 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PolicyLossConfig:
-    """Section `actor.policy_loss`."""
+    """Section `actor.policy_loss` (verl's PolicyLossConfig): the loss and its own settings."""
 
-    loss_mode: str = "vanilla"  # loss.POLICY_LOSS_MODES (or a registered one)
+    # loss.POLICY_LOSS_MODES, a name given to loss.register_policy_loss, or "module:function"
+    # (imported and registered under that name).
+    loss_mode: str = "vanilla"
+    clip_cov_ratio: float = 0.0002  # clip_cov: share of tokens whose gradient is detached
+    clip_cov_lb: float = 1.0  # clip_cov: covariance window
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002  # kl_cov: share of tokens given the KL penalty
+    ppo_kl_coef: float = 0.1  # kl_cov: that penalty's coefficient
+    dro_beta: float | None = None  # dro: the quadratic penalty's beta (required for dro)
+
+    def __post_init__(self):
+        from grpo_jax import loss
+
+        c = _Checks("actor.policy_loss")
+        if ":" in self.loss_mode:
+            c.call(_import_extension, "loss_mode", self.loss_mode, "policy loss")
+        else:
+            c.call(loss.check_choice, "loss_mode", self.loss_mode, loss.policy_loss_mode_names())
+        c.need(self.loss_mode != "dro" or (self.dro_beta or 0) > 0, "dro_beta", self.dro_beta,
+               "must be > 0 for loss_mode='dro'")
+        c.done()
+
+
+def _import_extension(field: str, spec: str, what: str):
+    """A user's estimator or loss named "module:function": imported and registered under that
+    name (advantage.register_adv_est / loss.register_policy_loss), so the run can select it."""
+    from grpo_jax import advantage, loss, rewards
+
+    try:
+        fn = rewards.import_callable(spec, what=what)
+        register = loss.register_policy_loss if what == "policy loss" else advantage.register_adv_est
+        register(spec)(fn)
+    except ValueError as e:
+        raise ValueError(f"{field}: {e}") from None
+    return fn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,11 +362,15 @@ class ActorConfig:
 
     ppo_mini_batch_size: int = 256  # prompts per optimizer step (x rollout.n sequences)
     ppo_micro_batch_size_per_gpu: int = 8  # sequences per device per accumulation step
+    use_dynamic_bsz: bool = False  # pack sequences into token-budget micro-batches instead
+    ppo_max_token_len_per_gpu: int = 16384  # that budget, tokens per device (grpo_jax/packing.py)
     ppo_epochs: int = 1  # passes over the batch (mu)
     clip_ratio: float = 0.2  # epsilon; verl's ActorConfig sets low/high explicitly (below)
     clip_ratio_low: float = 0.2  # epsilon_low (verl default 0.2, not clip_ratio)
     clip_ratio_high: float = 0.2  # epsilon_high (DAPO clip-higher: 0.28)
     clip_ratio_c: float = 3.0  # dual-clip c (> 1), negative advantages only
+    tau_pos: float = 1.0  # sapo: the gate's temperature for positive advantages
+    tau_neg: float = 1.05  # sapo: ... for negative advantages
     loss_agg_mode: str = "token-mean"  # loss.AGG_MODES
     loss_scale_factor: float | None = None  # Dr.GRPO constant of seq-mean-token-sum-norm
     entropy_coeff: float = 0.0  # entropy bonus weight
@@ -333,6 +385,7 @@ class ActorConfig:
     def __post_init__(self):
         c = _Checks("actor")
         _positive(c, self, "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs")
+        _positive(c, self, "ppo_max_token_len_per_gpu")
         c.need(self.grad_clip > 0, "grad_clip", self.grad_clip, "must be > 0")
         c.need(self.kl_loss_coef >= 0, "kl_loss_coef", self.kl_loss_coef, "must be >= 0")
         c.need(
@@ -345,7 +398,12 @@ class ActorConfig:
             c.need(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
         from grpo_jax import trainer  # the actor loss's own rules (modes, dual clip, KL type)
 
-        c.call(trainer.check_loss_settings, **self._loss_kwargs())
+        from grpo_jax import loss
+
+        kwargs = self._loss_kwargs()
+        if kwargs["policy_loss_mode"] not in loss.policy_loss_mode_names():
+            kwargs["policy_loss_mode"] = "vanilla"  # section actor.policy_loss reported it
+        c.call(trainer.check_loss_settings, **kwargs)
         c.done()
 
     def _loss_kwargs(self) -> dict:
@@ -360,8 +418,14 @@ class ActorConfig:
         """The update's static `trainer.LossConfig` (plus the rollout temperature)."""
         from grpo_jax import trainer
 
+        pl = self.policy_loss
+        extra = {"clip_cov_ratio": pl.clip_cov_ratio, "clip_cov_lb": pl.clip_cov_lb,
+                 "clip_cov_ub": pl.clip_cov_ub, "kl_cov_ratio": pl.kl_cov_ratio,
+                 "ppo_kl_coef": pl.ppo_kl_coef, "tau_pos": self.tau_pos, "tau_neg": self.tau_neg,
+                 "dro_beta": pl.dro_beta}
         return trainer.LossConfig(
             **self._loss_kwargs(),
+            policy_loss_kwargs=tuple(sorted(extra.items())),
             clip_ratio=self.clip_ratio,
             clip_ratio_low=self.clip_ratio_low,
             clip_ratio_high=self.clip_ratio_high,
@@ -431,9 +495,11 @@ class VLLMSettings:
     restart_backoff_s: float = 5.0  # first back-off, doubled each restart
     stop_timeout_s: float = 30.0  # SIGTERM -> SIGKILL grace period
     max_concurrent_requests: int = 64  # prompts in flight at once
+    weight_transfer: str = "disk"  # "disk" (export + reload) | "nccl" (GPU, in memory; falls back)
 
-    def sidecar_config(self):
-        """The vllm_sidecar.VLLMConfig (raises ValueError naming a bad value)."""
+    def sidecar_config(self, *, tensor_parallel_size: int = 1):
+        """The vllm_sidecar.VLLMConfig (raises ValueError naming a bad value); the tensor
+        parallelism comes from rollout.tensor_model_parallel_size (verl's name)."""
         from grpo_jax import vllm_sidecar  # only the vllm path needs it
 
         env = []
@@ -443,7 +509,8 @@ class VLLMSettings:
                 raise ValueError(f"env={self.env!r}: entry {item!r} must be NAME=VALUE")
             env.append((name, value))
         fields = dataclasses.asdict(self) | {"extra_args": shlex.split(self.extra_args)}
-        return vllm_sidecar.VLLMConfig(**(fields | {"env": tuple(env)}))
+        fields |= {"env": tuple(env), "tensor_parallel_size": tensor_parallel_size}
+        return vllm_sidecar.VLLMConfig(**fields)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -456,6 +523,10 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling; 1 = off
     top_k: int = -1  # -1 = off
     log_prob_micro_batch_size_per_gpu: int = 16  # sequences per device for old/ref log-probs
+    log_prob_use_dynamic_bsz: bool = False  # packed token-budget micro-batches instead
+    log_prob_max_token_len_per_gpu: int = 16384  # that budget, tokens per device
+    # vLLM's --tensor-parallel-size (rollout.name="vllm"); verl's default is 2, for its GPUs.
+    tensor_model_parallel_size: int = 1
     val_kwargs: ValKwargs = ValKwargs()
     vllm: VLLMSettings = VLLMSettings()
 
@@ -464,7 +535,9 @@ class RolloutConfig:
 
         c = _Checks("rollout")
         c.choice("name", self.name, ("jax", "vllm"))
-        _positive(c, self, "n", "log_prob_micro_batch_size_per_gpu")
+        _positive(
+            c, self, "n", "log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu"
+        )
         # Training divides the log-probs by the temperature, so the log-prob rule (> 0) applies
         # here; it implies the sampler's (>= 0), whose top-p and top-k rules come next.
         from grpo_jax import loss
@@ -478,58 +551,194 @@ class RolloutConfig:
         )
         if self.name == "vllm":
             try:
-                self.vllm.sidecar_config()
+                self.sidecar_config()
             except ValueError as e:
                 c.problems.append(f"rollout.vllm: {e}")
         c.done()
+
+    def sidecar_config(self):
+        """vllm_sidecar.VLLMConfig of rollout.vllm with rollout.tensor_model_parallel_size."""
+        return self.vllm.sidecar_config(tensor_parallel_size=self.tensor_model_parallel_size)
 
 
 # ---------------------------------------------------------------------------------------------
 # algorithm, reward, warm-up, trainer, checkpoint, mesh
 
 
-ADV_ESTIMATORS = ("grpo", "rloo")
-
-
 @dataclasses.dataclass(frozen=True)
 class KLCtrlConfig:
-    """Section `algorithm.kl_ctrl`: the coefficient of the in-reward KL penalty."""
+    """Section `algorithm.kl_ctrl`: the coefficient of the in-reward KL penalty.
 
-    type: str = "fixed"  # "fixed" only (the adaptive controller is not implemented)
-    kl_coef: float = 0.001  # beta of the in-reward KL
+    "fixed" keeps kl_coef; "adaptive" is verl's AdaptiveKLController (Ziegler et al. 2019):
+    after each step beta *= 1 + clip(current_kl / target_kl - 1, -0.2, 0.2) * B / horizon, B the
+    step's sequences. Its value is checkpointed, so a resumed run continues it exactly.
+    """
+
+    type: str = "fixed"  # "fixed" | "adaptive"
+    kl_coef: float = 0.001  # beta of the in-reward KL (the adaptive controller's start)
+    horizon: int = 10000  # adaptive: sequences over which beta can move by ~20 %
+    target_kl: float = 0.1  # adaptive: the KL it steers towards
 
     def __post_init__(self):
         c = _Checks("algorithm.kl_ctrl")
-        c.choice("type", self.type, ("fixed",))
+        c.choice("type", self.type, ("fixed", "adaptive"))
         c.need(self.kl_coef >= 0, "kl_coef", self.kl_coef, "must be >= 0")
+        c.need(self.horizon >= 1, "horizon", self.horizon, "must be >= 1")
+        c.need(self.target_kl > 0, "target_kl", self.target_kl, "must be > 0")
         c.done()
 
 
 @dataclasses.dataclass(frozen=True)
-class AlgorithmConfig:
-    """Section `algorithm`: the advantage estimator and the KL-in-reward penalty."""
+class FilterGroupsConfig:
+    """Section `algorithm.filter_groups`: DAPO's dynamic sampling (arXiv 2503.14476).
 
-    adv_estimator: str = "grpo"  # "grpo" | "rloo"
+    Groups whose `metric` is the same for every sample carry no advantage signal; they are
+    dropped and more prompts are sampled, data.gen_batch_size at a time, until
+    data.train_batch_size groups are kept (surplus kept groups are dropped, as verl does).
+    Unlike verl's `np.std == 0`, a group counts as uniform when its values differ by at most
+    1e-6 x max(1, |mean|), so float noise in a sum of rewards does not let it through.
+    """
+
+    enable: bool = False
+    # verl's names: "acc" (the scorer's "acc" key, else its plain score before the overlong
+    # penalty), "seq_reward" / "seq_final_reward" (the sequence reward, overlong penalty
+    # included), "score" or any other key of the scorer's dict outputs.
+    metric: str = "acc"
+    max_num_gen_batches: int = 0  # generation batches per step before the run stops; 0 = no limit
+
+    def __post_init__(self):
+        c = _Checks("algorithm.filter_groups")
+        c.need(self.max_num_gen_batches >= 0, "max_num_gen_batches", self.max_num_gen_batches,
+               "must be >= 0 (0 = no limit)")
+        c.done()
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    """Section `algorithm.rollout_correction` (verl 0.9.1; grpo_jax/rollout_correction.py).
+
+    Compares the rollout engine's log-probs with the trainer's recomputed old log-probs:
+    importance weights (`rollout_is` token or sequence, truncated at `rollout_is_threshold`)
+    multiply the policy loss, rejection (`rollout_rs` with `rollout_rs_threshold`) masks tokens
+    or sequences. `bypass_mode` (verl 0.9.1's v1 trainer) skips the old-log-prob pass and
+    the correction, takes the engine's log-probs as the old ones and keeps
+    actor.policy_loss.loss_mode; loss_mode="bypass_mode" selects verl's bypass loss instead,
+    which computes weights / rejection against the current policy inside the loss and reads
+    `loss_type`. The `rollout_corr/*` and `training/rollout_probs_diff_*` metrics are logged
+    whenever the old log-probs are recomputed (verl: by default, rollout.calculate_log_probs).
+    """
+
+    rollout_is: str | None = None  # None | "token" | "sequence"
+    rollout_is_threshold: float | None = 2.0  # TIS upper bound (the library takes "lo_hi" too)
+    rollout_is_batch_normalize: bool = False  # weights to batch mean 1
+    rollout_rs: str | None = None  # rejection options, comma-separated (rollout_correction.py)
+    # required with rollout_rs: one value or one per option; k1 options take "lower_upper"
+    rollout_rs_threshold: str | float | None = None
+    bypass_mode: bool = False  # old log-probs = the engine's (no recomputation)
+    loss_type: str = "ppo_clip"  # the bypass_mode loss's: "ppo_clip" | "reinforce"
+
+    def __post_init__(self):
+        from grpo_jax import rollout_correction as rc
+
+        c = _Checks("algorithm.rollout_correction")
+        if self.rollout_is is not None:
+            c.choice("rollout_is", self.rollout_is, rc.ROLLOUT_IS_LEVELS)
+        c.choice("loss_type", self.loss_type, rc.LOSS_TYPES)
+        if self.rollout_is_threshold is not None:
+            c.call(rc.parse_rollout_is_threshold, self.rollout_is_threshold)
+        if self.rollout_rs is not None:
+            options = c.call(rc.parse_rollout_rs, self.rollout_rs)
+            c.need(self.rollout_rs_threshold is not None, "rollout_rs_threshold",
+                   self.rollout_rs_threshold, "is required with rollout_rs")
+            if options and self.rollout_rs_threshold is not None:
+                c.call(rc.parse_rollout_rs_thresholds, options, self.rollout_rs_threshold)
+        c.done()
+
+    @property
+    def active(self) -> bool:
+        """Whether anything changes the loss (weights, rejection or bypass)."""
+        return self.rollout_is is not None or self.rollout_rs is not None or self.bypass_mode
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmConfig:
+    """Section `algorithm`: the advantage estimator, the KL-in-reward penalty, DAPO's dynamic
+    sampling and rollout correction."""
+
+    # advantage.ADV_ESTIMATORS, a name given to advantage.register_adv_est, or "module:function"
+    # (imported and registered under that name).
+    adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = True  # divide by the group std (False = Dr.GRPO)
+    gamma: float = 1.0  # reinforce_plus_plus's discount
+    # gdpo: the reward components, keys of the scorer's dict outputs (comma-separated); "" =
+    # one component per function of reward.fn (with reward.weights), or the score alone.
+    gdpo_reward_keys: str = ""
+    gdpo_reward_weights: str = ""  # gdpo: comma-separated weights of those keys; "" = ones
     use_kl_in_reward: bool = False  # subtract kl_ctrl.kl_coef * KL(old || ref) from the reward
     kl_penalty: str = "kl"  # estimator of the in-reward KL (actor.kl_loss_type names)
     kl_ctrl: KLCtrlConfig = KLCtrlConfig()
+    filter_groups: FilterGroupsConfig = FilterGroupsConfig()
+    rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
 
     def __post_init__(self):
-        from grpo_jax import loss
+        from grpo_jax import advantage, loss
 
         c = _Checks("algorithm")
-        c.call(loss.check_choice, "adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
+        if ":" in self.adv_estimator:
+            c.call(_import_extension, "adv_estimator", self.adv_estimator, "advantage estimator")
+        else:
+            c.call(loss.check_choice, "adv_estimator", self.adv_estimator,
+                   advantage.adv_estimator_names())
         c.call(
             loss.check_choice,
             "kl_penalty",
             self.kl_penalty,
             [k for k in loss.KL_TYPES if "full" not in k],
         )
+        try:
+            weights = self.gdpo_weight_values
+        except ValueError:
+            c.need(False, "gdpo_reward_weights", self.gdpo_reward_weights,
+                   "must be comma-separated floats")
+        else:
+            keys = split_list(self.gdpo_reward_keys)
+            c.need(not weights or len(weights) == len(keys), "gdpo_reward_weights",
+                   self.gdpo_reward_weights,
+                   f"has {len(weights)} weights for {len(keys)} gdpo_reward_keys")
         c.done()
+
+    @property
+    def gdpo_weight_values(self) -> tuple[float, ...]:
+        return tuple(float(w) for w in split_list(self.gdpo_reward_weights))
+
+    @property
+    def uses_groups(self) -> bool:
+        """Whether the estimator's baseline comes from the other samples of a group."""
+        return self.adv_estimator not in ("reinforce_plus_plus", "remax")
 
 
 ON_ERROR_MODES = ("raise", "zero")
+
+
+@dataclasses.dataclass(frozen=True)
+class OverlongBufferConfig:
+    """Section `reward.overlong_buffer`: DAPO's soft penalty on overlong responses.
+
+    verl's DAPO reward manager (reward_kwargs.overlong_buffer_cfg): a response longer than
+    data.max_response_length - len gets penalty_factor x (its excess / len), capped at
+    penalty_factor, subtracted from its score.
+    """
+
+    enable: bool = False
+    len: int = 512  # tokens before max_response_length where the penalty starts
+    penalty_factor: float = 1.0  # the penalty at max_response_length
+    log: bool = False  # log reward_extra/overlong_reward and reward_extra/overlong
+
+    def __post_init__(self):
+        c = _Checks("reward.overlong_buffer")
+        c.need(self.len >= 1, "len", self.len, "must be >= 1")
+        c.need(self.penalty_factor >= 0, "penalty_factor", self.penalty_factor, "must be >= 0")
+        c.done()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -547,6 +756,7 @@ class RewardConfig:
     on_error: str = "raise"  # "raise" (stop, naming function + sample) | "zero" (score 0, counted)
     num_workers: int = 2  # scorer processes; 0 = score in the trainer (no timeout)
     timeout_s: float = 30.0  # per call of a function (one sample, or one batch for TRL-style)
+    overlong_buffer: OverlongBufferConfig = OverlongBufferConfig()
 
     def __post_init__(self):
         c = _Checks("reward")
@@ -619,12 +829,21 @@ class TrainerConfig:
     seed: int = 0  # rollout rng seed
     max_consecutive_nonfinite: int = 10  # stop after this many skipped (non-finite) updates
     progress_bar: bool = True  # tqdm bar with ETA
+    # validation samples logged per validation (workdir/val_generations.jsonl and the log)
+    log_val_generations: int = 0
     tensorboard: bool = True  # also log to workdir/tensorboard
+    # Peak TFLOP/s per device for perf/mfu/actor; 0 = grpo_jax.perf's table of accelerators
+    # (bf16 dense), and no MFU on devices it does not list (CPU).
+    device_peak_tflops: float = 0.0
 
     def __post_init__(self):
         c = _Checks("trainer")
         c.choice("resume_mode", self.resume_mode, ("auto", "disable"))
+        c.need(self.device_peak_tflops >= 0, "device_peak_tflops", self.device_peak_tflops,
+               "must be >= 0 (0 = look the device up)")
         _positive(c, self, "total_epochs", "max_consecutive_nonfinite")
+        c.need(self.log_val_generations >= 0, "log_val_generations", self.log_val_generations,
+               "must be >= 0")
         for name in ("save_freq", "test_freq"):
             value = getattr(self, name)
             c.need(value == -1 or value >= 1, name, value, "must be -1 (never) or >= 1")
@@ -691,7 +910,19 @@ class RunConfig:
     def __post_init__(self):
         c = _Checks("")
         a, d, r = self.actor, self.data, self.rollout
-        if self.algorithm.adv_estimator in ("grpo", "rloo"):
+        ob = self.reward.overlong_buffer
+        if ob.enable:
+            c.need(ob.len <= d.max_response_length, "reward.overlong_buffer.len", ob.len,
+                   f"must be <= data.max_response_length={d.max_response_length}")
+        fg = self.algorithm.filter_groups
+        c.need(
+            not (fg.enable and fg.metric == "seq_final_reward" and self.algorithm.use_kl_in_reward),
+            "algorithm.filter_groups.metric",
+            fg.metric,
+            "cannot be 'seq_final_reward' with algorithm.use_kl_in_reward: groups are filtered "
+            "before the log-probs that the KL term needs; use 'seq_reward'",
+        )
+        if self.algorithm.uses_groups:
             c.need(
                 r.n >= 2,
                 "rollout.n",
@@ -706,8 +937,43 @@ class RunConfig:
                 a.ppo_mini_batch_size,
                 f"must divide data.train_batch_size={d.train_batch_size}",
             )
+        c.need(
+            d.gen_batch_size is None or self.algorithm.filter_groups.enable,
+            "data.gen_batch_size",
+            d.gen_batch_size,
+            "is read only by DAPO's dynamic sampling: set algorithm.filter_groups.enable=True "
+            "or leave it None",
+        )
+        rc = self.algorithm.rollout_correction
+        c.need(
+            a.policy_loss.loss_mode != "bypass_mode" or rc.bypass_mode,
+            "actor.policy_loss.loss_mode",
+            a.policy_loss.loss_mode,
+            "needs algorithm.rollout_correction.bypass_mode=True (the loss takes the rollout "
+            "engine's log-probs as the old ones)",
+        )
         c.problems = [p.removeprefix(".") for p in c.problems]
         c.done()
+
+    def loss_config(self):
+        """The update's static `trainer.LossConfig`: actor.* plus what other sections add (the
+        rollout temperature; the rollout-correction settings for the bypass_mode loss)."""
+        lc = self.actor.loss_config(temperature=self.rollout.temperature)
+        if self.actor.policy_loss.loss_mode == "bypass_mode":
+            rc = self.algorithm.rollout_correction
+            settings = tuple(
+                (k, getattr(rc, k))
+                for k in ("loss_type", "rollout_is", "rollout_is_threshold",
+                          "rollout_is_batch_normalize", "rollout_rs", "rollout_rs_threshold")
+            )
+            lc = dataclasses.replace(
+                lc, policy_loss_kwargs=lc.policy_loss_kwargs + (("rollout_correction", settings),)
+            )
+        # Without an old-log-prob pass (on-policy) the update's forward is where verl's
+        # actor/entropy (the pre-update policy's) comes from.
+        return dataclasses.replace(
+            lc, calculate_entropy=self.actor.calculate_entropy or not self.needs_old_log_probs
+        )
 
     @property
     def needs_reference(self) -> bool:
@@ -727,8 +993,20 @@ class RunConfig:
 
     @property
     def needs_old_log_probs(self) -> bool:
-        """Whether a step runs the old-log-prob pass before the update."""
-        return not self.on_policy or self.algorithm.use_kl_in_reward
+        """Whether a step runs the old-log-prob pass before the update.
+
+        Off-policy updates, the KL in the reward and rollout correction need it; bypass_mode
+        takes the engine's log-probs as the old ones instead (for the KL in the reward too).
+        """
+        rc = self.algorithm.rollout_correction
+        if rc.bypass_mode:
+            return False
+        return not self.on_policy or self.algorithm.use_kl_in_reward or rc.active
+
+    @property
+    def gen_batch_size(self) -> int:
+        """Prompts per generation batch (data.gen_batch_size, default data.train_batch_size)."""
+        return self.data.gen_batch_size or self.data.train_batch_size
 
     @property
     def mini_batches_per_step(self) -> int:
@@ -753,8 +1031,8 @@ class RunConfig:
                 f"rollout.log_prob_micro_batch_size_per_gpu x {dp} devices = {lp} must divide "
                 f"the batch of {batch} sequences"
             )
-        for name in ("train_batch_size", "val_batch_size"):
-            if getattr(d, name) % dp:
+        for name in ("train_batch_size", "val_batch_size", "gen_batch_size"):
+            if (getattr(d, name) or 0) % dp:
                 problems.append(
                     f"data.{name}={getattr(d, name)} must be a multiple of the {dp} data devices"
                 )

@@ -274,6 +274,7 @@ def read_tfds(
     already prepared there, by tfds or copied from elsewhere, is read offline.
     """
     import tensorflow_datasets as tfds
+    import tensorflow_datasets.text  # noqa: F401 - registers the text builders (gsm8k among them)
 
     source = tfds.data_source(name, split=split, data_dir=data_dir)
     rows = [_decoded(source[i]) for i in range(len(source))]

@@ -48,7 +48,12 @@ def model(
         cfg, params = model_lib.load(
             spec.path, dtype=param_dtype, shardings=sharding.shard_fn(mesh, rules)
         )
-        cfg = dataclasses.replace(cfg, dtype=dtype, remat=spec.enable_gradient_checkpointing)
+        cfg = dataclasses.replace(
+            cfg,
+            dtype=dtype,
+            remat=spec.enable_gradient_checkpointing,
+            remat_policy=spec.gradient_checkpointing_policy,
+        )
         if len(tok) > cfg.vocab_size:
             raise ValueError(
                 f"the tokenizer of model.path={spec.path!r} has {len(tok)} tokens, more than the "
@@ -68,6 +73,7 @@ def model(
         dtype=dtype,
         param_dtype=param_dtype,
         remat=spec.enable_gradient_checkpointing,
+        remat_policy=spec.gradient_checkpointing_policy,
         max_position_embeddings=max_positions,
         eos_token_ids=(tok.eos_token_id,),
         pad_token_id=tok.pad_token_id,

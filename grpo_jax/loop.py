@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import os
 import time
@@ -98,7 +99,7 @@ def make_engine(run, model_config, mesh, *, eos_ids, pad_id, workdir):
     from grpo_jax import vllm_sidecar
 
     sidecar = vllm_sidecar.VLLMSidecar(
-        run.rollout.vllm.sidecar_config(), model_config, os.path.join(workdir, "vllm")
+        run.rollout.sidecar_config(), model_config, os.path.join(workdir, "vllm")
     )
     return step.SidecarEngine(sidecar, eos_ids=eos_ids, pad_id=pad_id)
 
@@ -202,7 +203,7 @@ def train(
         os.path.join(workdir, "checkpoints"), max_to_keep=run.checkpoint.max_to_keep
     )
     writer = metrics.Writer(workdir, tensorboard=run.trainer.tensorboard, enabled=is_main)
-    loop = _LoopState(state, ref_params, root_key, data.Position(), 0)
+    loop = _LoopState(state, ref_params, root_key, data.Position(), 0, run.algorithm.kl_ctrl.kl_coef)
     start_step, first_row = 0, {}
     restored = None
     if run.trainer.resume_mode == "auto":
@@ -213,6 +214,8 @@ def train(
         start_step, tree, meta = restored
         loop = loop.restored(tree, meta, with_ref=ref_in_ckpt)
         writer.truncate_after(start_step)
+        if is_main:
+            truncate_generations(workdir, start_step)
         if start_step not in [r["step"] for r in metrics.read(workdir)]:
             writer.write(start_step, meta["metrics"])  # killed between the save and the row
         logging.info(
@@ -223,6 +226,8 @@ def train(
         )
     else:
         writer.truncate_after(-1)
+        if is_main:
+            truncate_generations(workdir, -1)
         if run.warmup.steps:
             loop.state, first_row = warm_up(
                 run,
@@ -254,10 +259,11 @@ def train(
         run.rollout.val_kwargs.top_k,
     )
 
-    def evaluate(params):
-        return validation.validate(
+    def evaluate(state, step_done: int):
+        engine.sync(state.params, int(jax.device_get(state.step)))  # after an update: push it
+        result = validation.run(
             engine,
-            params,
+            state.params,
             val_set,
             reward_fn=reward_fn,
             tokenizer=tokenizer,
@@ -266,13 +272,18 @@ def train(
             pad_id=pad_id,
             seed=run.trainer.seed,
             pool=pool,
+            policy_version=int(jax.device_get(state.step)),
+            num_generations=run.trainer.log_val_generations,
         )
+        if result.generations and is_main:
+            write_generations(workdir, step_done, result.generations)
+        return result.metrics
 
     history = []
     try:
-        engine.start(loop.state.params)  # weights in sync until the first update
+        engine.start(loop.state.params, int(jax.device_get(loop.state.step)))
         if start_step == 0 and run.trainer.val_before_train and val_set is not None:
-            first_row |= evaluate(loop.state.params)
+            first_row |= evaluate(loop.state, 0)
         if first_row:
             writer.write(0, first_row)
             history.append({"step": 0, **first_row})
@@ -298,6 +309,42 @@ def train(
     return Result(loop.state, model_config, history, workdir)
 
 
+GENERATIONS_FILE = "val_generations.jsonl"
+
+
+def write_generations(workdir: str, step_done: int, generations: Sequence[dict], *,
+                      log: bool = True) -> None:
+    """Appends one validation's logged samples to workdir/val_generations.jsonl (and the log)."""
+    with open(os.path.join(workdir, GENERATIONS_FILE), "a") as f:
+        for g in generations:
+            f.write(json.dumps({"step": step_done, **g}, default=str) + "\n")
+    for g in generations if log else ():
+        logging.info("val sample (step %d, score %.3g): %r -> %r", step_done, g["score"],
+                     g["input"], g["output"])
+
+
+def truncate_generations(workdir: str, step: int) -> None:
+    """Drops the logged samples of validations after `step` (a resumed run redoes them)."""
+    kept = {k: v for k, v in read_generations(workdir).items() if k <= step}
+    path = os.path.join(workdir, GENERATIONS_FILE)
+    if os.path.exists(path):
+        os.remove(path)
+    for k, rows in kept.items():
+        write_generations(workdir, k, rows, log=False)
+
+
+def read_generations(workdir: str) -> dict[int, list[dict]]:
+    """{step: samples} of workdir/val_generations.jsonl ({} when none were logged)."""
+    path = os.path.join(workdir, GENERATIONS_FILE)
+    out: dict[int, list[dict]] = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                row = json.loads(line)
+                out.setdefault(row.pop("step"), []).append(row)
+    return out
+
+
 def _examples(rows, name: str, layout, on_malformed: str) -> list[data.Example]:
     if all(isinstance(r, data.Example) for r in rows):
         return list(rows)
@@ -313,6 +360,7 @@ class _LoopState:
     root_key: jax.Array
     position: data.Position
     consecutive_bad: int
+    kl_coef: float  # the in-reward KL coefficient of the next step (algorithm.kl_ctrl)
 
     def tree(self, *, with_ref: bool) -> dict:
         tree = {"train": self.state, "rng": self.root_key}
@@ -335,6 +383,7 @@ class _LoopState:
             tree["rng"],
             data.Position(meta["data_epoch"], meta["data_index"]),
             meta["consecutive_nonfinite"],
+            meta.get("kl_coef", self.kl_coef),
         )
 
     def meta(self, step: int, row: dict) -> dict:
@@ -345,6 +394,7 @@ class _LoopState:
             "data_epoch": self.position.epoch,
             "data_index": self.position.index,
             "consecutive_nonfinite": self.consecutive_bad,
+            "kl_coef": self.kl_coef,
             "metrics": row,
         }
 
@@ -366,21 +416,26 @@ def _steps(
     t = run.trainer
     for i in range(start, steps):
         t_step = time.perf_counter()
-        idx, loop.position = data.next_indices(
-            len(train_set),
-            loop.position,
-            run.data.train_batch_size,
-            seed=run.data.seed,
-            shuffle=run.data.shuffle,
-        )
-        prompts = data.make_batch(train_set, idx, pad_token_id=ctx.engine.pad_id)
+
+        def next_prompts(count: int) -> data.PromptBatch:
+            idx, loop.position = data.next_indices(
+                len(train_set), loop.position, count, seed=run.data.seed, shuffle=run.data.shuffle
+            )
+            return data.make_batch(train_set, idx, pad_token_id=ctx.engine.pad_id)
+
         rng = jax.random.fold_in(jax.random.wrap_key_data(loop.root_key), i)
         timing = {}
-        if i > start:  # the params changed in the last update
-            synced = ctx.engine.sync(loop.state.params)
-            if synced is not None:
-                timing["timing_s/weight_sync"] = synced
-        loop.state, row = step.run_step(ctx, loop.state, loop.ref_params, prompts, rng, schedule(i))
+        synced = ctx.engine.sync(loop.state.params, int(jax.device_get(loop.state.step)))
+        if synced is not None:  # the params changed in the last update
+            timing["timing_s/weight_sync"] = synced
+        loop.state, row = step.run_step(
+            ctx, loop.state, loop.ref_params, next_prompts, rng, schedule(i), kl_coef=loop.kl_coef
+        )
+        if run.algorithm.use_kl_in_reward:  # the controller moves after the step (verl)
+            loop.kl_coef = step.next_kl_coef(
+                run.algorithm.kl_ctrl, loop.kl_coef, row["actor/reward_kl_penalty"],
+                n_steps=run.data.train_batch_size * run.rollout.n,
+            )
         loop.consecutive_bad = loop.consecutive_bad + 1 if row["actor/update_skipped"] else 0
         if loop.consecutive_bad >= t.max_consecutive_nonfinite:
             raise RuntimeError(
@@ -394,7 +449,7 @@ def _steps(
         done = i + 1
         timing["timing_s/step"] = time.perf_counter() - t_step  # verl: validation excluded
         if evaluate is not None and t.test_freq > 0 and (done % t.test_freq == 0 or done == steps):
-            last_val = _timed(timing, "testing", evaluate, loop.state.params)
+            last_val = _timed(timing, "testing", evaluate, loop.state, done)
             row |= last_val
         row |= timing
         row["perf/time_per_step"] = timing["timing_s/step"]

@@ -603,7 +603,10 @@ _REGISTERED_POLICY_LOSSES = registry.Registry("policy loss", POLICY_LOSS_MODES)
 
 
 def policy_loss_mode_names():
-    """Every mode ``compute_policy_loss`` accepts now: ``POLICY_LOSS_MODES``, then registered."""
+    """Every mode ``compute_policy_loss`` accepts now: ``POLICY_LOSS_MODES``, then registered
+    ones (``bypass_mode`` among them, registered by grpo_jax.rollout_correction)."""
+    from grpo_jax import rollout_correction  # noqa: F401  (registers "bypass_mode")
+
     return _REGISTERED_POLICY_LOSSES.names()
 
 
@@ -701,7 +704,8 @@ def compute_policy_loss(
       be > 0 (ValueError, as verl). Metric ``actor/ppo_kl``.
     * a name added with ``register_policy_loss``: that function, with every keyword here.
 
-    verl's ``bypass_mode`` loss lives in ``rollout_correction.compute_policy_loss_bypass_mode``.
+    * ``bypass_mode``: verl's bypass loss, ``rollout_correction.compute_policy_loss_bypass_mode``
+      (registered by that module), given its settings as ``rollout_correction=...``.
     L is multiplied by ``rollout_is_weights`` when given (except geo_mean, above), then
     aggregated with ``agg_loss``.
 

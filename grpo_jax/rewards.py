@@ -71,22 +71,28 @@ def signature_style(fn: Callable, name: str = "") -> str:
     )
 
 
-def load_function(spec: str) -> Callable:
-    """Imports a reward function named "module:function" ("grpo_jax.reward_score:gsm8k_score")."""
+def import_callable(spec: str, *, what: str = "reward function") -> Callable:
+    """Imports "module:function" (also user estimators and losses named in a config: `what`)."""
     module_name, sep, attr = spec.strip().partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"reward function must be 'module:function', got {spec!r}")
+        raise ValueError(f"{what} must be 'module:function', got {spec!r}")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"reward function {spec!r}: cannot import module {module_name!r}") from e
+        raise ValueError(f"{what} {spec!r}: cannot import module {module_name!r}") from e
     fn = module
     for part in attr.split("."):
         if not hasattr(fn, part):
-            raise ValueError(f"reward function {spec!r}: {module_name!r} has no {attr!r}")
+            raise ValueError(f"{what} {spec!r}: {module_name!r} has no {attr!r}")
         fn = getattr(fn, part)
     if not callable(fn):
-        raise ValueError(f"reward function {spec!r} is not callable")
+        raise ValueError(f"{what} {spec!r} is not callable")
+    return fn
+
+
+def load_function(spec: str) -> Callable:
+    """Imports a reward function named "module:function" ("grpo_jax.reward_score:gsm8k_score")."""
+    fn = import_callable(spec)
     signature_style(fn, spec)
     return fn
 

@@ -821,3 +821,66 @@ def compute_policy_loss_bypass_mode(
             **global_batch_info,
         )
     return pg_loss, {**metrics, **corr_metrics}
+
+
+@loss.register_policy_loss("bypass_mode")
+def bypass_mode_policy_loss(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    *,
+    loss_agg_mode,
+    rollout_correction=None,
+    clip_ratio=0.2,
+    clip_ratio_low=None,
+    clip_ratio_high=None,
+    clip_ratio_c=3.0,
+    dp_size=1,
+    batch_num_tokens=None,
+    global_batch_size=None,
+    loss_scale_factor=None,
+    **unused,
+):
+    """``policy_loss_mode="bypass_mode"``: ``compute_policy_loss_bypass_mode`` by name.
+
+    ``rollout_correction`` holds the ``algorithm.rollout_correction`` settings it reads
+    (``rollout_is``, ``rollout_is_threshold``, ``rollout_is_batch_normalize``, ``rollout_rs``,
+    ``rollout_rs_threshold``, ``loss_type``) as a dict or a tuple of (name, value) pairs, the way
+    verl hands the loss ``policy_loss.rollout_correction``. The trainer's ``rollout_is_weights``
+    and the other losses' settings in ``unused`` are ignored, as in verl.
+    """
+    del unused
+    if rollout_correction is None:
+        raise ValueError(
+            "policy_loss_mode='bypass_mode' needs rollout_correction=<the "
+            "algorithm.rollout_correction settings> (grpo_jax's config passes them when "
+            "algorithm.rollout_correction.bypass_mode=True)"
+        )
+    settings = dict(rollout_correction)
+    return compute_policy_loss_bypass_mode(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode=loss_agg_mode,
+        clip_ratio=clip_ratio,
+        clip_ratio_low=clip_ratio_low,
+        clip_ratio_high=clip_ratio_high,
+        clip_ratio_c=clip_ratio_c,
+        dp_size=dp_size,
+        batch_num_tokens=batch_num_tokens,
+        global_batch_size=global_batch_size,
+        loss_scale_factor=loss_scale_factor,
+        **{k: settings[k] for k in _BYPASS_SETTINGS if k in settings},
+    )
+
+
+_BYPASS_SETTINGS = (
+    "loss_type",
+    "rollout_is",
+    "rollout_is_threshold",
+    "rollout_is_batch_normalize",
+    "rollout_rs",
+    "rollout_rs_threshold",
+)

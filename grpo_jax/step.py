@@ -13,14 +13,15 @@ same ones). `run_step` chains the stages and returns the step's verl-named metri
 (grpo_jax/loop.py) adds validation, checkpoints and logging around it.
 
 Rollout engines share one interface (`NativeEngine` for grpo_jax.sampler, `SidecarEngine` for
-the vLLM server): start(params), sync(params) after each update, sample(...) -> sampler.Rollout,
-close().
+the vLLM server): start(params, version), sync(params, version) after each update,
+sample(..., policy_version) -> sampler.Rollout, close(); a version is TrainState.step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,10 +32,11 @@ import numpy as np
 
 from grpo_jax import advantage as advantage_lib
 from grpo_jax import config as config_lib
-from grpo_jax import data, distributed, rewards, sampler, trainer
+from grpo_jax import data, distributed, packing, perf, rewards, sampler, trainer
 from grpo_jax import loss as loss_lib
 from grpo_jax import model as model_lib
 from grpo_jax import reward_pool as reward_pool_lib
+from grpo_jax import rollout_correction as rollout_correction_lib
 
 # ---------------------------------------------------------------------------------------------
 # Rollout engines
@@ -73,14 +75,16 @@ class NativeEngine:
         self.model_config, self.mesh = model_config, mesh
         self.eos_ids, self.pad_id = tuple(eos_ids), pad_id
 
-    def start(self, params) -> None:
-        del params
+    def start(self, params, version: int = 0) -> None:
+        del params, version
 
-    def sync(self, params) -> float | None:
-        del params
+    def sync(self, params, version: int) -> float | None:
+        del params, version
         return None
 
-    def sample(self, params, prompt_ids_PT, prompt_mask_PT, rng, sp: SamplingParams):
+    def sample(self, params, prompt_ids_PT, prompt_mask_PT, rng, sp: SamplingParams,
+               policy_version: int | None = None):
+        del policy_version  # samples with `params` themselves: always current
         ids = distributed.to_device(prompt_ids_PT, self.mesh)
         mask = distributed.to_device(prompt_mask_PT, self.mesh)
         return sampler.sample(
@@ -99,19 +103,34 @@ class NativeEngine:
 
 
 class SidecarEngine:
-    """A vLLM server (grpo_jax.vllm_sidecar) fed the trainer's weights after every update."""
+    """A vLLM server (grpo_jax.vllm_sidecar) fed the trainer's weights after every update.
+
+    Policy versions are the trainer's (TrainState.step, optimizer steps taken): start and sync
+    record which server weights version holds which policy version, and `sample` refuses a
+    rollout whose weights are not the policy version the caller is about to update
+    (vllm_sidecar.StaleRolloutError), e.g. after an update without a sync, or a server restarted
+    from an older export.
+    """
 
     def __init__(self, sidecar, *, eos_ids, pad_id):
         self.sidecar = sidecar
         self.eos_ids, self.pad_id = tuple(eos_ids), pad_id
+        self.policy_of: dict[int, int] = {}  # server weights version -> trainer policy version
 
-    def start(self, params) -> None:
+    def start(self, params, version: int = 0) -> None:
         self.sidecar.start(params)
+        self.policy_of[self.sidecar.weights_version] = version
 
-    def sync(self, params) -> float:
-        return self.sidecar.push_weights(params)
+    def sync(self, params, version: int) -> float | None:
+        """Pushes `params` as policy `version`; None (nothing done) when the server has it."""
+        if self.policy_of.get(self.sidecar.weights_version) == version:
+            return None
+        seconds = self.sidecar.push_weights(params)
+        self.policy_of[self.sidecar.weights_version] = version
+        return seconds
 
-    def sample(self, params, prompt_ids_PT, prompt_mask_PT, rng, sp: SamplingParams):
+    def sample(self, params, prompt_ids_PT, prompt_mask_PT, rng, sp: SamplingParams,
+               policy_version: int | None = None):
         del params  # the server holds the weights pushed by the last sync
         from grpo_jax import vllm_sidecar
 
@@ -123,7 +142,16 @@ class SidecarEngine:
             pad_token_id=self.pad_id,
             **sp.kwargs(),
         )
-        vllm_sidecar.check_fresh(rollout, self.sidecar.weights_version)
+        served = int(jax.device_get(rollout.weights_version))
+        if policy_version is None:
+            vllm_sidecar.check_fresh(rollout, self.sidecar.weights_version)
+        elif self.policy_of.get(served) != policy_version:
+            raise vllm_sidecar.StaleRolloutError(
+                f"the vLLM server sampled with weights version {served} (trainer policy version "
+                f"{self.policy_of.get(served)}), but the policy being updated is at version "
+                f"{policy_version}: sync the engine after every update (engine.sync(params, "
+                "version)) and sample again"
+            )
         return rollout
 
     def close(self) -> None:
@@ -139,12 +167,29 @@ class Programs:
     """The jitted functions of a run and the static sizes they were built for.
 
     Attributes:
-      update: (state, batch, mini_batch_index, lr) -> (state, metrics); state donated.
-      log_probs: (params, batch) -> (log_probs_BT, entropy_BT or None); `with_entropy` says
-        whether it returns the entropy (only the old-log-prob pass logs it).
-      advantage: (token_level_rewards_BT, response_mask_BT, group_ids_B) -> advantages_BT.
-      mini_rows / micro_rows / logprob_rows: sequences per mini-batch, micro-batch, log-prob
-        micro-batch (global, over all data devices).
+      update: (state, batch, mini_batch_index, lr) -> (state, metrics), padded micro-batches of
+        `micro_rows` sequences (actor.use_dynamic_bsz off); state donated.
+      log_probs / log_probs_entropy: (params, batch) -> (log_probs_BT, entropy_BT or None),
+        padded micro-batches of `logprob_rows` sequences; the second also returns the entropy
+        (the old-log-prob pass logs it).
+      packed_grads: (params, grads, micro, mini_batch) -> (grads, metrics) for one packed
+        micro-batch (actor.use_dynamic_bsz); grads donated.
+      apply: (state, grads, loss, lr) -> (state, metrics): the optimizer step after the packed
+        micro-batches; state donated.
+      packed_log_probs / packed_log_probs_entropy: (params, micro, lp_BT, ent_BT) -> (lp_BT,
+        ent_BT) adding one packed micro-batch (rollout.log_prob_use_dynamic_bsz); the [B, T]
+        accumulators donated.
+      advantage: (token_level_rewards_BT, response_mask_BT, group_ids_B, extras) ->
+        advantages_BT (make_advantage).
+      rollout_correction: (old_log_probs_BT, rollout_log_probs_BT, response_mask_BT) ->
+        (weights_BT or None, response_mask_BT, metrics) of algorithm.rollout_correction.
+      flop_update / flop_packed_grads: update and packed_grads without gradient checkpointing,
+        never run: `flops` (perf.FlopCounter) lowers them for the update's model FLOPs.
+      mini_rows / micro_rows / logprob_rows: sequences per mini-batch, padded micro-batch,
+        padded log-prob micro-batch (global, over all data devices).
+      update_tokens / logprob_tokens: the token budgets of a packed micro-batch (global).
+      row_len: the packed row length (packing.row_length of the run's prompt + response).
+      dp: the data devices (data x fsdp); packed rows per micro-batch are a multiple of it.
     """
 
     model_config: model_lib.ModelConfig
@@ -152,23 +197,33 @@ class Programs:
     update: Callable
     log_probs: Callable
     log_probs_entropy: Callable
+    packed_grads: Callable
+    apply: Callable
+    packed_log_probs: Callable
+    packed_log_probs_entropy: Callable
     advantage: Callable
+    rollout_correction: Callable
+    flop_update: Callable
+    flop_packed_grads: Callable
+    flops: perf.FlopCounter
     mini_rows: int
     micro_rows: int
     logprob_rows: int
+    update_tokens: int
+    logprob_tokens: int
+    row_len: int
+    dp: int
 
 
 def make_programs(
     run: config_lib.RunConfig, model_config: model_lib.ModelConfig, tx, *, dp: int
 ) -> Programs:
     """Builds (does not compile) the jitted functions of `run` on `dp` = data x fsdp devices."""
-    a, n = run.actor, run.rollout.n
-    loss_config = a.loss_config(temperature=run.rollout.temperature)
+    a, n, r = run.actor, run.rollout.n, run.rollout
+    loss_config = run.loss_config()
     mini_rows = a.ppo_mini_batch_size * n
     micro_rows = min(a.ppo_micro_batch_size_per_gpu * dp, mini_rows)
-    logprob_rows = min(
-        run.rollout.log_prob_micro_batch_size_per_gpu * dp, run.data.train_batch_size * n
-    )
+    logprob_rows = min(r.log_prob_micro_batch_size_per_gpu * dp, run.data.train_batch_size * n)
     update = jax.jit(
         functools.partial(
             trainer.train_step,
@@ -180,6 +235,7 @@ def make_programs(
         ),
         donate_argnums=0,
     )
+    common = dict(temperature=r.temperature, chunk_size=loss_config.chunk_size)
 
     def log_probs_fn(calculate_entropy):
         return jax.jit(
@@ -187,36 +243,130 @@ def make_programs(
                 trainer.compute_log_probs,
                 model_config,
                 micro_batch_size=logprob_rows,
-                temperature=run.rollout.temperature,
-                chunk_size=loss_config.chunk_size,
                 calculate_entropy=calculate_entropy,
+                **common,
             )
         )
 
-    alg = run.algorithm
-    if alg.adv_estimator == "grpo":
-        estimator = functools.partial(
-            advantage_lib.compute_grpo_outcome_advantage,
-            norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
+    def packed_log_probs_fn(calculate_entropy):
+        return jax.jit(
+            functools.partial(
+                trainer.packed_log_probs_into,
+                model_config,
+                calculate_entropy=calculate_entropy,
+                **common,
+            ),
+            donate_argnums=(2, 3),
         )
-    else:
-        estimator = advantage_lib.compute_rloo_outcome_advantage
+
+    packed_grads = jax.jit(
+        functools.partial(
+            trainer.packed_micro_grads, model_config=model_config, loss_config=loss_config
+        ),
+        donate_argnums=1,
+    )
+    apply = jax.jit(functools.partial(trainer.apply_gradients, tx=tx), donate_argnums=0)
+    # The same update without gradient checkpointing, only lowered: its XLA FLOP count is the
+    # model FLOPs of perf/mfu/actor (grpo_jax/perf.py).
+    flop_model = dataclasses.replace(model_config, remat=False)
+    flop_update = jax.jit(
+        functools.partial(
+            trainer.train_step, model_config=flop_model, loss_config=loss_config, tx=tx,
+            mini_batch_size=mini_rows, micro_batch_size=micro_rows,
+        )
+    )
+    flop_packed_grads = jax.jit(
+        functools.partial(
+            trainer.packed_micro_grads, model_config=flop_model, loss_config=loss_config
+        )
+    )
+
+    advantage = make_advantage(run)
+    return Programs(
+        model_config=model_config,
+        loss_config=loss_config,
+        update=update,
+        log_probs=log_probs_fn(False),
+        log_probs_entropy=log_probs_fn(True),
+        packed_grads=packed_grads,
+        apply=apply,
+        packed_log_probs=packed_log_probs_fn(False),
+        packed_log_probs_entropy=packed_log_probs_fn(True),
+        advantage=advantage,
+        flop_update=flop_update,
+        flop_packed_grads=flop_packed_grads,
+        flops=perf.FlopCounter(),
+        rollout_correction=jax.jit(
+            functools.partial(
+                rollout_correction_lib.compute_rollout_correction,
+                **{k: v for k, v in rollout_correction_settings(run).items() if k != "bypass_mode"},
+            )
+        ),
+        mini_rows=mini_rows,
+        micro_rows=micro_rows,
+        logprob_rows=logprob_rows,
+        update_tokens=a.ppo_max_token_len_per_gpu * dp,
+        logprob_tokens=r.log_prob_max_token_len_per_gpu * dp,
+        row_len=packing.row_length(run.data.max_prompt_length, run.data.max_response_length),
+        dp=dp,
+    )
+
+
+def estimator_kwargs(run: config_lib.RunConfig) -> dict:
+    """The settings verl 0.9.1's trainer hands `run`'s estimator (advantage.compute_advantage):
+    norm_adv_by_std_in_grpo only to grpo and grpo_passk, gamma only to reinforce_plus_plus."""
+    alg = run.algorithm
+    if alg.adv_estimator in ("grpo", "grpo_passk"):
+        return {"norm_adv_by_std_in_grpo": alg.norm_adv_by_std_in_grpo}
+    if alg.adv_estimator == "reinforce_plus_plus":
+        return {"gamma": alg.gamma}
+    return {}
+
+
+def make_advantage(run: config_lib.RunConfig) -> Callable:
+    """jit((token_level_rewards_BT, response_mask_BT, group_ids_B, extras) -> advantages_BT) of
+    algorithm.adv_estimator; `extras` holds the per-batch inputs some estimators need
+    (reward_baselines for remax, reward_components / reward_weights for gdpo), else {}."""
+    name, kwargs = run.algorithm.adv_estimator, estimator_kwargs(run)
     num_groups = run.data.train_batch_size
 
     @jax.jit
-    def advantage(token_rewards_BT, response_mask_BT, group_ids_B):
-        return estimator(token_rewards_BT, response_mask_BT, group_ids_B, num_groups=num_groups)[0]
+    def advantage(token_rewards_BT, response_mask_BT, group_ids_B, extras):
+        return advantage_lib.compute_advantage(
+            name, token_rewards_BT, response_mask_BT, group_ids_B, num_groups=num_groups,
+            **kwargs, **extras,
+        )[0]
 
-    return Programs(
-        model_config,
-        loss_config,
-        update,
-        log_probs_fn(False),
-        log_probs_fn(True),
-        advantage,
-        mini_rows,
-        micro_rows,
-        logprob_rows,
+    return advantage
+
+
+@dataclasses.dataclass(frozen=True)
+class HostRollout:
+    """The rollout's tokens on the host, unbucketed: what packing reads (B = P * n rows)."""
+
+    prompt_ids_BP: np.ndarray
+    prompt_mask_BP: np.ndarray
+    response_ids_BT: np.ndarray
+    response_mask_BT: np.ndarray
+
+    def rows(self, start: int, stop: int) -> HostRollout:
+        return HostRollout(*(x[start:stop] for x in dataclasses.astuple(self)))
+
+    def pack(self, max_tokens: int, programs: Programs) -> packing.Packed:
+        return packing.pack(
+            self.prompt_ids_BP,
+            self.prompt_mask_BP,
+            self.response_ids_BT,
+            self.response_mask_BT,
+            max_tokens=max_tokens,
+            row_multiple=programs.dp,
+            row_len=programs.row_len,
+        )
+
+
+def _micro(packed: packing.Packed, m: int, mesh) -> trainer.PackedMicro:
+    return trainer.PackedMicro(
+        **{k: distributed.to_device(v, mesh) for k, v in packed.micro(m).items()}
     )
 
 
@@ -224,9 +374,14 @@ def make_programs(
 # Stages
 
 
-def generate(engine, params, prompts: data.PromptBatch, rng, sp: SamplingParams):
-    """Stage 1: n completions per prompt (a sampler.Rollout, B = P * n rows)."""
-    return engine.sample(params, prompts.prompt_ids_PT, prompts.prompt_mask_PT, rng, sp)
+def generate(engine, params, prompts: data.PromptBatch, rng, sp: SamplingParams, *,
+             policy_version: int | None = None):
+    """Stage 1: n completions per prompt (a sampler.Rollout, B = P * n rows).
+
+    `policy_version` (TrainState.step of `params`) lets an engine that holds its own copy of the
+    weights refuse a rollout sampled under other ones."""
+    return engine.sample(params, prompts.prompt_ids_PT, prompts.prompt_mask_PT, rng, sp,
+                         policy_version)
 
 
 def decode(tokenizer, response_ids_BT: np.ndarray, response_mask_BT: np.ndarray) -> list[str]:
@@ -244,7 +399,8 @@ class Scored:
 
     texts: list[str]
     result: rewards.RewardResult
-    response_mask_BT: np.ndarray  # host copy, for lengths and metrics
+    response_ids_BT: np.ndarray  # host copies, for packing, lengths and metrics
+    response_mask_BT: np.ndarray
 
 
 def score(
@@ -263,21 +419,26 @@ def score(
     )
     texts = decode(tokenizer, ids, mask)
     examples = [ex for ex in prompts.examples for _ in range(n)]
-    return Scored(texts, rewards.score_batch(reward_fn, texts, examples, pool=pool), mask)
+    return Scored(texts, rewards.score_batch(reward_fn, texts, examples, pool=pool), ids, mask)
 
 
 def train_batch(rollout: sampler.Rollout, *, prompt_width: int, bucket: int) -> trainer.TrainBatch:
     """The update's model input: prompt + response, advantages still zero.
 
-    The sampler's prompt columns are bucketed to its own multiple; the update keeps only the last
-    bucket_length(prompt_width, bucket) of them (the dropped ones are all padding), so short
-    prompts do not pay for the sampler's bucket.
+    The update's prompt columns are the last bucket_length(prompt_width, bucket) of the
+    rollout's (the dropped ones are all padding, and a narrower rollout is left-padded), so
+    short prompts do not pay for the sampler's bucket and the compiled shapes stay few.
     """
-    width = min(rollout.prompt_ids.shape[1], sampler.bucket_length(prompt_width, bucket))
+    width = sampler.bucket_length(prompt_width, bucket)
+    short = max(0, width - rollout.prompt_ids.shape[1])  # e.g. batches joined by concat()
+
+    def prompt_columns(x):
+        return jnp.pad(x, ((0, 0), (short, 0)))[:, -width:]
+
     mask = rollout.response_mask
     return trainer.TrainBatch(
-        input_ids_BS=jnp.concatenate([rollout.prompt_ids[:, -width:], rollout.response_ids], 1),
-        attention_mask_BS=jnp.concatenate([rollout.prompt_mask[:, -width:], mask], 1),
+        input_ids_BS=jnp.concatenate([prompt_columns(rollout.prompt_ids), rollout.response_ids], 1),
+        attention_mask_BS=jnp.concatenate([prompt_columns(rollout.prompt_mask), mask], 1),
         response_ids_BT=rollout.response_ids,
         response_mask_BT=mask,
         advantages_BT=jnp.zeros(mask.shape, jnp.float32),
@@ -290,19 +451,48 @@ def log_probs(
     state: trainer.TrainState,
     ref_params,
     batch: trainer.TrainBatch,
+    host: HostRollout,
+    mesh,
     timing: dict,
+    *,
+    rollout_log_probs_BT=None,
 ) -> tuple[trainer.TrainBatch, dict]:
     """Stage 3: the old log-probs (when the run needs them) and the reference log-probs.
 
-    Returns the batch with them and the metrics of the old pass (verl logs `actor/entropy` there,
-    before the update, over the whole batch).
+    With rollout.log_prob_use_dynamic_bsz both passes run over packed token-budget
+    micro-batches (packing.py), otherwise over padded micro-batches. With
+    algorithm.rollout_correction.bypass_mode the old log-probs are the engine's
+    (`rollout_log_probs_BT`) and there is no old pass. Returns the batch with them and the
+    metrics of the old pass (verl logs `actor/entropy` there, before the update, over the whole
+    batch).
     """
+    needed = run.needs_old_log_probs or ref_params is not None
+    if run.algorithm.rollout_correction.bypass_mode:
+        if rollout_log_probs_BT is None:
+            raise ValueError(
+                "algorithm.rollout_correction.bypass_mode=True takes the rollout engine's "
+                "log-probs as the old ones, but this rollout has none"
+            )
+        batch = batch.replace(old_log_probs_BT=rollout_log_probs_BT)
+    packed = None
+    if run.rollout.log_prob_use_dynamic_bsz and needed:
+        packed = host.pack(programs.logprob_tokens, programs)
+
+    def run_pass(params, with_entropy):
+        if packed is None:
+            fn = programs.log_probs_entropy if with_entropy else programs.log_probs
+            return fn(params, batch)
+        fn = programs.packed_log_probs_entropy if with_entropy else programs.packed_log_probs
+        lp_BT = jnp.zeros(batch.response_mask_BT.shape, jnp.float32)
+        ent_BT = jnp.zeros_like(lp_BT)
+        for m in range(packed.num_micro):
+            lp_BT, ent_BT = fn(params, _micro(packed, m, mesh), lp_BT, ent_BT)
+        return lp_BT, ent_BT if with_entropy else None
+
     metrics = {}
-    old_BT = ref_BT = None
+    old_BT, ref_BT = batch.old_log_probs_BT, None
     if run.needs_old_log_probs:
-        old_BT, ent_BT = _timed(
-            timing, "old_log_prob", programs.log_probs_entropy, state.params, batch
-        )
+        old_BT, ent_BT = _timed(timing, "old_log_prob", run_pass, state.params, True)
         metrics["actor/entropy"] = float(
             loss_lib.agg_loss(
                 ent_BT,
@@ -312,7 +502,7 @@ def log_probs(
             )
         )
     if ref_params is not None:
-        ref_BT, _ = _timed(timing, "ref", programs.log_probs, ref_params, batch)
+        ref_BT, _ = _timed(timing, "ref", run_pass, ref_params, False)
     return batch.replace(old_log_probs_BT=old_BT, ref_log_probs_BT=ref_BT), metrics
 
 
@@ -336,6 +526,23 @@ def kl_in_reward(
     return scores_BT - beta * kld_BT, metrics
 
 
+def next_kl_coef(kl_ctrl: config_lib.KLCtrlConfig, kl_coef: float, current_kl: float,
+                 n_steps: int) -> float:
+    """algorithm.kl_ctrl after a step: "fixed" keeps the coefficient; "adaptive" is verl's
+    AdaptiveKLController, beta * (1 + clip(current_kl / target_kl - 1, -0.2, 0.2) * n / horizon)
+    with n the step's sequences."""
+    if kl_ctrl.type == "fixed":
+        return kl_coef
+    error = float(np.clip(current_kl / kl_ctrl.target_kl - 1.0, -0.2, 0.2))
+    return kl_coef * (1.0 + error * n_steps / kl_ctrl.horizon)
+
+
+def rollout_correction_settings(run: config_lib.RunConfig) -> dict:
+    """algorithm.rollout_correction as rollout_correction.compute_rollout_correction's kwargs."""
+    rc = run.algorithm.rollout_correction
+    return {f.name: getattr(rc, f.name) for f in dataclasses.fields(rc)}
+
+
 def advantages(
     programs: Programs,
     run: config_lib.RunConfig,
@@ -344,8 +551,14 @@ def advantages(
     scores_B: Sequence[float],
     mesh,
     timing: dict,
+    *,
+    kl_coef: float | None = None,
+    extras: dict | None = None,
 ) -> tuple[trainer.TrainBatch, dict]:
-    """Stage 4: token-level rewards (plus the in-reward KL) -> group advantages."""
+    """Stage 4 (verl's _compute_advantage): token-level rewards (minus the in-reward KL at
+    `kl_coef`, default algorithm.kl_ctrl.kl_coef), then rollout correction against the engine's
+    log-probs (weights and rejection mask, whenever the old log-probs were recomputed), then the
+    estimator's advantages. `extras`: the estimator's per-batch inputs (make_advantage)."""
     mask_BT = batch.response_mask_BT
     scores = distributed.to_device(np.asarray(scores_B, np.float32), mesh)
     rewards_BT = token_level_scores(scores, mask_BT)
@@ -356,30 +569,75 @@ def advantages(
             batch.old_log_probs_BT,
             batch.ref_log_probs_BT,
             mask_BT,
-            beta=run.algorithm.kl_ctrl.kl_coef,
+            beta=run.algorithm.kl_ctrl.kl_coef if kl_coef is None else kl_coef,
             kl_penalty=run.algorithm.kl_penalty,
         )
-    adv_BT = _timed(timing, "adv", programs.advantage, rewards_BT, mask_BT, rollout.group_ids)
+    bypass = run.algorithm.rollout_correction.bypass_mode
+    if not bypass and batch.old_log_probs_BT is not None and rollout.log_probs is not None:
+        weights_BT, mask_BT, corr = _timed(
+            timing, "rollout_correction", programs.rollout_correction,
+            batch.old_log_probs_BT, rollout.log_probs, mask_BT,
+        )
+        metrics |= {k: float(v) for k, v in jax.device_get(corr).items()}
+        batch = batch.replace(response_mask_BT=mask_BT, rollout_is_weights_BT=weights_BT)
+    adv_BT = _timed(
+        timing, "adv", programs.advantage, rewards_BT, mask_BT, rollout.group_ids, extras or {}
+    )
     valid = distributed.to_host(mask_BT).astype(bool)
     metrics |= _stats("critic/advantages", distributed.to_host(adv_BT)[valid])
     metrics |= _stats("critic/returns", distributed.to_host(adv_BT)[valid])
     metrics |= _stats("critic/rewards", distributed.to_host(jnp.sum(rewards_BT, 1)))
-    old = None if run.on_policy else batch.old_log_probs_BT
+    old = None if run.on_policy and not bypass else batch.old_log_probs_BT
     return batch.replace(advantages_BT=adv_BT, old_log_probs_BT=old), metrics
 
 
 def update(
-    programs: Programs, run: config_lib.RunConfig, state: trainer.TrainState, batch, lr
+    programs: Programs,
+    run: config_lib.RunConfig,
+    state: trainer.TrainState,
+    batch: trainer.TrainBatch,
+    lr,
+    host: HostRollout,
+    mesh,
 ) -> tuple[trainer.TrainState, dict]:
-    """Stage 5: actor.ppo_epochs x mini-batches of the jitted update; metrics averaged."""
-    updates = []
+    """Stage 5: actor.ppo_epochs x mini-batches of optimizer steps; metrics averaged.
+
+    With actor.use_dynamic_bsz each mini-batch is packed into token-budget micro-batches whose
+    gradients are summed (one compiled shape per packed shape, however many micro-batches),
+    otherwise it runs as padded micro-batches inside one jitted step.
+    """
+    updates, flops = [], 0.0
+    mini = programs.mini_rows
+    packs = {}
+    lr = jnp.float32(lr)
     for _ in range(run.actor.ppo_epochs):
         for i in range(run.mini_batches_per_step):
-            state, m = programs.update(state, batch, jnp.int32(i), jnp.float32(lr))
-            updates.append(m)
+            if not run.actor.use_dynamic_bsz:
+                index = jnp.int32(i)
+                flops += programs.flops.counted("update", programs.flop_update, state, batch,
+                                                index, lr)
+                state, m = programs.update(state, batch, index, lr)
+                updates.append(m)
+                continue
+            if i not in packs:  # mini-batches are the same slices in every epoch
+                rows = host.rows(i * mini, (i + 1) * mini)
+                packs[i] = rows.pack(programs.update_tokens, programs)
+            packed = packs[i]
+            mini_batch = jax.tree.map(lambda x, i=i: x[i * mini : (i + 1) * mini], batch)
+            grads = jax.tree.map(jnp.zeros_like, state.params)
+            summed = {}
+            for m in range(packed.num_micro):
+                micro = _micro(packed, m, mesh)
+                flops += programs.flops.counted("packed_grads", programs.flop_packed_grads,
+                                                state.params, grads, micro, mini_batch)
+                grads, metrics = programs.packed_grads(state.params, grads, micro, mini_batch)
+                summed = metrics if not summed else jax.tree.map(jnp.add, summed, metrics)
+            state, opt_metrics = programs.apply(state, grads, summed["actor/loss"], lr)
+            updates.append({**summed, **opt_metrics, "actor/micro_batches": packed.num_micro})
     updates = jax.device_get(updates)
     record = {k: float(np.mean([u[k] for u in updates])) for k in updates[0]}
     record["actor/update_skipped"] = sum(float(u["actor/update_skipped"]) for u in updates)
+    record["perf/actor_flops"] = flops
     return state, record
 
 
@@ -400,41 +658,347 @@ class StepContext:
     pool: reward_pool_lib.Pool | None = None
 
 
-def run_step(
-    ctx: StepContext, state: trainer.TrainState, ref_params, prompts: data.PromptBatch, rng, lr
-) -> tuple[trainer.TrainState, dict]:
-    """Stages 1-5 on one prompt batch; returns the new state and the step's metrics."""
-    run, timing = ctx.run, {}
-    sp = SamplingParams(
-        run.rollout.n,
-        run.data.max_response_length,
-        run.rollout.temperature,
-        run.rollout.top_p,
-        run.rollout.top_k,
-    )
-    rollout = _timed(timing, "gen", generate, ctx.engine, state.params, prompts, rng, sp)
+@dataclasses.dataclass(frozen=True)
+class Sampled:
+    """Stages 1-2 of a step: the rollout (device), its tokens, texts and rewards (host).
+
+    B rows in groups of `group_size` adjacent samples of one prompt. Several generation batches
+    (DAPO's dynamic sampling) concatenate into one, with the groups renumbered 0...
+    """
+
+    rollout: sampler.Rollout
+    host: HostRollout
+    texts: list[str]
+    examples: list[data.Example]  # per row
+    result: rewards.RewardResult
+    group_size: int
+    num_gen_batches: int = 1
+    num_filtered_groups: int = 0
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.texts) // self.group_size
+
+
+def rollout_sampling(run: config_lib.RunConfig) -> SamplingParams:
+    """The training rollout's sampling settings (rollout.*)."""
+    r = run.rollout
+    return SamplingParams(r.n, run.data.max_response_length, r.temperature, r.top_p, r.top_k)
+
+
+def overlong_penalty(lengths_B, *, max_response_length: int, buffer_len: int,
+                     penalty_factor: float) -> np.ndarray:
+    """DAPO's soft overlong penalty (verl's DAPO reward manager): 0 up to max - buffer_len
+    tokens, then -penalty_factor x excess / buffer_len (reaching -penalty_factor at max)."""
+    excess_B = np.asarray(lengths_B, np.float64) - (max_response_length - buffer_len)
+    return np.minimum(-excess_B / buffer_len * penalty_factor, 0.0)
+
+
+def sample_and_score(
+    ctx: StepContext, params, prompts: data.PromptBatch, rng, timing: dict, *,
+    policy_version: int | None = None,
+) -> Sampled:
+    """Stages 1 and 2: n completions per prompt, decoded and scored (plus DAPO's overlong
+    penalty with reward.overlong_buffer.enable)."""
+    run, sp = ctx.run, rollout_sampling(ctx.run)
+    rollout = _timed(timing, "gen", generate, ctx.engine, params, prompts, rng, sp, add=True,
+                     policy_version=policy_version)
     t0 = time.perf_counter()
     scored = score(ctx.reward_fn, ctx.tokenizer, rollout, prompts, n=sp.n, pool=ctx.pool)
-    timing["timing_s/reward"] = time.perf_counter() - t0
-    batch = train_batch(
-        rollout, prompt_width=prompts.prompt_ids_PT.shape[1], bucket=run.data.prompt_length_bucket
+    _add(timing, "timing_s/reward", time.perf_counter() - t0)
+    result = scored.result
+    ob = run.reward.overlong_buffer
+    if ob.enable:
+        penalty_B = overlong_penalty(
+            scored.response_mask_BT.sum(1),
+            max_response_length=sp.max_new_tokens,
+            buffer_len=ob.len,
+            penalty_factor=ob.penalty_factor,
+        )
+        extras = dict(result.extras)
+        if "acc" not in extras:  # verl's DAPO reward manager: "acc" = the unpenalised score
+            extras["acc"] = list(result.scores_B)
+        if ob.log:
+            extras |= {"overlong_reward": penalty_B.tolist(), "overlong": (penalty_B < 0).tolist()}
+        result = dataclasses.replace(
+            result,
+            scores_B=[s + float(p) for s, p in zip(result.scores_B, penalty_B, strict=True)],
+            extras=extras,
+        )
+    host = HostRollout(
+        np.repeat(prompts.prompt_ids_PT, sp.n, axis=0),
+        np.repeat(prompts.prompt_mask_PT, sp.n, axis=0),
+        scored.response_ids_BT,
+        scored.response_mask_BT,
     )
-    batch, old_metrics = log_probs(ctx.programs, run, state, ref_params, batch, timing)
+    examples = [ex for ex in prompts.examples for _ in range(sp.n)]
+    return Sampled(rollout, host, scored.texts, examples, result, sp.n)
+
+
+def group_values(sampled: Sampled, metric: str) -> np.ndarray:
+    """[groups, n] values of DAPO's filter metric (config.FilterGroupsConfig.metric)."""
+    if metric in ("seq_reward", "seq_final_reward") or (
+        metric == "acc" and "acc" not in sampled.result.extras
+    ):
+        values = sampled.result.scores_B
+    elif metric in sampled.result.extras:
+        values = sampled.result.extras[metric]
+        if any(v is None for v in values):
+            raise ValueError(
+                f"algorithm.filter_groups.metric={metric!r}: some samples' scores lack that key"
+            )
+    else:
+        raise ValueError(
+            f"algorithm.filter_groups.metric={metric!r} is neither 'acc', 'seq_reward', "
+            "'seq_final_reward' nor a key of the "
+            f"scorer's outputs ({sorted(sampled.result.extras) or 'it returns plain floats'})"
+        )
+    return np.asarray(values, np.float64).reshape(sampled.num_groups, sampled.group_size)
+
+
+def informative_groups(values_GN: np.ndarray) -> np.ndarray:
+    """DAPO: whether each group's metric differs between its samples (bool [groups]).
+
+    A group is uniform when its values differ by at most 1e-6 x max(1, |mean|), so float noise
+    (a sum of rewards that should be equal) does not make it informative.
+    """
+    spread_G = values_GN.max(1) - values_GN.min(1)
+    return spread_G > 1e-6 * np.maximum(1.0, np.abs(values_GN.mean(1)))
+
+
+def select_groups(sampled: Sampled, groups: Sequence[int], mesh) -> Sampled:
+    """The rows of `groups` (renumbered 0..), device and host sides alike."""
+    n = sampled.group_size
+    rows = np.concatenate([np.arange(g * n, (g + 1) * n) for g in groups]).astype(np.int32)
+    host = HostRollout(*(x[rows] for x in dataclasses.astuple(sampled.host)))
+    return _rebuild(sampled, host, _take_rows(sampled.result, rows),
+                    [sampled.texts[i] for i in rows], [sampled.examples[i] for i in rows],
+                    distributed.to_host(sampled.rollout.log_probs)[rows], mesh)
+
+
+def _take_rows(res: rewards.RewardResult, rows) -> rewards.RewardResult:
+    return rewards.RewardResult(
+        [res.scores_B[i] for i in rows],
+        {k: [v[i] for i in rows] for k, v in res.per_fn.items()},
+        {k: [v[i] for i in rows] for k, v in res.extras.items()},
+        res.num_errors,
+        res.num_lost,
+    )
+
+
+def _rebuild(like: Sampled, host: HostRollout, result, texts, examples, log_probs_BT, mesh,
+             **counts) -> Sampled:
+    """A Sampled over `host`'s rows, the rollout re-placed from the host arrays."""
+    put = functools.partial(distributed.to_device, mesh=mesh)
+    n = like.group_size
+    rollout = like.rollout.replace(
+        prompt_ids=put(host.prompt_ids_BP),
+        prompt_mask=put(host.prompt_mask_BP),
+        response_ids=put(host.response_ids_BT),
+        response_mask=put(host.response_mask_BT),
+        log_probs=put(np.asarray(log_probs_BT, np.float32)),
+        group_ids=put(np.repeat(np.arange(len(texts) // n, dtype=np.int32), n)),
+    )
+    return dataclasses.replace(like, rollout=rollout, host=host, texts=texts, examples=examples,
+                               result=result, **counts)
+
+
+def concat(parts: Sequence[Sampled], mesh) -> Sampled:
+    """Generation batches into one (prompts left-padded to the widest), groups renumbered."""
+    width = max(p.host.prompt_ids_BP.shape[1] for p in parts)
+
+    def left_pad(x):
+        return np.pad(x, ((0, 0), (width - x.shape[1], 0)))
+
+    host = HostRollout(
+        np.concatenate([left_pad(p.host.prompt_ids_BP) for p in parts]),
+        np.concatenate([left_pad(p.host.prompt_mask_BP) for p in parts]),
+        np.concatenate([p.host.response_ids_BT for p in parts]),
+        np.concatenate([p.host.response_mask_BT for p in parts]),
+    )
+    res = [p.result for p in parts]
+    keys = dict.fromkeys(k for r in res for k in r.extras)
+    result = rewards.RewardResult(
+        [s for r in res for s in r.scores_B],
+        {k: [v for r in res for v in r.per_fn[k]] for k in res[0].per_fn},
+        {k: [v for r in res for v in r.extras.get(k, [None] * len(r.scores_B))] for k in keys},
+        sum(r.num_errors for r in res),
+        sum(r.num_lost for r in res),
+    )
+    log_probs = np.concatenate([distributed.to_host(p.rollout.log_probs) for p in parts])
+    return _rebuild(
+        parts[0], host, result, [t for p in parts for t in p.texts],
+        [e for p in parts for e in p.examples], log_probs, mesh,
+        num_gen_batches=sum(p.num_gen_batches for p in parts),
+        num_filtered_groups=sum(p.num_filtered_groups for p in parts),
+    )
+
+
+def dynamic_sample(ctx: StepContext, params, next_prompts, rng, timing: dict, *,
+                   policy_version: int | None = None) -> Sampled:
+    """DAPO's dynamic sampling (algorithm.filter_groups): generation batches of
+    data.gen_batch_size prompts until data.train_batch_size informative groups are kept; the
+    surplus is dropped, as verl's DAPO trainer does.
+
+    Raises:
+      RuntimeError: algorithm.filter_groups.max_num_gen_batches batches did not give enough.
+    """
+    run, fg = ctx.run, ctx.run.algorithm.filter_groups
+    want, kept, filtered, have = run.data.train_batch_size, [], 0, 0
+    for i in itertools.count():
+        if fg.max_num_gen_batches and i >= fg.max_num_gen_batches:
+            raise RuntimeError(
+                f"DAPO dynamic sampling kept {have} of data.train_batch_size={want} groups after "
+                f"algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches} generation "
+                f"batches (the other {filtered} groups scored the same on all their samples): "
+                "raise the limit (0 = none), raise data.gen_batch_size, or check the reward"
+            )
+        part = sample_and_score(
+            ctx, params, next_prompts(run.gen_batch_size), jax.random.fold_in(rng, i), timing,
+            policy_version=policy_version,
+        )
+        keep = np.flatnonzero(informative_groups(group_values(part, fg.metric)))
+        filtered += part.num_groups - len(keep)
+        if len(keep):
+            kept.append(select_groups(part, keep, ctx.mesh) if len(keep) < part.num_groups
+                        else part)
+            have += len(keep)
+        if have >= want:
+            break
+    batch = concat(kept, ctx.mesh) if len(kept) > 1 else kept[0]
+    if batch.num_groups > want:
+        batch = select_groups(batch, range(want), ctx.mesh)
+    return dataclasses.replace(batch, num_gen_batches=i + 1, num_filtered_groups=filtered)
+
+
+def greedy_baselines(ctx: StepContext, params, sampled: Sampled, rng, timing: dict, *,
+                     policy_version: int | None = None) -> np.ndarray:
+    """ReMax's baselines [B]: the score of one greedy (temperature 0) completion of each
+    prompt, repeated over the prompt's samples (verl's reward_baselines)."""
+    n = sampled.group_size
+    first = np.arange(0, len(sampled.texts), n)
+    prompts = data.PromptBatch(
+        sampled.host.prompt_ids_BP[first],
+        sampled.host.prompt_mask_BP[first],
+        tuple(sampled.examples[i] for i in first),
+        tuple(int(i) for i in first),
+    )
+    sp = SamplingParams(1, ctx.run.data.max_response_length, 0.0)
+    greedy = _timed(timing, "gen_max", generate, ctx.engine, params, prompts, rng, sp,
+                    policy_version=policy_version)
+    scored = score(ctx.reward_fn, ctx.tokenizer, greedy, prompts, n=1, pool=ctx.pool)
+    return np.repeat(np.asarray(scored.result.scores_B, np.float32), n)
+
+
+def estimator_extras(ctx: StepContext, params, sampled: Sampled, rng, timing: dict, *,
+                     policy_version: int | None = None) -> dict:
+    """The per-batch inputs of algorithm.adv_estimator beyond the token rewards (or {})."""
+    alg, mesh = ctx.run.algorithm, ctx.mesh
+    if alg.adv_estimator == "remax":
+        baselines = greedy_baselines(ctx, params, sampled, rng, timing,
+                                     policy_version=policy_version)
+        return {"reward_baselines": distributed.to_device(baselines, mesh)}
+    if alg.adv_estimator != "gdpo":
+        return {}
+    keys = config_lib.split_list(alg.gdpo_reward_keys)
+    result = sampled.result
+    if keys:
+        missing = [k for k in keys if k not in result.extras
+                   or any(v is None for v in result.extras[k])]
+        if missing:
+            raise ValueError(
+                f"algorithm.gdpo_reward_keys: {missing} are not returned for every sample by "
+                f"the reward function (its dict keys: {sorted(result.extras) or 'none'})"
+            )
+        columns = [result.extras[k] for k in keys]
+        weights = alg.gdpo_weight_values or (1.0,) * len(keys)
+    elif len(result.per_fn) > 1:  # one component per reward function
+        columns = [result.per_fn[name] for name in ctx.reward_fn.names]
+        weights = ctx.reward_fn.weights
+    else:
+        return {}
+    components_BK = np.asarray(columns, np.float32).T
+    return {
+        "reward_components": distributed.to_device(components_BK, mesh),
+        "reward_weights": jnp.asarray(weights, jnp.float32),
+    }
+
+
+def run_step(
+    ctx: StepContext,
+    state: trainer.TrainState,
+    ref_params,
+    next_prompts: Callable[[int], data.PromptBatch],
+    rng,
+    lr,
+    *,
+    kl_coef: float | None = None,
+) -> tuple[trainer.TrainState, dict]:
+    """Stages 1-5 on one step's prompts; returns the new state and the step's metrics.
+
+    Args:
+      next_prompts: count -> the next `count` prompts of the data order. Called once with
+        data.train_batch_size, or (algorithm.filter_groups) once per generation batch of
+        data.gen_batch_size prompts.
+      kl_coef: the in-reward KL coefficient of this step (algorithm.kl_ctrl's current value;
+        None = kl_ctrl.kl_coef).
+    """
+    run, timing = ctx.run, {}
+    version = int(jax.device_get(state.step))  # the policy version being updated
+    if run.algorithm.filter_groups.enable:
+        sampled = dynamic_sample(ctx, state.params, next_prompts, rng, timing,
+                                 policy_version=version)
+    else:
+        prompts = next_prompts(run.data.train_batch_size)
+        sampled = sample_and_score(ctx, state.params, prompts, rng, timing,
+                                   policy_version=version)
+    rollout, host = sampled.rollout, sampled.host
+    batch = train_batch(
+        rollout,
+        prompt_width=int(host.prompt_mask_BP.sum(1).max()),
+        bucket=run.data.prompt_length_bucket,
+    )
+    batch, old_metrics = log_probs(
+        ctx.programs, run, state, ref_params, batch, host, ctx.mesh, timing,
+        rollout_log_probs_BT=rollout.log_probs,
+    )
+    extras = estimator_extras(ctx, state.params, sampled, jax.random.fold_in(rng, 1 << 30), timing,
+                              policy_version=version)
     batch, adv_metrics = advantages(
-        ctx.programs, run, batch, rollout, scored.result.scores_B, ctx.mesh, timing
+        ctx.programs, run, batch, rollout, sampled.result.scores_B, ctx.mesh, timing,
+        kl_coef=kl_coef, extras=extras,
     )
     t0 = time.perf_counter()
-    state, record = update(ctx.programs, run, state, batch, lr)
+    state, record = update(ctx.programs, run, state, batch, lr, host, ctx.mesh)
     timing["timing_s/update_actor"] = time.perf_counter() - t0
-    if "actor/entropy" in old_metrics:  # verl: the pre-update value of the old-log-prob pass
-        record["actor/entropy"] = old_metrics["actor/entropy"]
-    record |= adv_metrics | reward_metrics(scored.result)
+    # verl: actor/entropy is the pre-update policy's, from the old-log-prob pass (or, on-policy
+    # without that pass, from the update's own forward); the update pass's value is
+    # actor/entropy_loss, logged with actor.calculate_entropy.
+    update_entropy = record.pop("actor/entropy", None)
+    if run.actor.calculate_entropy and update_entropy is not None:
+        record["actor/entropy_loss"] = update_entropy
+    entropy = old_metrics.get("actor/entropy", update_entropy)
+    if entropy is not None:
+        record["actor/entropy"] = entropy
+    record |= adv_metrics | reward_metrics(sampled.result)
     record |= length_metrics(
-        scored.response_mask_BT,
-        prompts.prompt_mask_PT,
-        n=sp.n,
-        max_response_length=sp.max_new_tokens,
+        host.response_mask_BT,
+        host.prompt_mask_BP,
+        max_response_length=run.data.max_response_length,
         max_prompt_length=run.data.max_prompt_length,
+    )
+    if run.algorithm.filter_groups.enable:
+        record["train/num_gen_batches"] = sampled.num_gen_batches
+        record["train/num_filtered_groups"] = sampled.num_filtered_groups
+    prompt_B, response_B = host.prompt_mask_BP.sum(1), host.response_mask_BT.sum(1)
+    record |= perf.timing_per_token(timing, prompt_tokens=int(prompt_B.sum()),
+                                    response_tokens=int(response_B.sum()))
+    record |= perf.global_seqlen(prompt_B + response_B, ctx.programs.dp)
+    record |= perf.memory()
+    record |= perf.mfu(
+        record.pop("perf/actor_flops"), timing["timing_s/update_actor"],
+        devices=jax.device_count(),
+        peak_flops=perf.peak_flops_per_device(run.trainer.device_peak_tflops),
     )
     return state, record | timing
 
@@ -454,11 +1018,11 @@ def reward_metrics(result: rewards.RewardResult) -> dict[str, float]:
 
 
 def length_metrics(
-    response_mask_BT, prompt_mask_PT, *, n, max_response_length, max_prompt_length
+    response_mask_BT, prompt_mask_BP, *, max_response_length, max_prompt_length
 ) -> dict[str, float]:
     """verl's response_length/* and prompt_length/* metrics, plus the token count."""
     lengths = np.asarray(response_mask_BT).sum(1)
-    prompt_lengths = np.repeat(np.asarray(prompt_mask_PT).sum(1), n)
+    prompt_lengths = np.asarray(prompt_mask_BP).sum(1)
     out = _stats("response_length", lengths) | _stats("prompt_length", prompt_lengths)
     out["response_length/clip_ratio"] = float(np.mean(lengths == max_response_length))
     out["prompt_length/clip_ratio"] = float(np.mean(prompt_lengths == max_prompt_length))
@@ -475,8 +1039,17 @@ def _stats(prefix: str, x) -> dict[str, float]:
     }
 
 
-def _timed(timing: dict, key: str, fn, *args, **kw):
+def _add(timing: dict, key: str, seconds: float) -> None:
+    timing[key] = timing.get(key, 0.0) + seconds
+
+
+def _timed(timing: dict, key: str, fn, *args, add: bool = False, **kw):
+    """fn(*args, **kw) to completion; its time under timing_s/<key> (summed with `add`)."""
     t0 = time.perf_counter()
     out = jax.block_until_ready(fn(*args, **kw))
-    timing[f"timing_s/{key}"] = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    if add:
+        _add(timing, f"timing_s/{key}", seconds)
+    else:
+        timing[f"timing_s/{key}"] = seconds
     return out

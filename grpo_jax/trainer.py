@@ -69,6 +69,8 @@ class TrainBatch:
       old_log_probs_BT: float32 log-probs of the rollout policy recomputed by the trainer, or
         None when on-policy (then the current log-probs under stop_gradient are used).
       ref_log_probs_BT: float32 reference-model log-probs, or None without a KL loss.
+      rollout_is_weights_BT: float32 rollout-correction importance weights multiplying the
+        policy loss, or None.
     """
 
     input_ids_BS: jax.Array
@@ -78,6 +80,7 @@ class TrainBatch:
     advantages_BT: jax.Array
     old_log_probs_BT: jax.Array | None = None
     ref_log_probs_BT: jax.Array | None = None
+    rollout_is_weights_BT: jax.Array | None = None
 
 
 def check_loss_settings(
@@ -88,8 +91,9 @@ def check_loss_settings(
     Raises:
       ValueError: 'field=value why', the field named as in the config's `actor` section.
     """
-    loss_lib.check_choice("policy_loss.loss_mode", policy_loss_mode,
-                          loss_lib.policy_loss_mode_names())  # fmt: skip
+    loss_lib.check_choice(
+        "policy_loss.loss_mode", policy_loss_mode, loss_lib.policy_loss_mode_names()
+    )
     loss_lib.check_choice("loss_agg_mode", loss_agg_mode, loss_lib.AGG_MODES)
     loss_lib.check_choice("kl_loss_type", kl_loss_type, loss_lib.KL_TYPES)
     if kl_loss_type.startswith("full"):
@@ -123,6 +127,9 @@ class LossConfig:
     loss_scale_factor: float | None = None
     temperature: float = 1.0
     chunk_size: int = 1024  # token rows per log-prob chunk (memory vs. speed)
+    # The policy loss's own settings (actor.policy_loss.* and actor.tau_*), as sorted
+    # (name, value) pairs so the config stays hashable.
+    policy_loss_kwargs: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self):
         check_loss_settings(
@@ -289,26 +296,58 @@ def apply_gradients(state: TrainState, grads, loss_value, lr, tx):
 
 
 # Metrics that are global-count-normalised partial sums per micro-batch (summed over the
-# micro-batches they give the mini-batch value); the others are per-micro-batch means.
+# micro-batches they give the mini-batch value); the others are masked means per micro-batch,
+# combined weighted by each micro-batch's share of the valid tokens (so they equal the
+# mini-batch's masked mean, however it is split).
 _SUMMED_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/loss")
 
 
-def _accumulate(loss_fn, params, micro_MB):
-    """Sums the gradients and combines the metrics of `loss_fn` over the micro-batches."""
-
-    def body(grads, micro):
-        (value, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params, micro)
-        metrics = {**metrics, "actor/loss": value}
-        return jax.tree.map(jnp.add, grads, g), metrics
-
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    grads, metrics_M = jax.lax.scan(body, zeros, micro_MB)
-    metrics = {
-        k: (jnp.sum(v) if k in _SUMMED_METRICS else jnp.mean(v)) for k, v in metrics_M.items()
+def _combine(metrics_M: dict, share_M) -> dict:
+    """Micro-batch metrics [M] -> mini-batch metrics (sums, or token-share weighted sums)."""
+    return {
+        k: jnp.sum(v) if k in _SUMMED_METRICS else jnp.sum(v * share_M)
+        for k, v in metrics_M.items()
     }
-    if "actor/kl_coef" in metrics_M:
-        metrics["actor/kl_coef"] = metrics_M["actor/kl_coef"][0]
-    return grads, metrics
+
+
+def _objective(lc: LossConfig, lp_BT, ent_BT, batch: TrainBatch, mask_BT, *, num_tokens, rows):
+    """verl's actor loss of one micro-batch, normalised by the mini-batch's global counts.
+
+    `mask_BT` is the micro-batch's share of the response mask; with the global counts
+    (`num_tokens` valid tokens, `rows` sequences of the mini-batch) the micro-batch losses sum
+    exactly to the mini-batch loss (verl 0.9.1's engine workers).
+    """
+    old_BT = batch.old_log_probs_BT
+    if old_BT is None:  # on-policy: ratio 1 in value, gradient of log pi (verl skips old)
+        old_BT = jax.lax.stop_gradient(lp_BT)
+    value, metrics = loss_lib.actor_loss(
+        old_BT,
+        lp_BT,
+        batch.advantages_BT,
+        mask_BT,
+        ref_log_prob=batch.ref_log_probs_BT,
+        entropy=ent_BT,
+        policy_loss_mode=lc.policy_loss_mode,
+        loss_agg_mode=lc.loss_agg_mode,
+        clip_ratio=lc.clip_ratio,
+        clip_ratio_low=lc.clip_ratio_low,
+        clip_ratio_high=lc.clip_ratio_high,
+        clip_ratio_c=lc.clip_ratio_c,
+        entropy_coeff=lc.entropy_coeff,
+        use_kl_loss=lc.use_kl_loss,
+        kl_loss_coef=lc.kl_loss_coef,
+        kl_loss_type=lc.kl_loss_type,
+        batch_num_tokens=num_tokens,
+        global_batch_size=rows,
+        loss_scale_factor=lc.loss_scale_factor,
+        rollout_is_weights=batch.rollout_is_weights_BT,
+        policy_loss_kwargs=dict(lc.policy_loss_kwargs),
+    )
+    return value, {**metrics, "actor/loss": value}
+
+
+def _wants_entropy(lc: LossConfig) -> bool:
+    return lc.calculate_entropy or lc.entropy_coeff != 0
 
 
 def train_step(
@@ -323,7 +362,7 @@ def train_step(
     mini_batch_size: int,
     micro_batch_size: int,
 ):
-    """One PPO/GRPO optimizer step on mini-batch `mini_batch_index` of `batch`.
+    """One PPO/GRPO optimizer step on mini-batch `mini_batch_index` of `batch` (padded rows).
 
     Args:
       state: donated by train.py.
@@ -345,7 +384,7 @@ def train_step(
     )
     num_micro = _num_chunks(mini_batch_size, micro_batch_size, "actor.ppo_micro_batch_size")
     # verl 0.9.1 engine normalisation: the global counts of the whole mini-batch.
-    batch_num_tokens = jnp.sum(mini.response_mask_BT.astype(jnp.float32))
+    num_tokens = jnp.sum(mini.response_mask_BT.astype(jnp.float32))
     lc = loss_config
 
     def loss_fn(params, micro: TrainBatch):
@@ -357,36 +396,156 @@ def train_step(
             micro.response_ids_BT,
             temperature=lc.temperature,
             chunk_size=lc.chunk_size,
-            calculate_entropy=lc.calculate_entropy or lc.entropy_coeff != 0,
+            calculate_entropy=_wants_entropy(lc),
         )
-        old_BT = micro.old_log_probs_BT
-        if old_BT is None:  # on-policy: ratio 1 in value, gradient of log pi (verl skips old)
-            old_BT = jax.lax.stop_gradient(lp_BT)
-        return loss_lib.actor_loss(
-            old_BT,
+        return _objective(
+            lc,
             lp_BT,
-            micro.advantages_BT,
+            ent_BT,
+            micro,
             micro.response_mask_BT,
-            ref_log_prob=micro.ref_log_probs_BT,
-            entropy=ent_BT,
-            policy_loss_mode=lc.policy_loss_mode,
-            loss_agg_mode=lc.loss_agg_mode,
-            clip_ratio=lc.clip_ratio,
-            clip_ratio_low=lc.clip_ratio_low,
-            clip_ratio_high=lc.clip_ratio_high,
-            clip_ratio_c=lc.clip_ratio_c,
-            entropy_coeff=lc.entropy_coeff,
-            use_kl_loss=lc.use_kl_loss,
-            kl_loss_coef=lc.kl_loss_coef,
-            kl_loss_type=lc.kl_loss_type,
-            batch_num_tokens=batch_num_tokens,
-            global_batch_size=mini_batch_size,
-            loss_scale_factor=lc.loss_scale_factor,
+            num_tokens=num_tokens,
+            rows=mini_batch_size,
         )
 
-    grads, metrics = _accumulate(loss_fn, state.params, _micro_batches(mini, num_micro))
+    def body(grads, micro):
+        (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(state.params, micro)
+        share = jnp.sum(micro.response_mask_BT.astype(jnp.float32)) / jnp.maximum(num_tokens, 1)
+        return jax.tree.map(jnp.add, grads, g), (metrics, share)
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    grads, (metrics_M, share_M) = jax.lax.scan(body, zeros, _micro_batches(mini, num_micro))
+    metrics = _combine(metrics_M, share_M)
     state, opt_metrics = apply_gradients(state, grads, metrics["actor/loss"], lr, tx)
     return state, {**metrics, **opt_metrics}
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed micro-batches (actor.use_dynamic_bsz, rollout.log_prob_use_dynamic_bsz; packing.py)
+
+
+@flax.struct.dataclass
+class PackedMicro:
+    """One micro-batch of packing.Packed on device: R rows of L tokens, N response slots a row."""
+
+    tokens_RL: jax.Array
+    positions_RL: jax.Array
+    segments_RL: jax.Array
+    slot_pos_RN: jax.Array
+    slot_label_RN: jax.Array
+    slot_bt_RN: jax.Array
+
+
+def packed_log_probs(
+    model_config: model_lib.ModelConfig,
+    params,
+    micro: PackedMicro,
+    *,
+    temperature: float,
+    chunk_size: int,
+    calculate_entropy: bool,
+):
+    """Log-probs (and entropy) of every response slot of a packed micro-batch: [R, N] each.
+
+    Only the positions that predict a response token are unembedded (chunked), never the
+    prompt positions or the padding."""
+    h_RLD = model_lib.hidden_states_packed(
+        model_config, params, micro.tokens_RL, micro.positions_RL, micro.segments_RL
+    )
+    h_RND = jnp.take_along_axis(h_RLD, micro.slot_pos_RN[..., None], axis=1)
+    return loss_lib.logprobs_and_entropy_from_hidden(
+        h_RND,
+        functools.partial(model_lib.unembed, model_config, params),
+        micro.slot_label_RN,
+        chunk_size=chunk_size,
+        temperature=temperature,
+        calculate_entropy=calculate_entropy,
+    )
+
+
+def scatter_slots(values_RN, slot_bt_RN, shape_BT):
+    """[R, N] slot values -> [B, T] (zeros where no slot of this micro-batch lands)."""
+    num = shape_BT[0] * shape_BT[1]
+    flat = (
+        jnp.zeros((num,), values_RN.dtype)
+        .at[slot_bt_RN.reshape(-1)]
+        .set(values_RN.reshape(-1), mode="drop")
+    )
+    return flat.reshape(shape_BT)
+
+
+def packed_log_probs_into(
+    model_config,
+    params,
+    micro: PackedMicro,
+    lp_BT,
+    ent_BT,
+    *,
+    temperature,
+    chunk_size,
+    calculate_entropy,
+):
+    """Adds one micro-batch's log-probs (and entropy) into the [B, T] results (donated)."""
+    lp_RN, ent_RN = packed_log_probs(
+        model_config,
+        params,
+        micro,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        calculate_entropy=calculate_entropy,
+    )
+    lp_BT = lp_BT + scatter_slots(lp_RN, micro.slot_bt_RN, lp_BT.shape)
+    if calculate_entropy:
+        ent_BT = ent_BT + scatter_slots(ent_RN, micro.slot_bt_RN, ent_BT.shape)
+    return lp_BT, ent_BT
+
+
+def packed_micro_grads(
+    params,
+    grads,
+    micro: PackedMicro,
+    batch: TrainBatch,
+    *,
+    model_config: model_lib.ModelConfig,
+    loss_config: LossConfig,
+):
+    """Adds one packed micro-batch's gradient of the mini-batch loss to `grads` (donated).
+
+    `batch` is the mini-batch in the [B, T] response layout (advantages, old and reference
+    log-probs, mask); the micro-batch's log-probs are scattered into it, and the loss sees only
+    its own sequences (mask) with the mini-batch's global counts, so the micro-batch
+    contributions add up to exactly the unpadded mini-batch loss and gradient.
+
+    Returns:
+      (grads, metrics): metrics already weighted to be summed over the micro-batches.
+    """
+    lc = loss_config
+    rows = batch.response_mask_BT.shape[0]
+    mask_all_BT = batch.response_mask_BT.astype(jnp.float32)
+    num_tokens = jnp.sum(mask_all_BT)
+    shape = mask_all_BT.shape
+    in_micro_BT = scatter_slots(
+        jnp.ones(micro.slot_bt_RN.shape, jnp.float32), micro.slot_bt_RN, shape
+    )
+    mask_BT = mask_all_BT * in_micro_BT
+
+    def loss_fn(params):
+        lp_RN, ent_RN = packed_log_probs(
+            model_config,
+            params,
+            micro,
+            temperature=lc.temperature,
+            chunk_size=lc.chunk_size,
+            calculate_entropy=_wants_entropy(lc),
+        )
+        lp_BT = scatter_slots(lp_RN, micro.slot_bt_RN, shape)
+        ent_BT = None if ent_RN is None else scatter_slots(ent_RN, micro.slot_bt_RN, shape)
+        return _objective(lc, lp_BT, ent_BT, batch, mask_BT, num_tokens=num_tokens, rows=rows)
+
+    (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    share = jnp.sum(mask_BT) / jnp.maximum(num_tokens, 1)
+    metrics = {k: v if k in _SUMMED_METRICS else v * share for k, v in metrics.items()}
+    return jax.tree.map(jnp.add, grads, g), metrics
 
 
 def sft_step(
@@ -421,11 +580,16 @@ def sft_step(
             chunk_size=chunk_size,
             calculate_entropy=False,
         )
-        nll = loss_lib.agg_loss(
+        return loss_lib.agg_loss(
             -lp_BT, micro.response_mask_BT, "token-mean", batch_num_tokens=num_tokens
         )
-        return nll, {}
 
-    grads, metrics = _accumulate(loss_fn, state.params, _micro_batches(batch, num_micro))
-    state, opt_metrics = apply_gradients(state, grads, metrics["actor/loss"], lr, tx)
-    return state, {"sft/nll": metrics["actor/loss"], **opt_metrics}
+    def body(grads, micro):
+        nll, g = jax.value_and_grad(loss_fn)(state.params, micro)
+        return jax.tree.map(jnp.add, grads, g), nll
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    grads, nll_M = jax.lax.scan(body, zeros, _micro_batches(batch, num_micro))
+    nll = jnp.sum(nll_M)  # each micro-batch is normalised by the batch's token count
+    state, opt_metrics = apply_gradients(state, grads, nll, lr, tx)
+    return state, {"sft/nll": nll, **opt_metrics}

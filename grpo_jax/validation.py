@@ -16,6 +16,7 @@ and majority of those N), which is what the names say and needs no random seed.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -24,7 +25,21 @@ import numpy as np
 from grpo_jax import data, distributed, rewards, step
 
 
-def validate(
+def validate(engine, params, prompts: data.PromptSet, **kwargs) -> dict[str, float]:
+    """The metrics of `run(engine, params, prompts, **kwargs)` (same arguments)."""
+    return run(engine, params, prompts, **kwargs).metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class Validation:
+    """One validation pass: verl's metrics, and the first samples (trainer.log_val_generations)
+    as {"input", "output", "score", "ground_truth"} dicts."""
+
+    metrics: dict[str, float]
+    generations: list[dict]
+
+
+def run(
     engine,
     params,
     prompts: data.PromptSet,
@@ -36,20 +51,23 @@ def validate(
     pad_id: int,
     seed: int,
     pool=None,
-) -> dict[str, float]:
-    """Samples `sampling.n` completions per validation prompt and returns the metrics.
+    policy_version: int | None = None,
+    num_generations: int = 0,
+) -> Validation:
+    """`validate`, returning a Validation with the first `num_generations` samples.
 
     The prompts go in chunks of `batch_size`; the last chunk is padded with its last prompt so
     every call has one compiled shape (the padding rows are not scored).
     """
     n = sampling.n
-    scores, sources, lengths, extras = [], [], [], {}
+    scores, sources, lengths, extras, generations = [], [], [], {}, []
     for start in range(0, len(prompts), batch_size):
         idx = list(range(start, min(start + batch_size, len(prompts))))
         real = len(idx)
         idx += [idx[-1]] * (batch_size - real)
         pb = data.make_batch(prompts, idx, pad_token_id=pad_id)
-        rollout = step.generate(engine, params, pb, jax.random.key(seed), sampling)
+        rollout = step.generate(engine, params, pb, jax.random.key(seed), sampling,
+                                policy_version=policy_version)
         ids = distributed.to_host(rollout.response_ids)[: real * n]
         mask = distributed.to_host(rollout.response_mask)[: real * n]
         texts = step.decode(tokenizer, ids, mask)
@@ -59,13 +77,25 @@ def validate(
             extras[key] = extras.get(key, [None] * len(scores)) + res.extras.get(
                 key, [None] * len(texts)
             )
+        for text, ex, sc in zip(texts, examples, res.scores_B, strict=True):
+            if len(generations) < num_generations:
+                generations.append({"input": _prompt_text(ex.prompt), "output": text,
+                                    "score": sc, "ground_truth": ex.ground_truth})
         scores += res.scores_B
         sources += [ex.data_source for ex in examples]
         lengths += mask.sum(1).tolist()
     preds = extras.get("pred", [None] * len(scores))
     out = group_metrics(sources, {"reward": scores, **extras}, preds, n=n)
     out["val-aux/response_length/mean"] = float(np.mean(lengths))
-    return out
+    return Validation(out, generations)
+
+
+def _prompt_text(prompt) -> str:
+    """A prompt for display: a plain string, or the chat's last user turn."""
+    if isinstance(prompt, str):
+        return prompt
+    users = [m.get("content", "") for m in prompt if m.get("role") == "user"]
+    return users[-1] if users else str(prompt)
 
 
 def _numeric(values) -> bool:

@@ -26,7 +26,7 @@ import pytest
 
 import train
 from configs import demo
-from grpo_jax import config, data, dataset, demo_task, loading, loss, metrics
+from grpo_jax import advantage, config, data, dataset, demo_task, loading, loss, metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -62,9 +62,10 @@ CHOICES = {
     "actor.policy_loss.loss_mode": loss.POLICY_LOSS_MODES,
     "actor.optim.lr_scheduler_type": config.LR_SCHEDULES,
     "rollout.name": ("jax", "vllm"),
-    "algorithm.adv_estimator": config.ADV_ESTIMATORS,
+    "algorithm.adv_estimator": advantage.ADV_ESTIMATORS,
     "algorithm.kl_penalty": tuple(k for k in loss.KL_TYPES if not k.startswith("full")),
-    "algorithm.kl_ctrl.type": ("fixed",),
+    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+    "algorithm.rollout_correction.loss_type": ("ppo_clip", "reinforce"),
     "reward.on_error": config.ON_ERROR_MODES,
     "trainer.resume_mode": ("auto", "disable"),
 }
@@ -168,7 +169,7 @@ INVALID = [
     ("field", "value", "expected"), INVALID, ids=[f"{f}={v!r}" for f, v, _ in INVALID]
 )
 def test_invalid_config_value_is_named(field, value, expected):
-    c = demo.get_config()
+    c = demo.get_config("tiny")
     _set(c, field, value)
     with pytest.raises(ValueError) as err:
         train.check_config(c)
@@ -185,7 +186,7 @@ def test_demo_and_gsm8k_configs_are_valid():
     """The table above changes one field of a valid config (else every case would pass)."""
     from configs import gsm8k
 
-    train.check_config(demo.get_config())
+    train.check_config(demo.get_config("tiny"))
     c = gsm8k.get_config("smoke")
     train.check_config(c)
 
@@ -199,7 +200,7 @@ def test_demo_and_gsm8k_configs_are_valid():
     ],
 )
 def test_invalid_for_mesh_is_named(field, value, dp, expected):
-    c = demo.get_config()
+    c = demo.get_config("tiny")
     _set(c, field, value)
     c.actor.ppo_mini_batch_size = min(c.actor.ppo_mini_batch_size, c.data.train_batch_size)
     with pytest.raises(config.ConfigError) as err:
@@ -230,7 +231,7 @@ def _train(
             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
         )
     return subprocess.run(
-        [sys.executable, "train.py", "--config=configs/demo.py", *args],
+        [sys.executable, "train.py", "--config=configs/demo.py:tiny", *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -312,7 +313,7 @@ def _jsonl(tmp_path, lines, name="rows.jsonl") -> str:
 
 
 def _jsonl_config(path: str, **overrides):
-    c = demo.get_config()
+    c = demo.get_config("tiny")
     c.data.source = "jsonl"
     c.data.path = c.data.val_path = path
     for k, v in overrides.items():

@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import train  # noqa: E402
-from configs import common, demo, gsm8k, gsm8k_drgrpo  # noqa: E402
+from configs import common, demo, gsm8k, gsm8k_dapo, gsm8k_drgrpo  # noqa: E402
 from configs import math as math_config  # noqa: E402
 from grpo_jax import config  # noqa: E402
 
@@ -80,7 +80,15 @@ def test_parse_arg_big_vision_semantics():
 
 
 @pytest.mark.parametrize(
-    "get", [gsm8k.get_config, gsm8k_drgrpo.get_config, demo.get_config, math_config.get_config]
+    "get",
+    [
+        gsm8k.get_config,
+        gsm8k_drgrpo.get_config,
+        gsm8k_dapo.get_config,
+        demo.get_config,
+        lambda: demo.get_config("tiny"),
+        math_config.get_config,
+    ],
 )
 def test_shipped_configs_validate(get):
     c = get()
@@ -120,7 +128,7 @@ def test_shipped_configs_validate(get):
         (
             "algorithm.adv_estimator",
             "gae",
-            r"algorithm.adv_estimator='gae' must be one of \['grpo', 'rloo'\]",
+            r"algorithm.adv_estimator='gae' must be one of \['grpo', 'grpo_vectorized', ",
         ),
         (
             "reward.on_error",
@@ -138,14 +146,14 @@ def test_shipped_configs_validate(get):
     ],
 )
 def test_invalid_values_name_field_and_allowed(field, value, match):
-    c = demo.get_config()
+    c = demo.get_config("tiny")
     _set(c, field, value)
     with pytest.raises(ValueError, match=match):
         train.check_config(c)
 
 
 def test_vllm_section_checked_up_front():
-    c = demo.get_config()
+    c = demo.get_config("tiny")
     c.rollout.name = "vllm"  # neither rollout.vllm.python nor rollout.vllm.url is set
     with pytest.raises(ValueError, match=r"rollout.vllm: .*exactly one of python .* and url"):
         train.check_config(c)
@@ -158,7 +166,7 @@ def test_vllm_section_checked_up_front():
 
 
 def test_all_problems_reported_together():
-    c = demo.get_config()
+    c = demo.get_config("tiny")
     c.data.truncation = "middle"
     c.rollout.name = "tpu"
     c.actor.optim.betas = (0.9, 1.5)
@@ -183,7 +191,7 @@ def test_file_and_hf_sources_need_paths():
 
 
 def test_mesh_divisibility():
-    c = demo.get_config()  # 16 prompts x 8 samples; micro 128 per device
+    c = demo.get_config("tiny")  # 16 prompts x 8 samples; micro 128 per device
     train.check_config(c).check_mesh(1)
     c.actor.ppo_micro_batch_size_per_gpu = 48
     with pytest.raises(
@@ -193,13 +201,13 @@ def test_mesh_divisibility():
     ):
         train.check_config(c).check_mesh(2)
     with pytest.raises(ValueError, match=r"train_batch_size=16 must be a multiple of the 3"):
-        train.check_config(demo.get_config()).check_mesh(3)
+        train.check_config(demo.get_config("tiny")).check_mesh(3)
 
 
 def test_unknown_field_rejected_by_the_cli():
     # lock_config=True: a typo'd override is an error naming the field, before any work.
     out = subprocess.run(
-        [sys.executable, "train.py", "--config=configs/demo.py", "--config.actor.kl_coef=0.0"],
+        [sys.executable, "train.py", "--config=configs/demo.py:tiny", "--config.actor.kl_coef=0.0"],
         cwd=ROOT,
         capture_output=True,
         text=True,

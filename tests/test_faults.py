@@ -1,7 +1,7 @@
 """Fault tolerance of train.py: exact resume after SIGKILL, corrupt checkpoints, non-finite
 updates, unwritable and full disks (issue 8).
 
-Every end-to-end test runs the real entry point, `python train.py --config=configs/demo.py` with
+Every end-to-end test runs the real entry point, `python train.py --config=configs/demo.py:tiny` with
 overrides that shrink it to a 2-step SFT warm-up, an eval, then 4 GRPO steps of 4 prompts x 4
 samples with the KL loss against the post-warm-up reference, on a tiny model (`BASE_OVERRIDES`),
 as a subprocess that can be SIGKILLed like a real job. The tests compare runs of the same code:
@@ -10,9 +10,10 @@ compilation cache (per test session), so a restart costs start-up, not a recompi
 runs the same executable, so it cannot change results.
 
 Exact resume compares a run that was killed and restarted with one that never stopped:
-  * the metrics JSONL row by row, excluding `TIMING_KEYS`: wall-clock durations (`timing_s/*`)
-    and `perf/throughput`, which is tokens / `timing_s/step`; they measure the machine, not the
-    training, and differ between any two runs. Every other value (rewards, losses, grad norms,
+  * the metrics JSONL row by row, excluding `TIMING_PREFIX` / `TIMING_KEYS`: wall-clock
+    durations (`timing_s/*`, `timing_per_token_ms/*`), rates derived from them
+    (`perf/throughput`, `perf/mfu/actor`, ...) and the process's memory peaks; they measure the
+    machine, not the training, and differ between any two runs. Every other value (rewards, losses, grad norms,
     lengths, lr, epoch, token counts, eval accuracy) must be bitwise equal;
   * the final params (the HF safetensors export), bitwise.
 The reward is `digit_reward` (a dense, text-dependent score) so that advantages, gradients and
@@ -73,8 +74,14 @@ BASE_OVERRIDES = (
     "--config.reward.fn=test_faults:digit_reward",
 )
 # Wall-clock measurements, different in every run (see module docstring).
-TIMING_PREFIX = "timing_s/"
-TIMING_KEYS = ("perf/throughput", "perf/time_per_step")
+TIMING_PREFIX = ("timing_s/", "timing_per_token_ms/", "perf/max_memory_")
+TIMING_KEYS = (
+    "perf/throughput",
+    "perf/time_per_step",
+    "perf/mfu/actor",
+    "perf/actor_tflops_per_device",
+    "perf/cpu_memory_used_gb",
+)
 RUN_TIMEOUT_S = 600
 FIGURES = {
     "kills survived": 0,
@@ -130,7 +137,7 @@ def _env(jax_cache: str) -> dict:
 
 def _train_cmd(workdir: str, *extra: str, prefix: tuple[str, ...] = ()) -> list[str]:
     args = [
-        "--config=configs/demo.py",
+        "--config=configs/demo.py:tiny",
         f"--config.trainer.default_local_dir={workdir}",
         *BASE_OVERRIDES,
         *extra,

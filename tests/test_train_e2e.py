@@ -142,6 +142,13 @@ def test_two_steps_then_resume_one(setup):
         "timing_s/old_log_prob",
         "timing_s/ref",
         "perf/throughput",
+        "timing_per_token_ms/gen",
+        "timing_per_token_ms/update_actor",
+        "global_seqlen/mean",
+        "perf/cpu_memory_used_gb",
+        "perf/actor_tflops_per_device",
+        "training/rollout_probs_diff_mean",  # verl logs rollout-vs-trainer diffs by default
+        "rollout_corr/kl",
     ):
         assert key in records[1] and key in records[2], key
     acc = "val-core/openai/gsm8k/reward/mean@1"  # verl's name (GSM8K scores 0/1: accuracy)

@@ -1,0 +1,126 @@
+"""verl's performance metrics of a step: timing_per_token_ms/*, global_seqlen/*, perf/max_memory_*
+and perf/mfu/actor (model FLOP utilisation of the update, from XLA's FLOP count).
+
+verl 0.9.1 definitions (verl/trainer/ppo/metric_utils.py, verl/utils/seqlen_balancing.py,
+verl/workers/engine_workers.py):
+
+* `timing_per_token_ms/<stage>`: the stage's seconds x 1000 per token; "gen" counts response
+  tokens, "ref", "adv" and "update_actor" count prompt + response tokens.
+* `global_seqlen/{min,max,minmax_diff,mean}`: the sum of sequence lengths (prompt + response)
+  held by each data-parallel rank. verl reorders the batch to balance the ranks first
+  (trainer.balance_batch) and also logs `balanced_min/max`; grpo_jax packs by token budget
+  instead of reordering, so it logs the ranks' contiguous shares and no balanced_* keys.
+* `perf/max_memory_allocated_gb` / `perf/max_memory_reserved_gb`: the device allocator's peak
+  (torch.cuda there; here the largest `peak_bytes_in_use` / `bytes_limit` over local devices,
+  when the backend reports memory stats: GPU and TPU do, CPU does not). `perf/cpu_memory_used_gb`
+  is the process's peak resident memory (verl: the machine's used memory).
+* `perf/mfu/actor`: the update's FLOPs / (its seconds x devices x peak FLOP/s per device). The
+  FLOPs are XLA's count of the update programs lowered without gradient checkpointing, so
+  recomputation is not counted (model FLOPs, as verl's analytic FlopsCounter); padding inside
+  the compiled shapes is counted. The peak is trainer.device_peak_tflops, else a table of
+  accelerator bf16 dense peaks by device kind; without either the metric is not logged.
+"""
+
+from __future__ import annotations
+
+import resource
+from collections.abc import Callable, Mapping
+
+import jax
+import numpy as np
+
+# Dense bf16 peak TFLOP/s per device, by jax Device.device_kind (vendor data sheets).
+PEAK_TFLOPS = {
+    "NVIDIA H100 80GB HBM3": 989.0,
+    "NVIDIA H100": 989.0,
+    "NVIDIA H200": 989.0,
+    "NVIDIA A100-SXM4-80GB": 312.0,
+    "NVIDIA A100-SXM4-40GB": 312.0,
+    "NVIDIA A100 80GB PCIe": 312.0,
+    "TPU v4": 275.0,
+    "TPU v5 lite": 197.0,
+    "TPU v5": 459.0,
+    "TPU v5p": 459.0,
+    "TPU v6 lite": 918.0,
+}
+
+_TOKENS_OF = {"gen": "response", "ref": "all", "adv": "all", "update_actor": "all"}
+
+
+def timing_per_token(timing: Mapping[str, float], *, prompt_tokens: int,
+                     response_tokens: int) -> dict[str, float]:
+    """timing_per_token_ms/<stage> for the timed stages verl normalises (see module doc)."""
+    counts = {"response": response_tokens, "all": prompt_tokens + response_tokens}
+    out = {}
+    for stage, which in _TOKENS_OF.items():
+        seconds = timing.get(f"timing_s/{stage}")
+        if seconds is not None:
+            n = counts[which]
+            out[f"timing_per_token_ms/{stage}"] = seconds * 1000 / n if n > 0 else 0.0
+    return out
+
+
+def global_seqlen(seq_lengths_B, dp: int) -> dict[str, float]:
+    """global_seqlen/*: per data-parallel rank, the summed lengths of its contiguous rows."""
+    per_rank = np.asarray(seq_lengths_B, np.int64).reshape(dp, -1).sum(1)
+    return {
+        "global_seqlen/min": int(per_rank.min()),
+        "global_seqlen/max": int(per_rank.max()),
+        "global_seqlen/minmax_diff": int(per_rank.max() - per_rank.min()),
+        "global_seqlen/mean": float(per_rank.mean()),
+    }
+
+
+def memory() -> dict[str, float]:
+    """perf/max_memory_* from the local devices' allocator stats, and the process peak RSS."""
+    gib = 1024**3
+    out = {"perf/cpu_memory_used_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gib}
+    stats = [d.memory_stats() for d in jax.local_devices()]
+    stats = [s for s in stats if s]
+    if stats:
+        out["perf/max_memory_allocated_gb"] = max(s.get("peak_bytes_in_use", 0) for s in stats) / gib
+        out["perf/max_memory_reserved_gb"] = max(
+            s.get("bytes_reserved", s.get("bytes_limit", 0)) for s in stats
+        ) / gib
+    return out
+
+
+def peak_flops_per_device(override_tflops: float = 0.0) -> float | None:
+    """trainer.device_peak_tflops (> 0) x 1e12, else the table's entry for this device kind."""
+    if override_tflops > 0:
+        return override_tflops * 1e12
+    tflops = PEAK_TFLOPS.get(jax.devices()[0].device_kind)
+    return None if tflops is None else tflops * 1e12
+
+
+class FlopCounter:
+    """XLA's FLOP count of jitted programs, per argument shapes (lowered once, not compiled).
+
+    `counted(name, fn, *args)` returns the FLOPs of fn(*args), caching by name and the
+    arguments' shapes and dtypes; `fn` is a jitted function (one without remat, for model
+    FLOPs). Lowering traces the program, so each new shape costs one trace.
+    """
+
+    def __init__(self):
+        self._cache: dict = {}
+
+    def counted(self, name: str, fn: Callable, *args) -> float:
+        key = (name, tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x))))
+                           for x in jax.tree.leaves(args)))
+        if key not in self._cache:
+            cost = fn.lower(*args).cost_analysis()
+            if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
+                cost = cost[0] if cost else {}
+            self._cache[key] = float((cost or {}).get("flops", 0.0))
+        return self._cache[key]
+
+
+def mfu(flops: float, seconds: float, *, devices: int, peak_flops: float | None) -> dict:
+    """perf/mfu/actor (and the achieved perf/actor_tflops_per_device), or {} without a peak."""
+    if seconds <= 0 or flops <= 0:
+        return {}
+    achieved = flops / seconds / devices
+    out = {"perf/actor_tflops_per_device": achieved / 1e12}
+    if peak_flops:
+        out["perf/mfu/actor"] = achieved / peak_flops
+    return out
