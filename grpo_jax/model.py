@@ -782,17 +782,22 @@ def hidden_states(config: ModelConfig, params, input_ids, attention_mask):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def hidden_states_packed(config: ModelConfig, params, tokens_RL, positions_RL, segments_RL):
+def hidden_states_packed(
+    config: ModelConfig, params, tokens_RL, positions_RL, segments_RL, prefixes_RL=None
+):
     """Hidden states of rows that pack several sequences each (grpo_jax/packing.py).
 
-    A token attends to the earlier tokens of its own segment only: attention is causal within
-    a segment and never crosses one, and padding (segment 0) is seen by nobody, so each
-    sequence gets exactly the hidden states it would get alone (positions restart per segment).
+    A token attends to the earlier tokens of its own segment and of its prefix segment (the
+    prompt a response continues), never to another segment, and padding (segment 0) is seen by
+    nobody: each sequence gets exactly the hidden states it would get alone, with its prompt
+    shared by the responses of its group.
 
     Args:
       tokens_RL: [R, L] int token ids.
       positions_RL: [R, L] int rotary positions (0.. within each sequence).
-      segments_RL: [R, L] int, 1.. per sequence of a row, 0 on padding.
+      segments_RL: [R, L] int, 1.. per segment of a row, 0 on padding.
+      prefixes_RL: [R, L] int, the segment each token continues (a prompt's for its responses,
+        the token's own otherwise); None = each segment is a whole sequence.
 
     Returns:
       h_RLD in config.dtype.
@@ -801,7 +806,10 @@ def hidden_states_packed(config: ModelConfig, params, tokens_RL, positions_RL, s
     L = tokens_RL.shape[1]
     causal_LL = jnp.tril(jnp.ones((L, L), dtype=bool))
     seg = segments_RL.astype(jnp.int32)
-    visible_RLL = causal_LL[None] & (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] > 0)
+    pre = seg if prefixes_RL is None else prefixes_RL.astype(jnp.int32)
+    key_seg = seg[:, None, :]
+    same = (seg[:, :, None] == key_seg) | (pre[:, :, None] == key_seg)
+    visible_RLL = causal_LL[None] & same & (key_seg > 0)
     h_RLD, _ = _merge(config, params)(tokens_RL, positions_RL.astype(jnp.int32), visible_RLL)
     return h_RLD
 

@@ -431,6 +431,7 @@ class PackedMicro:
     tokens_RL: jax.Array
     positions_RL: jax.Array
     segments_RL: jax.Array
+    prefixes_RL: jax.Array
     slot_pos_RN: jax.Array
     slot_label_RN: jax.Array
     slot_bt_RN: jax.Array
@@ -450,7 +451,12 @@ def packed_log_probs(
     Only the positions that predict a response token are unembedded (chunked), never the
     prompt positions or the padding."""
     h_RLD = model_lib.hidden_states_packed(
-        model_config, params, micro.tokens_RL, micro.positions_RL, micro.segments_RL
+        model_config,
+        params,
+        micro.tokens_RL,
+        micro.positions_RL,
+        micro.segments_RL,
+        micro.prefixes_RL,
     )
     h_RND = jnp.take_along_axis(h_RLD, micro.slot_pos_RN[..., None], axis=1)
     return loss_lib.logprobs_and_entropy_from_hidden(

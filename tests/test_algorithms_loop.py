@@ -64,6 +64,23 @@ def test_estimator_kwargs_follow_verl_trainer():
         assert step.estimator_kwargs(run(name)) == {}
 
 
+def test_make_advantage_returns_the_estimators_returns():
+    """critic/returns logs the estimator's returns, not its advantages (they differ for
+    reinforce_plus_plus: whitened returns vs discounted returns)."""
+    run = config.RunConfig(
+        algorithm=config.AlgorithmConfig(adv_estimator="reinforce_plus_plus", gamma=1.0)
+    )
+    rewards_BT = jnp.array([[0, 1.0], [0, 0.0], [1.0, 0], [0, 2.0]])
+    mask = jnp.ones((4, 2))
+    adv, returns = step.make_advantage(run)(rewards_BT, mask, jnp.array([0, 0, 1, 1]), {})
+    want_adv, want_returns = advantage.compute_advantage(
+        "reinforce_plus_plus", rewards_BT, mask, jnp.array([0, 0, 1, 1]), gamma=1.0
+    )
+    np.testing.assert_allclose(returns, want_returns, rtol=1e-6)
+    np.testing.assert_allclose(adv, want_adv, rtol=1e-6)
+    assert not np.allclose(adv, returns)
+
+
 # ---------------------------------------------------------------------------------------------
 # User extensions named in the config
 
@@ -100,9 +117,11 @@ def test_config_registers_module_function_extensions():
     rewards_BT = jnp.array([[0, 1.0], [0, 0.0], [1.0, 0], [0, 0]])
     mask = jnp.ones((4, 2))
     ids = jnp.array([0, 0, 1, 1])
-    got = step.make_advantage(run)(rewards_BT, mask, ids, {})
-    want, _ = advantage.compute_grpo_outcome_advantage(rewards_BT, mask, ids, num_groups=2)
+    got, got_returns = step.make_advantage(run)(rewards_BT, mask, ids, {})
+    want, want_returns = advantage.compute_grpo_outcome_advantage(rewards_BT, mask, ids,
+                                                                  num_groups=2)
     np.testing.assert_allclose(got, 0.5 * want, rtol=1e-6)
+    np.testing.assert_allclose(got_returns, 0.5 * want_returns, rtol=1e-6)
     with pytest.raises(config.ConfigError, match="adv_estimator: advantage estimator .*cannot"):
         config.AlgorithmConfig(adv_estimator="no_such_module_xyz:f")
 
@@ -274,3 +293,29 @@ def test_filter_and_correction_config_errors():
             filter_groups=config.FilterGroupsConfig(enable=True, metric="seq_final_reward")))
     with pytest.raises(config.ConfigError, match="gdpo_reward_weights"):
         config.AlgorithmConfig(gdpo_reward_keys="a,b", gdpo_reward_weights="1.0")
+
+
+@pytest.mark.slow
+def test_packed_loop_step_equals_the_padded_one(tmp_path):
+    """use_dynamic_bsz / log_prob_use_dynamic_bsz (token-budget packing, shared group prompts)
+    give the padded loop's numbers: same rollout, old and reference log-probs, loss, gradient."""
+    longer = lambda d: dataclasses.replace(d, max_response_length=24)  # noqa: E731
+    kw = dict(steps=1, data=longer, actor=lambda a: dataclasses.replace(a, use_kl_loss=True,
+                                                                       kl_loss_type="low_var_kl"))
+    padded = _rows(_run(tmp_path / "padded", **kw))[0]
+    got = _rows(
+        _run(
+            tmp_path / "packed",
+            steps=1,
+            data=longer,
+            actor=lambda a: dataclasses.replace(a, use_kl_loss=True, kl_loss_type="low_var_kl",
+                                                use_dynamic_bsz=True,
+                                                ppo_max_token_len_per_gpu=128),
+            rollout=lambda r: dataclasses.replace(r, log_prob_use_dynamic_bsz=True,
+                                                  log_prob_max_token_len_per_gpu=128),
+        )
+    )[0]
+    assert got["actor/micro_batches"] > 1
+    for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/ppo_kl",
+                "actor/grad_norm", "actor/entropy", "actor/pg_clipfrac"):
+        np.testing.assert_allclose(got[key], padded[key], rtol=1e-4, atol=1e-6, err_msg=key)

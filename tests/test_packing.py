@@ -20,12 +20,14 @@ CFG = model.ModelConfig.tiny()
 B, P, T = 8, 7, 6
 
 
-def _rollout(seed=0):
-    """Left-padded prompts (lengths 1..7) and right-padded responses (lengths 1..6)."""
+def _rollout(seed=0, group=1):
+    """Left-padded prompts (lengths 1..7) and right-padded responses (lengths 1..6); with
+    group > 1, each prompt is repeated for `group` consecutive rows, as a GRPO rollout's are."""
     r = np.random.default_rng(seed)
-    p_len = r.integers(1, P + 1, B)
+    p_len = np.repeat(r.integers(1, P + 1, B // group), group)
     r_len = r.integers(1, T + 1, B)
-    prompt_ids = r.integers(1, CFG.vocab_size, (B, P)).astype(np.int32)
+    prompt_ids = np.repeat(r.integers(1, CFG.vocab_size, (B // group, P)), group, 0)
+    prompt_ids = prompt_ids.astype(np.int32)
     prompt_mask = (np.arange(P)[None] >= P - p_len[:, None]).astype(np.int32)
     prompt_ids[prompt_mask == 0] = 0
     resp_ids = r.integers(1, CFG.vocab_size, (B, T)).astype(np.int32)
@@ -41,8 +43,16 @@ def params():
     return jax.tree.map(lambda x: x * 20.0 if x.ndim > 1 else x, p)
 
 
-def test_pack_places_every_token_once_within_budget():
-    prompt_ids, prompt_mask, resp_ids, resp_mask = _rollout(1)
+def _visible(packed, m, r, i):
+    """The row positions token i of row r attends to (what model.hidden_states_packed sees)."""
+    seg, pre = packed.segments_MRL[m, r], packed.prefixes_MRL[m, r]
+    j = np.arange(i + 1)
+    return j[(seg[j] > 0) & ((seg[j] == seg[i]) | (seg[j] == pre[i]))]
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_pack_places_every_token_once_within_budget(group):
+    prompt_ids, prompt_mask, resp_ids, resp_mask = _rollout(1, group)
     packed = packing.pack(
         prompt_ids,
         prompt_mask,
@@ -57,27 +67,43 @@ def test_pack_places_every_token_once_within_budget():
     seen = np.zeros((B, T), int)
     for m in range(M):
         for r in range(R):
-            segs = packed.segments_MRL[m, r]
-            for seg in set(segs[segs > 0].tolist()):
-                (where,) = np.nonzero(segs == seg)
-                assert np.all(np.diff(where) == 1)  # a sequence is one contiguous span
-                np.testing.assert_array_equal(
-                    packed.positions_MRL[m, r, where], np.arange(len(where))
-                )
             for n in range(packed.slot_bt_MRN.shape[-1]):
                 bt = packed.slot_bt_MRN[m, r, n]
                 if bt == B * T:
                     continue
                 b, t = divmod(int(bt), T)
                 seen[b, t] += 1
-                pos = packed.slot_pos_MRN[m, r, n]
-                # The slot's position predicts the next token, which is response token t.
-                assert packed.tokens_MRL[m, r, pos + 1] == resp_ids[b, t]
+                # The slot's position sees exactly sequence b up to response token t - 1, at
+                # its own positions, and its label is response token t.
+                context = _visible(packed, m, r, packed.slot_pos_MRN[m, r, n])
+                want = np.concatenate([prompt_ids[b][prompt_mask[b] == 1], resp_ids[b, :t]])
+                np.testing.assert_array_equal(packed.tokens_MRL[m, r, context], want)
+                np.testing.assert_array_equal(
+                    packed.positions_MRL[m, r, context], np.arange(len(want))
+                )
                 assert packed.slot_label_MRN[m, r, n] == resp_ids[b, t]
     np.testing.assert_array_equal(seen, resp_mask)  # every response token exactly once
-    assert packed.num_tokens_M.sum() == prompt_mask.sum() + resp_mask.sum()
+    # Each group's prompt is stored once per row it spans: fewer tokens than the sequences.
+    unique = prompt_mask[::group].sum() + resp_mask.sum()
+    total = prompt_mask.sum() + resp_mask.sum()
+    assert unique <= packed.num_tokens_M.sum() <= total
+    assert (packed.num_tokens_M.sum() < total) == (group > 1)
     with pytest.raises(ValueError, match="raise ppo_max_token_len_per_gpu"):
         packing.pack(prompt_ids, prompt_mask, resp_ids, resp_mask, max_tokens=8, row_len=16)
+
+
+def test_rows_per_micro_batch_bound_the_empty_rows():
+    # 20 rows under a 16-row budget: 3 x 8 rows, not 2 x 16 (12 empty rows computed).
+    assert packing._rows_per_micro(20, 16, 1) == 8
+    assert packing._rows_per_micro(32, 16, 1) == 16
+    assert packing._rows_per_micro(30, 16, 1) == 16  # 2 empty rows (7 %): full micro-batches
+    assert packing._rows_per_micro(13, 5, 1) == 5  # 15 rows for 13: within 25 %
+    assert packing._rows_per_micro(3, 16, 1) == 4  # none within 25 %: least padding, fewer calls
+    assert packing._rows_per_micro(5, 16, 2) % 2 == 0
+    for rows in range(1, 64):
+        for cap in (1, 3, 5, 16):
+            r = packing._rows_per_micro(rows, cap, 1)
+            assert 1 <= r <= cap and -(-rows // r) * r - rows < max(rows * 0.25 + 1, r)
 
 
 def _padded_batch(prompt_ids, prompt_mask, resp_ids, resp_mask, seed=0):
@@ -94,8 +120,9 @@ def _padded_batch(prompt_ids, prompt_mask, resp_ids, resp_mask, seed=0):
     )
 
 
-def test_packed_log_probs_equal_the_padded_forward(params):
-    prompt_ids, prompt_mask, resp_ids, resp_mask = _rollout(2)
+@pytest.mark.parametrize("group", [1, 4])
+def test_packed_log_probs_equal_the_padded_forward(params, group):
+    prompt_ids, prompt_mask, resp_ids, resp_mask = _rollout(2, group)
     batch = _padded_batch(prompt_ids, prompt_mask, resp_ids, resp_mask)
     want, want_ent = trainer.compute_log_probs(
         CFG,
@@ -141,9 +168,10 @@ def _grads_and_metrics_padded(params, batch, lc):
 _SGD = optax.identity()  # apply_gradients steps by -lr * g: lr 1 reads g off
 
 
+@pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("agg", loss.AGG_MODES)
-def test_packed_update_equals_the_unpadded_one_in_every_agg_mode(params, agg):
-    prompt_ids, prompt_mask, resp_ids, resp_mask = _rollout(3)
+def test_packed_update_equals_the_unpadded_one_in_every_agg_mode(params, agg, group):
+    prompt_ids, prompt_mask, resp_ids, resp_mask = _rollout(3, group)
     batch = _padded_batch(prompt_ids, prompt_mask, resp_ids, resp_mask)
     # Off-policy old log-probs (ratios away from 1, so the clip is live), KL loss and entropy.
     old, _ = trainer.compute_log_probs(
