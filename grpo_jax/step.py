@@ -324,8 +324,8 @@ def estimator_kwargs(run: config_lib.RunConfig) -> dict:
 
 
 def make_advantage(run: config_lib.RunConfig) -> Callable:
-    """jit((token_level_rewards_BT, response_mask_BT, group_ids_B, extras) -> advantages_BT) of
-    algorithm.adv_estimator; `extras` holds the per-batch inputs some estimators need
+    """jit((token_level_rewards_BT, response_mask_BT, group_ids_B, extras) -> (advantages_BT,
+    returns_BT)) of algorithm.adv_estimator; `extras` holds the per-batch inputs some estimators need
     (reward_baselines for remax, reward_components / reward_weights for gdpo), else {}."""
     name, kwargs = run.algorithm.adv_estimator, estimator_kwargs(run)
     num_groups = run.data.train_batch_size
@@ -335,7 +335,7 @@ def make_advantage(run: config_lib.RunConfig) -> Callable:
         return advantage_lib.compute_advantage(
             name, token_rewards_BT, response_mask_BT, group_ids_B, num_groups=num_groups,
             **kwargs, **extras,
-        )[0]
+        )
 
     return advantage
 
@@ -580,12 +580,12 @@ def advantages(
         )
         metrics |= {k: float(v) for k, v in jax.device_get(corr).items()}
         batch = batch.replace(response_mask_BT=mask_BT, rollout_is_weights_BT=weights_BT)
-    adv_BT = _timed(
+    adv_BT, returns_BT = _timed(
         timing, "adv", programs.advantage, rewards_BT, mask_BT, rollout.group_ids, extras or {}
     )
     valid = distributed.to_host(mask_BT).astype(bool)
     metrics |= _stats("critic/advantages", distributed.to_host(adv_BT)[valid])
-    metrics |= _stats("critic/returns", distributed.to_host(adv_BT)[valid])
+    metrics |= _stats("critic/returns", distributed.to_host(returns_BT)[valid])
     metrics |= _stats("critic/rewards", distributed.to_host(jnp.sum(rewards_BT, 1)))
     old = None if run.on_policy and not bypass else batch.old_log_probs_BT
     return batch.replace(advantages_BT=adv_BT, old_log_probs_BT=old), metrics
