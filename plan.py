@@ -14,7 +14,9 @@ for the configured model and mesh (``jax.jit(...).lower(...).compile().memory_an
   * train: ``trainer.train_step`` on one mini-batch with ``actor.ppo_micro_batch_size_per_gpu``.
 
 Per device it prints parameters, optimizer state and reference parameters (exact, from the
-shardings), XLA's argument / output / temporary sizes for each phase (temporaries are the
+shardings; with LoRA, model.lora_rank > 0, the frozen base, the adapters and their optimizer
+state, no reference copy, and what full fine-tuning would hold instead), XLA's argument /
+output / temporary sizes for each phase (temporaries are the
 activations, gradients being accumulated and the float32 logits chunks), the KV cache and logits
 sizes (analytic), the peak of each phase, and then searches (compiling each candidate) for the
 largest micro-batch per device, and the largest number of prompts per sampling call, that fit in
@@ -60,7 +62,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from grpo_jax import config as config_lib
-from grpo_jax import loop, sampler, sharding, step, trainer
+from grpo_jax import lora, loop, sampler, sharding, step, trainer
 from grpo_jax import model as model_lib
 
 GIB = 2**30
@@ -214,26 +216,56 @@ class Planner:
     """
 
     def __init__(self, model_config, mesh, run: config_lib.RunConfig, *, tx, rules):
+        m = run.model
+        if m.lora_rank:  # the trained params are the adapters; the base is frozen
+            model_config = lora.configure(
+                model_config, rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.target_modules
+            )
         self.cfg, self.mesh, self.run = model_config, mesh, run
         self.w = Workload.from_run(run)
         self.tx = tx
         self.loss_config = run.actor.loss_config(temperature=run.rollout.temperature)
         self.dp = mesh.shape["data"] * mesh.shape["fsdp"]
         self.rules = rules
+        self.lora = bool(model_config.lora_rank)
         abstract = model_lib.abstract_params(model_config)
         self.param_sh = sharding.param_shardings(model_config, mesh, rules)
-        self.params = sharding.abstract_with_shardings(abstract, self.param_sh)
-        abstract_state = jax.eval_shape(functools.partial(trainer.init_state, tx=tx), abstract)
+        self.base = sharding.abstract_with_shardings(abstract, self.param_sh)
+        if self.lora:
+            trained = model_lib.abstract_adapters(model_config)
+            trained_sh = sharding.adapter_shardings(model_config, mesh, rules)
+            adapters = sharding.abstract_with_shardings(trained, trained_sh)
+            self.params = lora.attach(self.base, adapters)  # the policy: base + adapters
+        else:
+            trained, trained_sh, self.params = abstract, self.param_sh, self.base
+        abstract_state = jax.eval_shape(functools.partial(trainer.init_state, tx=tx), trained)
         state_sh = trainer.TrainState(
             sharding.replicated(mesh),
-            self.param_sh,
-            sharding.tx_state_shardings(tx, abstract, self.param_sh, mesh),
+            trained_sh,
+            sharding.tx_state_shardings(tx, trained, trained_sh, mesh),
         )
         self.state = sharding.abstract_with_shardings(abstract_state, state_sh)
         self.param_bytes = bytes_per_device(abstract, self.param_sh)
+        self.adapter_bytes = bytes_per_device(trained, trained_sh) if self.lora else 0
         self.opt_bytes = bytes_per_device(abstract_state.opt_state, state_sh.opt_state)
-        self.ref_bytes = self.param_bytes if self.w.needs_ref else 0
+        # With LoRA the reference is the base itself (adapters off): nothing more is resident.
+        self.ref_bytes = self.param_bytes if self.w.needs_ref and not self.lora else 0
+        # What full fine-tuning of the same model holds (the LoRA saving in the report).
+        full_opt = jax.eval_shape(tx.init, abstract)
+        self.full_opt_bytes = bytes_per_device(
+            full_opt, sharding.tx_state_shardings(tx, abstract, self.param_sh, mesh)
+        )
+        self.full_ref_bytes = self.param_bytes if self.w.needs_ref else 0
         self._compiled = {}
+
+    def lora_saved_bytes(self) -> int:
+        """Resident bytes per device that LoRA saves over full fine-tuning of the same model:
+        (full optimizer state + reference copy) - (adapters + their optimizer state + reference).
+        0 without LoRA."""
+        if not self.lora:
+            return 0
+        full = self.full_opt_bytes + self.full_ref_bytes
+        return full - (self.adapter_bytes + self.opt_bytes + self.ref_bytes)
 
     def programs(self, micro_per_device: int | None = None) -> step.Programs:
         """The run's programs, with another micro-batch size when given (the search)."""
@@ -294,7 +326,8 @@ class Planner:
         scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding.replicated(self.mesh))
         lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding.replicated(self.mesh))
         batch = self._batch(w.prompts * w.n)
-        return PhaseMemory.of(update.lower(self.state, batch, scalar, lr).compile())
+        base = (self.base,) if self.lora else ()  # LoRA: the frozen base is an argument
+        return PhaseMemory.of(update.lower(self.state, batch, scalar, lr, *base).compile())
 
     def _logprob(self) -> PhaseMemory:
         programs = self.programs()
@@ -310,11 +343,15 @@ class Planner:
         )
         rng = jax.eval_shape(lambda: jax.random.key(0))
         rng = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=sharding.replicated(self.mesh))
-        fn = jax.jit(
-            lambda p, i, m, r: sampler.sample(
+
+        def sample(p, i, m, r):
+            if self.lora:  # as step.NativeEngine: the merged kernels live during the call
+                p = lora.merge(self.cfg, p)
+            return sampler.sample(
                 self.cfg, p, i, m, r, n=w.n, max_new_tokens=w.response_len, temperature=1.0
             )
-        )
+
+        fn = jax.jit(sample)
         return PhaseMemory.of(fn.lower(self.params, ids, ids, rng).compile())
 
     # Analytic sizes, for the report (the compiled temporaries already contain them).
@@ -384,7 +421,8 @@ def plan(planner: Planner, *, hbm_bytes: int, search: bool = True, max_micro: in
         "",
         "per-device GiB          | resident | argument |   output |  donated |     temp |     PEAK",
         "------------------------|----------|----------|----------|----------|----------|---------",
-        f"params                  | {_gb(p.param_bytes)} |",
+        f"{'base params (frozen)' if p.lora else 'params':<24}| {_gb(p.param_bytes)} |",
+        *([f"LoRA adapters (f32)     | {_gb(p.adapter_bytes)} |"] if p.lora else []),
         f"optimizer state         | {_gb(p.opt_bytes)} |",
         f"reference params        | {_gb(p.ref_bytes)} |",
     ]
@@ -413,6 +451,7 @@ def plan(planner: Planner, *, hbm_bytes: int, search: bool = True, max_micro: in
             f"logits chunk f32 (train, one)    {_gb(p.train_logits_bytes())} GiB "
             f"(loss chunk_size={p.loss_config.chunk_size} rows)"
         ),
+        *_lora_lines(p),
         f"step peak {max(peaks) / GIB:.2f} GiB/device -> "
         + ("FITS" if max(peaks) <= budget else "DOES NOT FIT")
         + f" in {budget / GIB:.1f} GiB",
@@ -440,6 +479,25 @@ def plan(planner: Planner, *, hbm_bytes: int, search: bool = True, max_micro: in
             ),
         ]
     return "\n".join(lines)
+
+
+def _lora_lines(p: Planner) -> list[str]:
+    """With LoRA: the adapters, and what full fine-tuning would hold resident instead."""
+    if not p.lora:
+        return []
+    c = p.cfg
+    return [
+        (
+            f"LoRA r={c.lora_rank} alpha={c.lora_alpha:g} on {','.join(c.lora_targets)}: "
+            f"{lora.num_params(c) / 1e6:.2f}M trainable params"
+        ),
+        (
+            f"LoRA vs full fine-tuning, resident GiB/device: optimizer {_gb(p.opt_bytes).strip()}"
+            f" vs {_gb(p.full_opt_bytes).strip()}, reference {_gb(p.ref_bytes).strip()} vs "
+            f"{_gb(p.full_ref_bytes).strip()}, adapters +{_gb(p.adapter_bytes).strip()}: saves "
+            f"{p.lora_saved_bytes() / GIB:.2f} GiB/device"
+        ),
+    ]
 
 
 def _fits(m: PhaseMemory, peak_fn, budget) -> tuple[bool, int]:

@@ -3,7 +3,8 @@ r"""GRPO training CLI: `python train.py --config=configs/gsm8k.py[:variant] [--c
 A thin layer over the library (grpo_jax/loop.py runs the loop, grpo_jax/step.py one step):
 flags, the ml_collections config turned into grpo_jax.config dataclasses and validated before
 any model, data or device work, jax.distributed start-up, loading the tokenizer, model and data
-named by the config, then `loop.train`, and at the end the HF export (workdir/hf) and plot.png.
+named by the config, then `loop.train`, and at the end the HF export (workdir/hf; with LoRA the
+merged model there and the PEFT adapter in workdir/hf_adapter) and plot.png.
 A run restarts from the latest checkpoint in trainer.default_local_dir. Only process 0 writes
 metrics, plots and the export.
 """
@@ -17,7 +18,8 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from grpo_jax import config as config_lib
-from grpo_jax import dataset, distributed, loading, loop, metrics, plot, rewards, sharding
+from grpo_jax import dataset, distributed, hf_export, loading, loop, metrics, plot, rewards
+from grpo_jax import sharding
 from grpo_jax import model as model_lib
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -129,9 +131,15 @@ def main(argv):
         )
 
     # EXPORT: a collective under multi-process FSDP (every process gathers, process 0 writes).
+    # With LoRA: the merged model in hf/, and the adapter alone in PEFT's format in hf_adapter/.
     if run.checkpoint.export_hf:
         hf_dir = os.path.join(workdir, "hf")
-        model_lib.save_hf_checkpoint(result.model_config, result.state.params, hf_dir)
+        if result.base_params is not None:
+            hf_export.save_adapter(
+                result.model_config, result.state.params, os.path.join(workdir, "hf_adapter"),
+                base_model_name_or_path=run.model.path or "",
+            )  # fmt: skip
+        model_lib.save_hf_checkpoint(result.model_config, result.policy_params(), hf_dir)
         if is_main:
             tokenizer.save_pretrained(hf_dir)
     if is_main:

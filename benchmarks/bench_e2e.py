@@ -18,9 +18,15 @@ time), then the ratios TRL / grpo_jax.
     python benchmarks/bench_e2e.py                      # 8 x 4 x 256, 3 steps, fp32
     python benchmarks/bench_e2e.py --n 8 --max_new_tokens 512 --dtype bfloat16
     python benchmarks/bench_e2e.py --jax-only --no-packing   # padded micro-batches, no remat
+    python benchmarks/bench_e2e.py --jax-only --lora-rank 32   # the LoRA row (alpha = rank)
 
 grpo_jax runs with PACKED_FLAGS (below): packed token-budget micro-batches for the update and
 the log-prob passes, and gradient checkpointing (TRL's default) keeping the projections.
+
+With `--lora-rank R` grpo_jax trains LoRA adapters of rank R (alpha `--lora-alpha`, default R)
+on all linear layers (model.lora_rank / lora_alpha / target_modules): the frozen base is also
+the reference, and only the adapters have Adam state. TRL's side would need peft, which its
+venv does not have, so a LoRA run is grpo_jax only (`--jax-only`).
 """
 
 import argparse
@@ -100,7 +106,7 @@ def _jax_side(args, gguf, workdir) -> dict:
         "--config.trainer.save_freq=-1", "--config.checkpoint.save_last=False",
         "--config.checkpoint.export_hf=False", "--config.trainer.progress_bar=False",
         "--config.trainer.tensorboard=False", f"--config.trainer.default_local_dir={workdir}",
-        *([] if args.no_packing else PACKED_FLAGS), *args.extra,
+        *([] if args.no_packing else PACKED_FLAGS), *_lora_flags(args), *args.extra,
     ]  # fmt: skip
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # one device: the whole machine (no fake devices)
@@ -115,6 +121,15 @@ def _jax_side(args, gguf, workdir) -> dict:
         "completion_length_mean": r["response_length/mean"], "reward_mean": r["critic/score/mean"],
     } for r in rows if r["step"] >= 1]  # fmt: skip
     return {"steps": steps, "peak_rss_gb": rss, "process_wall_s": wall, "cmd_extra": args.extra}
+
+
+def _lora_flags(args) -> list[str]:
+    """train.py flags of `--lora-rank` (none when it is 0: full fine-tuning)."""
+    if not args.lora_rank:
+        return []
+    alpha = args.lora_alpha if args.lora_alpha is not None else float(args.lora_rank)
+    return [f"--config.model.lora_rank={args.lora_rank}", f"--config.model.lora_alpha={alpha}",
+            "--config.model.target_modules=all-linear"]  # fmt: skip
 
 
 def _trl_side(args, hf_dir, workdir, python) -> dict:
@@ -171,7 +186,16 @@ def main():
     p.add_argument("--jax-only", action="store_true")
     p.add_argument("--extra", action="append", default=[], help="more train.py flags")
     p.add_argument("--no-packing", action="store_true", help="padded micro-batches, no remat")
+    p.add_argument("--lora-rank", type=int, default=0, help="grpo_jax LoRA rank (0 = full FT)")
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: rank)")
     args = p.parse_args()
+    if args.lora_rank < 0:
+        p.error(f"--lora-rank={args.lora_rank} must be >= 0 (0 = full fine-tuning)")
+    if args.lora_rank and not args.jax_only:
+        p.error(
+            "--lora-rank needs --jax-only: TRL's venv has no peft, so its side cannot run "
+            "LoRA and the ratios would compare LoRA with full fine-tuning"
+        )
     if not os.path.exists(os.path.join(GSM8K, "train.jsonl")):
         raise SystemExit(f"needs the GSM8K jsonl in {GSM8K}")
     sys.path.insert(0, REPO)
@@ -206,7 +230,11 @@ def main():
             "kl": f"k3 (low_var_kl) x {args.beta}", "lr": args.lr, "clip": 0.2,
             "loss": "token-mean (TRL loss_type=dapo)", "optimizer_steps_per_step": 1,
             "dtype": args.dtype, "steps_per_run": args.steps, "rounds": args.rounds,
-            "grpo_jax_flags": [*([] if args.no_packing else PACKED_FLAGS), *args.extra], "trl_micro_batch": args.trl_micro,
+            "grpo_jax_flags": [*([] if args.no_packing else PACKED_FLAGS), *args.extra],
+            "trl_micro_batch": args.trl_micro,
+            "grpo_jax_lora": (
+                {"rank": args.lora_rank, "flags": _lora_flags(args)} if args.lora_rank else None
+            ),
             "trl_gradient_checkpointing": True,
         },
         "machine": {"cpus": os.cpu_count(), "load_average_at_end": os.getloadavg()},

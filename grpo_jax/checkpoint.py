@@ -58,12 +58,16 @@ def save(mngr: ocp.CheckpointManager, step: int, state_tree, meta: dict) -> None
         ) from e
 
 
-def restore_latest(mngr: ocp.CheckpointManager, abstract_state_tree):
+def restore_latest(mngr: ocp.CheckpointManager, abstract_state_tree, *, check_meta=None):
     """Restores the newest readable checkpoint.
 
     Args:
       mngr: from `manager`.
       abstract_state_tree: ShapeDtypeStruct tree (with shardings) of the "state" item.
+      check_meta: optional `fn(step, meta)`, called with a step's "meta" item before its state
+        is read; it raises (ValueError) when the checkpoint belongs to another run setup (e.g.
+        LoRA adapters of another base). That error propagates: the checkpoint is not unreadable,
+        nothing is moved.
 
     Returns:
       (step, state_tree, meta), or None when the directory holds no checkpoint.
@@ -75,7 +79,24 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state_tree):
     if not steps:
         return None
     errors = []
+
+    def unreadable(step, e):
+        logging.error(
+            "checkpoint step %d in %s is unreadable (%r); trying an older one",
+            step,
+            mngr.directory,
+            e,
+        )
+        errors.append((step, f"step {step}: {e!r}"))
+
     for step in steps:
+        if check_meta is not None:
+            try:
+                meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+            except Exception as e:  # noqa: BLE001 - any unreadable checkpoint falls back
+                unreadable(step, e)
+                continue
+            check_meta(step, dict(meta["meta"]))
         try:
             restored = mngr.restore(
                 step,
@@ -85,13 +106,7 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state_tree):
                 ),
             )
         except Exception as e:  # noqa: BLE001 - any unreadable checkpoint falls back
-            logging.error(
-                "checkpoint step %d in %s is unreadable (%r); trying an older one",
-                step,
-                mngr.directory,
-                e,
-            )
-            errors.append((step, f"step {step}: {e!r}"))
+            unreadable(step, e)
             continue
         # Only once an older step restored: the newer, unreadable ones would block saving their
         # step numbers again. They are renamed, not deleted (a transient read error loses nothing).

@@ -241,9 +241,18 @@ class ModelSpec:
     # only), "dots_with_no_batch_dims_saveable" (the projections; attention is recomputed),
     # "dots_saveable" (every matmul output).
     gradient_checkpointing_policy: str = "nothing_saveable"
+    # LoRA (grpo_jax/lora.py; verl's actor_rollout_ref.model.*): rank r of the adapters trained
+    # on the frozen base; 0 = full fine-tuning. The reference is then the base, adapters off.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0  # the adapters' scale is lora_alpha / lora_rank
+    # "all-linear" (every projection but the output head, as PEFT) or comma-separated names out
+    # of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj
+    target_modules: str = "all-linear"
     tiny: TinyModelConfig = TinyModelConfig()
 
     def __post_init__(self):
+        from grpo_jax import lora
+
         c = _Checks("model")
         c.choice("source", self.source, ("hf", "random"))
         c.choice("tokenizer", self.tokenizer, ("hf", "char"))
@@ -254,6 +263,9 @@ class ModelSpec:
             self.gradient_checkpointing_policy,
             ("nothing_saveable", "dots_with_no_batch_dims_saveable", "dots_saveable"),
         )
+        c.need(self.lora_rank >= 0, "lora_rank", self.lora_rank, "must be >= 0 (0 = no LoRA)")
+        c.need(self.lora_alpha > 0, "lora_alpha", self.lora_alpha, "must be > 0")
+        c.call(lora.parse_target_modules, self.target_modules)
         c.done()
 
     def check_source(self) -> None:
@@ -496,6 +508,10 @@ class VLLMSettings:
     stop_timeout_s: float = 30.0  # SIGTERM -> SIGKILL grace period
     max_concurrent_requests: int = 64  # prompts in flight at once
     weight_transfer: str = "disk"  # "disk" (export + reload) | "nccl" (GPU, in memory; falls back)
+    # With LoRA (model.lora_rank > 0): push "merged" weights (base + scale * A @ B, through
+    # weight_transfer) or the "adapter" alone (PEFT files + /v1/load_lora_adapter; the server
+    # runs with --enable-lora and keeps the base it started from)
+    lora_sync: str = "merged"
 
     def sidecar_config(self, *, tensor_parallel_size: int = 1):
         """The vllm_sidecar.VLLMConfig (raises ValueError naming a bad value); the tensor
@@ -943,6 +959,12 @@ class RunConfig:
             d.gen_batch_size,
             "is read only by DAPO's dynamic sampling: set algorithm.filter_groups.enable=True "
             "or leave it None",
+        )
+        c.need(
+            r.vllm.lora_sync != "adapter" or self.model.lora_rank > 0,
+            "rollout.vllm.lora_sync",
+            r.vllm.lora_sync,
+            "pushes LoRA adapters: it needs model.lora_rank > 0 (use 'merged')",
         )
         rc = self.algorithm.rollout_correction
         c.need(

@@ -413,3 +413,99 @@ def save(
             if error is not None:
                 raise error
             raise RuntimeError(f"process 0 failed to write the HF export to {path!r}; see its log")
+
+
+# ---------------------------------------------------------------------------------------------
+# PEFT adapters (LoRA)
+
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+_PEFT_PREFIX = "base_model.model."  # PeftModel wraps the HF model as base_model.model
+# (PEFT tensor, adapter leaf, HF layout of that leaf)
+_PEFT_LAYOUTS = (("lora_A", "lora_a", "linear_out"), ("lora_B", "lora_b", "linear"))
+
+
+def adapter_tensors(config: model_lib.ModelConfig, adapters) -> list[HFTensor]:
+    """The PEFT tensors of LoRA `adapters` (grpo_jax/lora.py), in transformers' save order.
+
+    Each targeted kernel's HF name ``model.layers.{i}.<module>.weight`` gives
+    ``base_model.model.model.layers.{i}.<module>.lora_A.weight`` [r, in] and ``...lora_B.weight``
+    [out, r], in torch's Linear layout: A [*in, r] flattens its input axes (the kernel's HF
+    flattening, layout ``linear_out``), B [r, *out] its output axes (``linear``).
+
+    Raises:
+      ValueError: `adapters` do not match the config's rank and targets.
+    """
+    model_lib.check_adapters(config, adapters)
+    flat = dict(_flatten(adapters))
+    out = []
+    for template, param, _ in model_lib.HF_TO_JAX:
+        stem = param.removesuffix("/kernel")
+        if f"{stem}/lora_a" not in flat:
+            continue
+        module = template.removesuffix(".weight")
+        for suffix, leaf, layout in _PEFT_LAYOUTS:
+            x = flat[f"{stem}/{leaf}"]
+            per_layer = jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+            shape = tuple(jax.eval_shape(functools.partial(_hf_layout, layout), per_layer).shape)
+            for i in range(config.num_layers):
+                name = f"{_PEFT_PREFIX}{module.format(i=i)}.{suffix}.weight"
+                out.append(HFTensor(name, f"{stem}/{leaf}", i, layout, shape, np.dtype(x.dtype)))
+    return sorted(out, key=lambda t: natural_key(t.name))
+
+
+def peft_config(config: model_lib.ModelConfig, *, base_model_name_or_path: str = "") -> dict:
+    """adapter_config.json of a PEFT LoRA adapter with the config's rank, alpha and targets."""
+    alpha = config.lora_alpha
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": config.lora_rank,
+        "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
+        "target_modules": sorted(config.lora_targets),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "inference_mode": True,
+    }
+
+
+def save_adapter(
+    config: model_lib.ModelConfig, adapters, path: str | os.PathLike, *,
+    base_model_name_or_path: str = "",
+) -> None:  # fmt: skip
+    """Writes LoRA `adapters` as a PEFT adapter directory: ``adapter_model.safetensors`` (one
+    file, float32, PEFT's names) and ``adapter_config.json``.
+
+    ``peft.PeftModel.from_pretrained(hf_base_model, path)`` and vLLM's ``/v1/load_lora_adapter``
+    read it. Like `save`, a collective over the adapters' mesh: every process must call it, only
+    process 0 writes, and host memory holds one tensor at a time.
+
+    Args:
+      config: the ModelConfig with the adapters' rank, alpha and targets.
+      adapters: the adapters pytree (lora.init_adapters layout), sharded or not.
+      path: output directory, created if needed.
+      base_model_name_or_path: recorded in adapter_config.json (PEFT's pointer to the base).
+    """
+    path = os.fspath(path)
+    ordered = _file_order(adapter_tensors(config, adapters))
+    flat = dict(_flatten(adapters))
+    if jax.process_index() != 0:
+        for t in ordered:
+            device_tensor(flat[t.param], t).block_until_ready()
+        return
+    os.makedirs(path, exist_ok=True)
+    partial = os.path.join(path, f".{ADAPTER_FILE}.partial")
+    with open(partial, "wb") as f:
+        f.write(safetensors_header(ordered))
+        for t in ordered:
+            f.write(host_tensor(flat[t.param], t).reshape(-1).view(np.uint8).data)
+    os.replace(partial, os.path.join(path, ADAPTER_FILE))
+    text = json.dumps(peft_config(config, base_model_name_or_path=base_model_name_or_path),
+                      indent=2, sort_keys=True)  # fmt: skip
+    _write_atomic(os.path.join(path, ADAPTER_CONFIG), text)

@@ -5,6 +5,11 @@
   setup     mesh and rules, prompts tokenised, params placed in their shardings, AdamW state,
             the frozen reference (when a KL term needs it), the jitted programs, the rollout
             engine, the reward worker pool;
+  LoRA      (model.lora_rank > 0, grpo_jax/lora.py) the given params are the frozen base;
+            fresh adapters are what the state trains (and all the optimizer holds), the
+            reference is the base itself with the adapters off (no copy), and checkpoints hold
+            the adapters, the optimizer state and a pointer to the base (model.path, rank,
+            alpha, targets), checked on resume;
   resume    from the newest readable checkpoint in the workdir (exact: params, optimizer state,
             rng, data position, counters, the reference when a warm-up produced it);
   warm-up   optional supervised steps on reference answers, then a fresh optimizer;
@@ -47,6 +52,7 @@ from grpo_jax import (
     validation,
 )
 from grpo_jax import config as config_lib
+from grpo_jax import lora as lora_lib
 from grpo_jax import model as model_lib
 from grpo_jax import reward_pool as reward_pool_lib
 
@@ -58,16 +64,27 @@ class Result:
     """What `train` returns.
 
     Attributes:
-      state: the final trainer.TrainState (params, optimizer state, update count).
-      model_config: the model's config (for export).
+      state: the final trainer.TrainState (params, optimizer state, update count); with LoRA
+        its params are the adapters.
+      model_config: the model's config (for export; with LoRA it carries the adapters' rank,
+        alpha and targets).
       history: every metrics row written by this call, {"step": ..., ...}.
       workdir: where metrics and checkpoints went.
+      base_params: with LoRA, the frozen base params (else None).
     """
 
     state: trainer.TrainState
     model_config: model_lib.ModelConfig
     history: list[dict]
     workdir: str
+    base_params: Any = None
+
+    def policy_params(self):
+        """The trained policy as full params: with LoRA the base with the adapters merged in."""
+        if self.base_params is None:
+            return self.state.params
+        return lora_lib.merge(self.model_config, lora_lib.attach(self.base_params,
+                                                                 self.state.params))
 
 
 def make_optimizer(run: config_lib.RunConfig, total_steps: int):
@@ -121,7 +138,8 @@ def train(
 
     Args:
       run: every setting (grpo_jax.config); the workdir is run.trainer.default_local_dir.
-      model_config, params: the policy (and the reference, copied before the first update).
+      model_config, params: the policy (and the reference, copied before the first update);
+        with LoRA (run.model.lora_rank > 0) the frozen base, which is also the reference.
       tokenizer: an HF tokenizer (with a chat template for chat-message prompts).
       train_data, val_data: the prompts: data.Examples (grpo_jax.dataset reads files into
         them) or raw rows (dicts in any layout grpo_jax.dataset knows, e.g. {"prompt": chat
@@ -175,17 +193,35 @@ def train(
     steps = total_steps(run, len(train_set))
     eos_ids, pad_id = loading.special_ids(tokenizer, model_config)
     tx, schedule = make_optimizer(run, steps)
+    if run.model.lora_rank or model_config.lora_rank:
+        model_config = lora_lib.configure(
+            model_config, rank=run.model.lora_rank, alpha=run.model.lora_alpha,
+            target_modules=run.model.target_modules,
+        )  # fmt: skip
     param_sh = sharding.param_shardings(model_config, mesh, rules)
     params = jax.device_put(params, param_sh)
+    if model_config.lora_rank:  # the params are the frozen base; the state trains adapters
+        base = params
+        train_sh = sharding.adapter_shardings(model_config, mesh, rules)
+        init_key = jax.random.fold_in(jax.random.key(run.trainer.seed), _LORA_INIT_STREAM)
+        trainable = lora_lib.init_adapters(model_config, init_key, shardings=train_sh)
+        abstract_trainable = model_lib.abstract_adapters(model_config)
+    else:
+        base, train_sh, trainable = None, param_sh, params
+        abstract_trainable = model_lib.abstract_params(model_config)
     state_sh = trainer.TrainState(
         sharding.replicated(mesh),
-        param_sh,
-        sharding.tx_state_shardings(tx, model_lib.abstract_params(model_config), param_sh, mesh),
+        train_sh,
+        sharding.tx_state_shardings(tx, abstract_trainable, train_sh, mesh),
     )
-    state = jax.jit(functools.partial(trainer.init_state, tx=tx), out_shardings=state_sh)(params)
-    ref_params = params if run.needs_reference else None  # `state` holds a copy: never donated
+    state = jax.jit(functools.partial(trainer.init_state, tx=tx), out_shardings=state_sh)(
+        trainable
+    )
+    # The frozen reference: the initial params (`state` holds a copy: never donated); with LoRA
+    # the base itself, adapters disabled (verl), so no second copy of the weights.
+    ref_params = params if run.needs_reference else None
     ref_in_ckpt = run.needs_reference and run.warmup.steps > 0
-    del params
+    del params, trainable
     root_key = jax.random.key_data(jax.random.key(run.trainer.seed))
     programs = step.make_programs(run, model_config, tx, dp=dp)
     logging.info(
@@ -203,13 +239,17 @@ def train(
         os.path.join(workdir, "checkpoints"), max_to_keep=run.checkpoint.max_to_keep
     )
     writer = metrics.Writer(workdir, tensorboard=run.trainer.tensorboard, enabled=is_main)
-    loop = _LoopState(state, ref_params, root_key, data.Position(), 0, run.algorithm.kl_ctrl.kl_coef)
+    loop = _LoopState(
+        state, ref_params, root_key, data.Position(), 0, run.algorithm.kl_ctrl.kl_coef,
+        base=base, lora_base=lora_pointer(run, model_config),
+    )  # fmt: skip
     start_step, first_row = 0, {}
     restored = None
     if run.trainer.resume_mode == "auto":
         restored = checkpoint.restore_latest(
-            mngr, loop.abstract(state_sh, param_sh, mesh, with_ref=ref_in_ckpt)
-        )
+            mngr, loop.abstract(state_sh, train_sh, mesh, with_ref=ref_in_ckpt),
+            check_meta=loop.check_meta,
+        )  # fmt: skip
     if restored is not None:
         start_step, tree, meta = restored
         loop = loop.restored(tree, meta, with_ref=ref_in_ckpt)
@@ -240,9 +280,11 @@ def train(
                 pad_id=pad_id,
                 micro_rows=programs.micro_rows,
                 model_config=model_config,
+                base_params=base,
             )
             if run.needs_reference:  # the reference is the warmed-up policy (a copy)
-                loop.ref_params = jax.tree.map(jnp.copy, loop.state.params)
+                warmed = jax.tree.map(jnp.copy, loop.state.params)  # with LoRA: the adapters
+                loop.ref_params = trainer.policy_params(base, warmed)
 
     engine = make_engine(run, model_config, mesh, eos_ids=eos_ids, pad_id=pad_id, workdir=workdir)
     pool = (
@@ -250,7 +292,7 @@ def train(
         if run.reward.num_workers
         else None
     )
-    ctx = step.StepContext(run, programs, engine, tokenizer, reward_fn, mesh, pool)
+    ctx = step.StepContext(run, programs, engine, tokenizer, reward_fn, mesh, pool, base)
     val_sampling = step.SamplingParams(
         run.rollout.val_kwargs.n,
         run.data.max_response_length,
@@ -260,10 +302,10 @@ def train(
     )
 
     def evaluate(state, step_done: int):
-        engine.sync(state.params, int(jax.device_get(state.step)))  # after an update: push it
+        engine.sync(ctx.policy(state), int(jax.device_get(state.step)))  # after an update: push
         result = validation.run(
             engine,
-            state.params,
+            ctx.policy(state),
             val_set,
             reward_fn=reward_fn,
             tokenizer=tokenizer,
@@ -281,7 +323,7 @@ def train(
 
     history = []
     try:
-        engine.start(loop.state.params, int(jax.device_get(loop.state.step)))
+        engine.start(ctx.policy(loop.state), int(jax.device_get(loop.state.step)))
         if start_step == 0 and run.trainer.val_before_train and val_set is not None:
             first_row |= evaluate(loop.state, 0)
         if first_row:
@@ -306,7 +348,7 @@ def train(
         if pool is not None:
             pool.close()
         writer.close()
-    return Result(loop.state, model_config, history, workdir)
+    return Result(loop.state, model_config, history, workdir, base)
 
 
 GENERATIONS_FILE = "val_generations.jsonl"
@@ -351,9 +393,34 @@ def _examples(rows, name: str, layout, on_malformed: str) -> list[data.Example]:
     return dataset.parse_rows(rows, source=name, on_malformed=on_malformed, layout=layout)
 
 
+# The rng stream of the LoRA adapters' initialisation (fold_in of trainer.seed's key).
+_LORA_INIT_STREAM = 0x10A
+
+
+def lora_pointer(run: config_lib.RunConfig, model_config: model_lib.ModelConfig) -> dict | None:
+    """What a LoRA checkpoint records of its base (None without LoRA): the adapters are only
+    meaningful on the same base weights with the same rank, alpha and targets."""
+    if not model_config.lora_rank:
+        return None
+    m = run.model
+    return {
+        "model.path": m.path,
+        "model.source": m.source,
+        "model.tiny.seed": m.tiny.seed if m.source == "random" else None,
+        "model.param_dtype": m.param_dtype,
+        "model.lora_rank": model_config.lora_rank,
+        "model.lora_alpha": model_config.lora_alpha,
+        "model.target_modules": ",".join(model_config.lora_targets),
+    }
+
+
 @dataclasses.dataclass
 class _LoopState:
-    """What changes from step to step and goes into a checkpoint."""
+    """What changes from step to step and goes into a checkpoint.
+
+    With LoRA, `base` is the frozen base (never checkpointed: `lora_base` points at it), the
+    state's params are the adapters, and a warmed-up reference is checkpointed as its adapters.
+    """
 
     state: trainer.TrainState
     ref_params: Any
@@ -361,29 +428,52 @@ class _LoopState:
     position: data.Position
     consecutive_bad: int
     kl_coef: float  # the in-reward KL coefficient of the next step (algorithm.kl_ctrl)
+    base: Any = None
+    lora_base: dict | None = None
 
     def tree(self, *, with_ref: bool) -> dict:
         tree = {"train": self.state, "rng": self.root_key}
-        return tree | ({"ref": self.ref_params} if with_ref else {})
+        if not with_ref:
+            return tree
+        ref = self.ref_params if self.base is None else self.ref_params[lora_lib.ADAPTERS]
+        return tree | {"ref": ref}
 
-    def abstract(self, state_sh, param_sh, mesh, *, with_ref: bool):
+    def abstract(self, state_sh, ref_sh, mesh, *, with_ref: bool):
         shardings = {"train": state_sh, "rng": sharding.replicated(mesh)}
         if with_ref:
-            shardings["ref"] = param_sh
+            shardings["ref"] = ref_sh
         return jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
             jax.eval_shape(lambda: self.tree(with_ref=with_ref)),
             shardings,
         )
 
+    def check_meta(self, step: int, meta: dict) -> None:
+        """Refuses a checkpoint of another LoRA base (or LoRA vs full fine-tuning)."""
+        saved = meta.get("lora_base")
+        if saved != self.lora_base:
+            def what(p):
+                return "full fine-tuning (no LoRA)" if p is None else f"LoRA on the base {p}"
+
+            raise ValueError(
+                f"the checkpoint of step {step} in the workdir holds {what(saved)}, but this "
+                f"run is {what(self.lora_base)}: resume with the same model.path and "
+                "model.lora_rank / lora_alpha / target_modules, or use another "
+                "trainer.default_local_dir"
+            )
+
     def restored(self, tree, meta, *, with_ref: bool) -> _LoopState:
-        return _LoopState(
-            tree["train"],
-            tree["ref"] if with_ref else self.ref_params,
-            tree["rng"],
-            data.Position(meta["data_epoch"], meta["data_index"]),
-            meta["consecutive_nonfinite"],
-            meta.get("kl_coef", self.kl_coef),
+        ref = self.ref_params
+        if with_ref:
+            ref = trainer.policy_params(self.base, tree["ref"])
+        return dataclasses.replace(
+            self,
+            state=tree["train"],
+            ref_params=ref,
+            root_key=tree["rng"],
+            position=data.Position(meta["data_epoch"], meta["data_index"]),
+            consecutive_bad=meta["consecutive_nonfinite"],
+            kl_coef=meta.get("kl_coef", self.kl_coef),
         )
 
     def meta(self, step: int, row: dict) -> dict:
@@ -396,7 +486,7 @@ class _LoopState:
             "consecutive_nonfinite": self.consecutive_bad,
             "kl_coef": self.kl_coef,
             "metrics": row,
-        }
+        } | ({"lora_base": self.lora_base} if self.lora_base is not None else {})
 
 
 def _steps(
@@ -425,7 +515,7 @@ def _steps(
 
         rng = jax.random.fold_in(jax.random.wrap_key_data(loop.root_key), i)
         timing = {}
-        synced = ctx.engine.sync(loop.state.params, int(jax.device_get(loop.state.step)))
+        synced = ctx.engine.sync(ctx.policy(loop.state), int(jax.device_get(loop.state.step)))
         if synced is not None:  # the params changed in the last update
             timing["timing_s/weight_sync"] = synced
         loop.state, row = step.run_step(
@@ -472,9 +562,12 @@ def _steps(
 
 
 def warm_up(
-    run, state, tx, train_set, tokenizer, mesh, *, eos_id, pad_id, micro_rows, model_config
+    run, state, tx, train_set, tokenizer, mesh, *, eos_id, pad_id, micro_rows, model_config,
+    base_params=None,
 ) -> tuple[trainer.TrainState, dict]:
     """Supervised warm-up on the reference answers (warmup.steps), then a fresh optimizer.
+
+    With LoRA (`base_params` the frozen base) it trains the adapters.
 
     Returns:
       (state, metrics): update count 0 and a fresh optimizer state; the last warm-up NLL.
@@ -496,6 +589,7 @@ def warm_up(
         ),
         donate_argnums=0,
     )
+    base = () if base_params is None else (base_params,)
     position = data.Position()
     nll = float("nan")
     for i in range(w.steps):
@@ -511,7 +605,7 @@ def warm_up(
             pad_id=pad_id,
             max_response_length=run.data.max_response_length,
         )
-        state, m = sft_fn(state, batch, jnp.float32(w.lr))
+        state, m = sft_fn(state, batch, jnp.float32(w.lr), *base)
         nll = float(m["sft/nll"])
         if i % 10 == 0 or i == w.steps - 1:
             logging.info("warm-up step %d/%d: nll %.4f", i + 1, w.steps, nll)

@@ -69,6 +69,11 @@ ARCHITECTURES = {
 _ARCH_TO_HF = {arch: hf for hf, arch in ARCHITECTURES.items()}
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable")
+# The projections LoRA can adapt (HF module names; PEFT's "all-linear" is all of them: the
+# output head is excluded, as PEFT does).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The params key of the LoRA adapters (a separate subtree, grpo_jax/lora.py).
+ADAPTERS = "lora"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -95,6 +100,12 @@ class ModelConfig:
         matmul output), "dots_with_no_batch_dims_saveable" (the projections, not attention's
         batched matmuls: the attention scores are recomputed, the rest is kept).
       eos_token_ids: every EOS id from config.json (an int or list there).
+      lora_rank: r of the LoRA adapters (grpo_jax/lora.py) the projections in `lora_targets`
+        take when the params carry them (``params["lora"]``); 0 = no adapters. The adapters
+        add (alpha / r) * (x @ A) @ B to each targeted projection; params without them run the
+        base model, whatever these fields say.
+      lora_alpha: LoRA's alpha (scale alpha / r).
+      lora_targets: projection names in LORA_TARGETS (HF names: q_proj, ..., down_proj).
     """
 
     arch: str = "qwen2"
@@ -120,6 +131,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     initializer_range: float = 0.02
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.arch not in _ARCH_TO_HF:
@@ -161,12 +175,33 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.remat_policy={self.remat_policy!r}; expected one of {REMAT_POLICIES}"
             )
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        if self.lora_rank < 0:
+            raise ValueError(f"ModelConfig.lora_rank={self.lora_rank} must be >= 0 (0 = no LoRA)")
+        if self.lora_rank:
+            unknown = sorted(set(self.lora_targets) - set(LORA_TARGETS))
+            if (
+                not self.lora_targets
+                or unknown
+                or len(set(self.lora_targets)) < len(self.lora_targets)
+            ):
+                raise ValueError(
+                    f"ModelConfig.lora_targets={self.lora_targets} must name each of "
+                    f"{LORA_TARGETS} at most once, at least one of them"
+                )
+            if not self.lora_alpha > 0:
+                raise ValueError(f"ModelConfig.lora_alpha={self.lora_alpha} must be > 0")
         rope_type = self.rope_scaling_dict.get("rope_type", "default")
         if rope_type not in _SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"ModelConfig: rope_type={rope_type!r} is not supported for arch={self.arch!r}; "
                 f"expected one of {_SUPPORTED_ROPE_TYPES}"
             )
+
+    @property
+    def lora_scale(self) -> float:
+        """LoRA's scale alpha / r (0 without adapters)."""
+        return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any]:
@@ -371,10 +406,12 @@ class Attention(nnx.Module):
             ("embed", "kv_heads", "head_dim"),
             c.qkv_bias,
         )
-        self.q_proj = _Proj(rngs, w_init, (D, N, H), q_axes, pdt, bias=bias)
-        self.k_proj = _Proj(rngs, w_init, (D, K, H), kv_axes, pdt, bias=bias)
-        self.v_proj = _Proj(rngs, w_init, (D, K, H), kv_axes, pdt, bias=bias)
-        self.o_proj = _Proj(rngs, w_init, (N, H, D), ("heads", "head_dim", "embed"), pdt)
+        lora = functools.partial(_lora_args, c)
+        self.q_proj = _Proj(rngs, w_init, (D, N, H), q_axes, pdt, bias=bias, **lora("q_proj"))
+        self.k_proj = _Proj(rngs, w_init, (D, K, H), kv_axes, pdt, bias=bias, **lora("k_proj"))
+        self.v_proj = _Proj(rngs, w_init, (D, K, H), kv_axes, pdt, bias=bias, **lora("v_proj"))
+        o_axes = ("heads", "head_dim", "embed")
+        self.o_proj = _Proj(rngs, w_init, (N, H, D), o_axes, pdt, num_in=2, **lora("o_proj"))
         if c.qk_norm:
             kw = {"eps": c.rms_norm_eps, "dtype": c.dtype, "param_dtype": pdt, "rngs": rngs}
             self.q_norm = RMSNorm(H, "head_dim", **kw)
@@ -395,6 +432,23 @@ class Attention(nnx.Module):
         return self.o_proj("BTNH,NHD->BTD", o_BTNH, self.config.dtype)
 
 
+class LoraParam(nnx.Variable):
+    """A LoRA adapter matrix (grpo_jax/lora.py): float32 and trained, while every `nnx.Param`
+    (the base weights) stays frozen. A separate Variable type, so the base params and the
+    adapters split into two pytrees (``abstract_params`` / ``abstract_adapters``)."""
+
+
+def _lora_param(rngs, shape, axes) -> LoraParam:
+    init = nnx.with_partitioning(nnx.initializers.zeros, axes)
+    return LoraParam(init(rngs.params(), shape, jnp.float32), eager_sharding=False)
+
+
+def _lora_args(config: ModelConfig, name: str) -> dict:
+    """The LoRA settings of projection `name`: rank 0 (none) unless it is a target."""
+    rank = config.lora_rank if name in config.lora_targets else 0
+    return {"lora_rank": rank, "lora_scale": config.lora_scale}
+
+
 class _Proj(nnx.Module):
     """A projection contracting the input's last axes with the kernel's first ones (the einsum
     `spec` documents which); the optional (zero-initialised) bias spans the output axes.
@@ -402,13 +456,26 @@ class _Proj(nnx.Module):
     The contraction runs as one 2-D matmul, [tokens, in] x [in, out], with the kernel and input
     reshaped (free: both are contiguous): XLA:CPU's dot for the 3- and 4-D einsums took 30 %
     longer in the forward and backward at training shapes.
+
+    With `lora_rank` r > 0 the projection also holds LoRA adapters (Hu et al. 2021) A [*in, r]
+    and B [r, *out] (`LoraParam`, logical axes those of the kernel's in / out axes, the rank axis
+    replicated) and adds scale * (x @ A) @ B, as PEFT's Linear does, without merging them into
+    the kernel. `num_in` is the kernel's number of input axes (2 for o_proj's [N, H, D]).
     """
 
-    def __init__(self, rngs, init, shape, axes, param_dtype, *, bias: bool = False):
+    def __init__(
+        self, rngs, init, shape, axes, param_dtype, *, bias: bool = False, num_in: int = 1,
+        lora_rank: int = 0, lora_scale: float = 0.0,
+    ):  # fmt: skip
         self.kernel = _param(rngs, init, shape, axes, param_dtype)
         self.use_bias = bias
         if bias:
             self.bias = _param(rngs, nnx.initializers.zeros, shape[1:], axes[1:], param_dtype)
+        self.lora_rank, self.lora_scale = lora_rank, lora_scale
+        if lora_rank:
+            r = lora_rank
+            self.lora_a = _lora_param(rngs, (*shape[:num_in], r), (*axes[:num_in], None))
+            self.lora_b = _lora_param(rngs, (r, *shape[num_in:]), (None, *axes[num_in:]))
 
     def __call__(self, spec: str, x, dtype):
         inputs, out = spec.split("->")
@@ -416,7 +483,12 @@ class _Proj(nnx.Module):
         c = (len(x_letters) + len(k_letters) - len(out)) // 2  # contracted axes
         kernel = self.kernel[...].astype(dtype)
         fan_in = math.prod(kernel.shape[:c])
-        y = jnp.dot(x.astype(dtype).reshape(-1, fan_in), kernel.reshape(fan_in, -1))
+        x_2d = x.astype(dtype).reshape(-1, fan_in)
+        y = jnp.dot(x_2d, kernel.reshape(fan_in, -1))
+        if self.lora_rank:  # base + adapter, unmerged: x @ W + scale * (x @ A) @ B
+            a = self.lora_a[...].astype(dtype).reshape(fan_in, self.lora_rank)
+            b = self.lora_b[...].astype(dtype).reshape(self.lora_rank, -1)
+            y = y + jnp.dot(jnp.dot(x_2d, a), b) * self.lora_scale
         y = y.reshape(*x.shape[: x.ndim - c], *kernel.shape[c:])
         if self.use_bias:
             bias = self.bias[...].astype(dtype)
@@ -430,9 +502,10 @@ class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         D, F, pdt = config.hidden_size, config.intermediate_size, config.param_dtype
         w_init = nnx.initializers.normal(config.initializer_range)
-        self.gate_proj = _Proj(rngs, w_init, (D, F), ("embed", "mlp"), pdt)
-        self.up_proj = _Proj(rngs, w_init, (D, F), ("embed", "mlp"), pdt)
-        self.down_proj = _Proj(rngs, w_init, (F, D), ("mlp", "embed"), pdt)
+        lora = functools.partial(_lora_args, config)
+        self.gate_proj = _Proj(rngs, w_init, (D, F), ("embed", "mlp"), pdt, **lora("gate_proj"))
+        self.up_proj = _Proj(rngs, w_init, (D, F), ("embed", "mlp"), pdt, **lora("up_proj"))
+        self.down_proj = _Proj(rngs, w_init, (F, D), ("mlp", "embed"), pdt, **lora("down_proj"))
         self.dtype = config.dtype
 
     def __call__(self, x_BTD):
@@ -642,35 +715,70 @@ def _attend(q_BTNH, k_BKHS, v_BKSH, visible_BTS):
 
 @functools.lru_cache(maxsize=64)
 def _skeleton(config: ModelConfig):
-    """(graphdef, abstract Param state) of the module tree, built once per config."""
+    """(graphdef, abstract Param state[, abstract LoraParam state]) of the module tree, built
+    once per config; the third entry only when config.lora_rank > 0."""
     abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
+    if config.lora_rank:
+        return nnx.split(abstract, nnx.Param, LoraParam)
     return nnx.split(abstract, nnx.Param)[:2]
 
 
+def _base_config(config: ModelConfig) -> ModelConfig:
+    """`config` without adapters: the module tree of the base params."""
+    return dataclasses.replace(config, lora_rank=0, lora_targets=()) if config.lora_rank else config
+
+
 def _merge(config: ModelConfig, params) -> Decoder:
-    """The Decoder module holding `params` (called inside a trace; checks the structure)."""
-    graphdef, abstract_state = _skeleton(config)
-    check_params(config, params)
-    state = jax.tree.map(lambda x: x, abstract_state)  # Fresh Variables; the cache stays clean.
-    nnx.replace_by_pure_dict(state, params)
-    return nnx.merge(graphdef, state)
+    """The Decoder module holding `params` (called inside a trace; checks the structure).
+
+    With LoRA adapters under ``params["lora"]`` (grpo_jax/lora.py) the targeted projections
+    apply them unmerged; without them the module is the base model (adapters disabled).
+    """
+    adapters = params.get(ADAPTERS) if isinstance(params, Mapping) else None
+    if adapters is None:
+        graphdef, abstract_state = _skeleton(_base_config(config))
+        check_params(config, params)
+        state = jax.tree.map(lambda x: x, abstract_state)  # Fresh Variables; the cache stays clean.
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(graphdef, state)
+    if not config.lora_rank:
+        raise ValueError(
+            f"params carry LoRA adapters (params[{ADAPTERS!r}]) but ModelConfig.lora_rank=0"
+        )
+    base = {k: v for k, v in params.items() if k != ADAPTERS}
+    check_params(config, base)
+    check_adapters(config, adapters)
+    graphdef, abstract_state, abstract_lora = _skeleton(config)
+    state, lora_state = jax.tree.map(lambda x: x, (abstract_state, abstract_lora))
+    nnx.replace_by_pure_dict(state, base)
+    nnx.replace_by_pure_dict(lora_state, adapters)
+    return nnx.merge(graphdef, state, lora_state)
 
 
 def check_params(config: ModelConfig, params) -> None:
-    """Raises ValueError naming the first missing, unexpected or mis-shaped param."""
-    expected = abstract_params(config)
+    """Raises ValueError naming the first missing, unexpected or mis-shaped base param."""
+    _check_tree("param", abstract_params(config), params, config)
+
+
+def check_adapters(config: ModelConfig, adapters) -> None:
+    """Raises ValueError unless `adapters` has the structure and shapes of abstract_adapters."""
+    _check_tree("LoRA adapter", abstract_adapters(config), adapters, config)
+
+
+def _check_tree(what: str, expected, got_tree, config: ModelConfig) -> None:
     want = dict(_flatten(expected))
-    got = dict(_flatten(params))
+    got = dict(_flatten(got_tree))
     if want.keys() != got.keys():
         missing, extra = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
+        noun = "params" if what == "param" else f"{what}s"
         raise ValueError(
-            f"params do not match arch={config.arch!r}: missing {missing}, unexpected {extra}"
+            f"{noun} do not match arch={config.arch!r}: missing {missing}, unexpected {extra}"
         )
     for name, spec in want.items():
         if tuple(got[name].shape) != tuple(spec.shape):
             raise ValueError(
-                f"param {name!r} has shape {tuple(got[name].shape)}, expected {tuple(spec.shape)} "
-                f"for arch={config.arch!r}"
+                f"{what} {name!r} has shape {tuple(got[name].shape)}, expected "
+                f"{tuple(spec.shape)} for arch={config.arch!r}"
             )
 
 
@@ -741,14 +849,39 @@ def abstract_params(config: ModelConfig) -> dict:
 
 @functools.lru_cache(maxsize=64)
 def _abstract_params(config: ModelConfig) -> dict:
-    _, abstract_state = _skeleton(config)
+    _, abstract_state = _skeleton(_base_config(config))
     return nnx.to_pure_dict(abstract_state)
 
 
 def logical_axes(config: ModelConfig) -> dict:
     """PartitionSpecs of logical axis names, same structure as the params."""
-    _, abstract_state = _skeleton(config)
+    _, abstract_state = _skeleton(_base_config(config))
     return nnx.to_pure_dict(nnx.get_partition_spec(abstract_state))
+
+
+def _lora_skeleton(config: ModelConfig):
+    if not config.lora_rank:
+        raise ValueError("ModelConfig.lora_rank=0: this model has no LoRA adapters")
+    return _skeleton(config)[2]
+
+
+def abstract_adapters(config: ModelConfig) -> dict:
+    """Shapes of the LoRA adapters (float32 ShapeDtypeStructs), per target projection::
+
+        layers/attn/q_proj/lora_a   [L, D, r]       (None, embed, None)
+        layers/attn/q_proj/lora_b   [L, r, N, H]    (None, None, heads, head_dim)
+        layers/attn/o_proj/lora_a   [L, N, H, r]    (None, heads, head_dim, None)
+        layers/mlp/down_proj/lora_b [L, r, D]       (None, None, embed)   ...
+
+    Raises:
+      ValueError: config.lora_rank is 0.
+    """
+    return nnx.to_pure_dict(_lora_skeleton(config))
+
+
+def adapter_logical_axes(config: ModelConfig) -> dict:
+    """PartitionSpecs of logical axis names of the LoRA adapters (``abstract_adapters``)."""
+    return nnx.to_pure_dict(nnx.get_partition_spec(_lora_skeleton(config)))
 
 
 def _check_inputs(input_ids, attention_mask):

@@ -193,8 +193,9 @@ def logical_to_mesh_sharding(
     return jax.tree.map(lambda s: NamedSharding(mesh, s), spec_tree, is_leaf=_is_spec)
 
 
-def _model_logical_axes(config: Any) -> Any:
-    """``model.logical_axes(config)`` as logical names, also inside ``use_mesh``.
+def _model_logical_axes(config: Any, *, adapters: bool = False) -> Any:
+    """``model.logical_axes(config)`` (or ``model.adapter_logical_axes``) as logical names, also
+    inside ``use_mesh``.
 
     NNX resolves partition metadata through the active flax logical-axis rules and checks it
     against the active mesh, so under ``use_mesh`` it would hand back mesh axes (or reject the
@@ -204,7 +205,7 @@ def _model_logical_axes(config: Any) -> Any:
 
     no_mesh = jax.sharding.AbstractMesh((), ())
     with jax.sharding.use_abstract_mesh(no_mesh), nn.logical_axis_rules(()):
-        return model.logical_axes(config)
+        return model.adapter_logical_axes(config) if adapters else model.logical_axes(config)
 
 
 def param_shardings(config: Any, mesh: Mesh, rules: Rules = LOGICAL_RULES) -> Any:
@@ -214,6 +215,17 @@ def param_shardings(config: Any, mesh: Mesh, rules: Rules = LOGICAL_RULES) -> An
     return logical_to_mesh_sharding(
         _model_logical_axes(config), mesh, rules, shapes=model.abstract_params(config)
     )
+
+
+def adapter_shardings(config: Any, mesh: Mesh, rules: Rules = LOGICAL_RULES) -> Any:
+    """Shardings for the LoRA adapters of ``config`` (grpo_jax/lora.py): each A / B is split like
+    its kernel on the input / output axes, the rank axis replicated; checked against shapes."""
+    from grpo_jax import model  # lazy: keeps this module importable without flax
+
+    return logical_to_mesh_sharding(
+        _model_logical_axes(config, adapters=True), mesh, rules,
+        shapes=model.abstract_adapters(config),
+    )  # fmt: skip
 
 
 def init_sharded_params(

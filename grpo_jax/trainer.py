@@ -17,6 +17,11 @@ and 6, verl 0.9.1 engine workers):
 * Log-probs come from `model.hidden_states` and `loss.logprobs_and_entropy_from_hidden`
   (chunked over token rows, never a [B, T, V] array), from logits divided by the rollout
   temperature as verl does.
+* LoRA (grpo_jax/lora.py): `TrainState.params` are then the adapters alone, the only thing
+  differentiated and the only optimizer state; the frozen base comes in as the `base` argument
+  of `train_step` / `packed_micro_grads` / `sft_step` (traced, never donated) and the model runs
+  `lora.attach(base, adapters)` (`policy_params`). With `base=None` (full fine-tuning) the
+  functions trace exactly as before.
 * Optimizer: AdamW as verl/torch (decoupled weight decay scaled by the lr) after a global-norm
   clip. The learning rate is an argument of the step (verl steps its scheduler once per training
   step, not per mini-batch). When the gradient norm or the loss is not finite the update is
@@ -35,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from grpo_jax import lora as lora_lib
 from grpo_jax import loss as loss_lib
 from grpo_jax import model as model_lib
 
@@ -47,8 +53,9 @@ class TrainState:
 
     Attributes:
       step: int32 scalar, optimizer updates attempted (skipped ones included).
-      params: the policy parameters (model.py's nested dict).
-      opt_state: optax state of `make_optimizer`.
+      params: the trained parameters: the policy (model.py's nested dict), or with LoRA the
+        adapters alone (the base is frozen and lives outside the state).
+      opt_state: optax state of `make_optimizer` (of `params` only).
     """
 
     step: jax.Array
@@ -139,6 +146,12 @@ class LossConfig:
             kl_loss_type=self.kl_loss_type,
         )
         loss_lib.check_temperature(self.temperature)
+
+
+def policy_params(base, params):
+    """The params the policy runs with: `params` itself (full fine-tuning, `base` None), or the
+    frozen `base` plus the adapters `params` (LoRA, unmerged)."""
+    return params if base is None else lora_lib.attach(base, params)
 
 
 def response_log_probs(
@@ -355,6 +368,7 @@ def train_step(
     batch: TrainBatch,
     mini_batch_index,
     lr,
+    base=None,
     *,
     model_config: model_lib.ModelConfig,
     loss_config: LossConfig,
@@ -369,6 +383,7 @@ def train_step(
       batch: the whole step's batch (B rows); not donated (reused by later mini-batches).
       mini_batch_index: int32 scalar; rows [i * mini_batch_size, (i + 1) * mini_batch_size).
       lr: float32 scalar learning rate of this training step.
+      base: LoRA's frozen base params (state.params are then the adapters), or None.
       model_config, loss_config, tx: static.
       mini_batch_size: sequences per mini-batch (actor.ppo_mini_batch_size x rollout.n).
       micro_batch_size: sequences per micro-batch (global; must divide mini_batch_size).
@@ -390,7 +405,7 @@ def train_step(
     def loss_fn(params, micro: TrainBatch):
         lp_BT, ent_BT = response_log_probs(
             model_config,
-            params,
+            policy_params(base, params),
             micro.input_ids_BS,
             micro.attention_mask_BS,
             micro.response_ids_BT,
@@ -511,6 +526,7 @@ def packed_micro_grads(
     grads,
     micro: PackedMicro,
     batch: TrainBatch,
+    base=None,
     *,
     model_config: model_lib.ModelConfig,
     loss_config: LossConfig,
@@ -520,7 +536,8 @@ def packed_micro_grads(
     `batch` is the mini-batch in the [B, T] response layout (advantages, old and reference
     log-probs, mask); the micro-batch's log-probs are scattered into it, and the loss sees only
     its own sequences (mask) with the mini-batch's global counts, so the micro-batch
-    contributions add up to exactly the unpadded mini-batch loss and gradient.
+    contributions add up to exactly the unpadded mini-batch loss and gradient. With LoRA,
+    `params` are the adapters and `base` the frozen base (see `train_step`).
 
     Returns:
       (grads, metrics): metrics already weighted to be summed over the micro-batches.
@@ -538,7 +555,7 @@ def packed_micro_grads(
     def loss_fn(params):
         lp_RN, ent_RN = packed_log_probs(
             model_config,
-            params,
+            policy_params(base, params),
             micro,
             temperature=lc.temperature,
             chunk_size=lc.chunk_size,
@@ -558,6 +575,7 @@ def sft_step(
     state: TrainState,
     batch: TrainBatch,
     lr,
+    base=None,
     *,
     model_config: model_lib.ModelConfig,
     tx,
@@ -567,6 +585,7 @@ def sft_step(
     """One supervised step: token-mean negative log-likelihood of the responses (warm-up).
 
     `batch.response_ids_BT` holds the reference answers; advantages and old log-probs are unused.
+    With LoRA, `base` is the frozen base and state.params the adapters (see `train_step`).
 
     Returns:
       (new_state, metrics) with sft/nll, actor/grad_norm, actor/lr, actor/update_skipped.
@@ -578,7 +597,7 @@ def sft_step(
     def loss_fn(params, micro: TrainBatch):
         lp_BT, _ = response_log_probs(
             model_config,
-            params,
+            policy_params(base, params),
             micro.input_ids_BS,
             micro.attention_mask_BS,
             micro.response_ids_BT,

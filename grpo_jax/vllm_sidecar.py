@@ -31,6 +31,16 @@ sets, for the two dev endpoints):
     `weight_transfer_note`). A server that dies is restarted from the latest disk export, which
     is older than the weights pushed in memory since: the rollouts it samples before the next push
     carry that older `weights_version`, so `check_fresh` refuses them instead of training on them.
+  * LoRA (grpo_jax/lora.py; the params carry adapters): `lora_sync="merged"` pushes the merged
+    weights (base + scale * A @ B) through the path above, and the server knows nothing of
+    LoRA. `lora_sync="adapter"` starts the server from an export of the base with
+    `--enable-lora --max-lora-rank R --max-loras 1` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`,
+    and each push writes the adapter alone as a PEFT directory (hf_export.save_adapter) and
+    `POST /v1/load_lora_adapter {"lora_name": "policy-v<k>", "lora_path": DIR}` (answers a
+    plain-text 200), then `/reset_prefix_cache` and `POST /v1/unload_lora_adapter` of the
+    previous name; generation requests name the current adapter as their model. A restarted
+    server loads the current adapter again. R is the smallest rank vLLM accepts (1, 8, 16, 32,
+    64, 128, 256, 320, 512) that holds the adapter's.
   * Generation: one `POST /v1/completions` per prompt (prompt = its token ids, n samples) with
     `return_token_ids`, `logprobs=0` (the sampled token's log-prob only) and
     `return_tokens_as_token_ids` (the server runs with `--skip-tokenizer-init`). One request per
@@ -87,7 +97,7 @@ import jax.numpy as jnp
 import numpy as np
 import requests
 
-from grpo_jax import hf_export, nccl_transfer, sampler
+from grpo_jax import hf_export, lora, nccl_transfer, sampler
 from grpo_jax import model as model_lib
 
 log = logging.getLogger(__name__)
@@ -95,6 +105,8 @@ log = logging.getLogger(__name__)
 _SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _WEIGHT_TRANSFERS = ("disk", "nccl")
+_LORA_SYNCS = ("merged", "adapter")
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's MaxLoRARanks
 _HEALTH_POLL_S = 0.5
 _LOG_TAIL_LINES = 30
 _ENGINE_DEATH_GRACE_S = 10.0
@@ -168,6 +180,10 @@ class VLLMConfig:
         (vLLM's in-memory NCCL transfer, GPU only; falls back to "disk" with a warning when it
         cannot be set up). An attached server must then run with
         --weight-transfer-config '{"backend": "nccl"}'.
+      lora_sync: with LoRA params, push "merged" weights (through `weight_transfer`) or the
+        "adapter" alone (PEFT files, vLLM's runtime LoRA loading; disk only). An attached
+        server must then run with --enable-lora, a --max-lora-rank >= the rank and
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING=1.
     """
 
     python: str = ""
@@ -189,6 +205,7 @@ class VLLMConfig:
     max_concurrent_requests: int = 64
     tensor_parallel_size: int = 1
     weight_transfer: str = "disk"
+    lora_sync: str = "merged"
 
     def __post_init__(self):
         object.__setattr__(self, "extra_args", tuple(str(a) for a in self.extra_args))
@@ -228,6 +245,15 @@ class VLLMConfig:
             raise ValueError(
                 f"VLLMConfig.weight_transfer={self.weight_transfer!r}; expected one of "
                 f"{_WEIGHT_TRANSFERS}"
+            )
+        if self.lora_sync not in _LORA_SYNCS:
+            raise ValueError(
+                f"VLLMConfig.lora_sync={self.lora_sync!r}; expected one of {_LORA_SYNCS}"
+            )
+        if self.lora_sync == "adapter" and self.weight_transfer == "nccl":
+            raise ValueError(
+                "VLLMConfig.lora_sync='adapter' loads PEFT files from disk; weight_transfer="
+                "'nccl' moves merged weights only: use lora_sync='merged' with it"
             )
 
 
@@ -298,6 +324,16 @@ class VLLMSidecar:
                 f"vLLM serves a qwen2 model only with num_heads * head_dim == hidden_size; got "
                 f"{c.num_heads} * {c.head_dim} != {c.hidden_size}"
             )
+        if config.lora_sync == "adapter" and not c.lora_rank:
+            raise ValueError(
+                "VLLMConfig.lora_sync='adapter' pushes LoRA adapters, but the model has none "
+                "(ModelConfig.lora_rank=0)"
+            )
+        if config.lora_sync == "adapter" and c.lora_rank > _VLLM_LORA_RANKS[-1]:
+            raise ValueError(
+                f"vLLM serves LoRA adapters up to rank {_VLLM_LORA_RANKS[-1]}, got "
+                f"lora_rank={c.lora_rank}: use lora_sync='merged'"
+            )
         self.config = config
         self.model_config = model_config
         self.workdir = pathlib.Path(workdir)
@@ -310,6 +346,11 @@ class VLLMSidecar:
         self.weight_transfer_note = ""
         self._export_dir: pathlib.Path | None = None
         self._export_version = -1
+        # lora_sync="adapter": the current adapter's directory and served name, and the names
+        # the running server has loaded.
+        self._adapter_dir: pathlib.Path | None = None
+        self._lora_name = ""
+        self._loaded_adapters: list[str] = []
         self._comm: nccl_transfer.Communicator | None = None
         self._comm_device: jax.Device | None = None  # set while "nccl" is wanted and possible
         self._proc: subprocess.Popen | None = None
@@ -364,7 +405,11 @@ class VLLMSidecar:
                 self._comm_device = _transfer_device(params)
             else:
                 self._fall_back(reason)
-        export_dir = self._export(params, version=0)
+        base, adapters = self._split(params)
+        export_dir = self._export(base, version=0)
+        if adapters is not None:  # loaded by _launch / below, once the server runs
+            self._adapter_dir = self._export_adapter(adapters, version=0)
+            self._lora_name = _adapter_name(0)
         if self.managed:
             self._export_dir, self._export_version = export_dir, 0
             self._launch()
@@ -373,6 +418,8 @@ class VLLMSidecar:
             self._model_name = self._served_model_name()
             self._reload(export_dir)
             self._export_dir, self._export_version = export_dir, 0
+            if adapters is not None:
+                self._load_adapter()
         self.weights_version = self.server_weights_version = 0
         if self._comm_device is not None:
             self._open_transfer()
@@ -414,10 +461,17 @@ class VLLMSidecar:
         }
         if self._comm_device is not None:
             flags["--weight-transfer-config"] = '{"backend": "nccl"}'
+        switches = ["--skip-tokenizer-init"]
+        env = dict(os.environ) | {"VLLM_SERVER_DEV_MODE": "1"}
+        if self._adapter_mode:
+            rank = min(r for r in _VLLM_LORA_RANKS if r >= self.model_config.lora_rank)
+            flags |= {"--max-lora-rank": str(rank), "--max-loras": "1"}
+            switches.append("--enable-lora")
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
         cmd = [self.config.python, "-c", _LAUNCHER, str(os.getpid()), "-m", _SERVER_MODULE]
-        cmd += [*(x for kv in flags.items() for x in kv), "--skip-tokenizer-init"]
+        cmd += [*(x for kv in flags.items() for x in kv), *switches]
         cmd += self.config.extra_args
-        env = dict(os.environ) | {"VLLM_SERVER_DEV_MODE": "1"} | dict(self.config.env)
+        env |= dict(self.config.env)
         with open(self.log_path, "ab") as f:
             f.write(f"\n===== grpo_jax: starting vLLM server: {' '.join(cmd)}\n".encode())
             f.flush()
@@ -446,6 +500,9 @@ class VLLMSidecar:
         except BaseException:
             self._stop_process()
             raise
+        self._loaded_adapters = []
+        if self._adapter_dir is not None:  # a (re)started server: load the current adapter
+            self._load_adapter()
 
     def _wait_healthy(self, *, deadline: float) -> None:
         """Polls /health until 200; raises VLLMStartupError on exit or at the deadline."""
@@ -541,8 +598,11 @@ class VLLMSidecar:
     # ----------------------------------------------------------------------------------------
     # HTTP
 
-    def _request(self, method: str, path: str, body: Any, *, timeout: float) -> Any:
-        """One HTTP call; returns the parsed JSON body (None for an empty 200).
+    def _request(
+        self, method: str, path: str, body: Any, *, timeout: float, text: bool = False
+    ) -> Any:
+        """One HTTP call; returns the parsed JSON body (None for an empty 200), or with `text`
+        the body as text (vLLM's LoRA endpoints answer plain text).
 
         Raises:
           _ServerGone: the managed server process is not running (or not reachable, then dies).
@@ -591,6 +651,8 @@ class VLLMSidecar:
                 f"vLLM server answered {method} {path} with HTTP {r.status_code}: "
                 f"{r.text[:500]}; server log: {self._log_where()}"
             )
+        if text:
+            return r.text
         if not r.content:
             return None
         try:
@@ -662,7 +724,8 @@ class VLLMSidecar:
         """Makes the server sample with `params` from now on; bumps `weights_version`.
 
         Args:
-          params: the updated policy parameters.
+          params: the updated policy parameters; with LoRA `lora.attach(base, adapters)`
+            (merged before the push, or the adapter alone: `lora_sync`).
 
         Returns:
           The sync time in seconds (export + reload + prefix-cache reset, or the NCCL round),
@@ -672,7 +735,10 @@ class VLLMSidecar:
             raise VLLMSidecarError("push_weights before start(): call start(params) first")
         t0 = time.perf_counter()
         version = self.weights_version + 1
-        if self._comm is not None:
+        params, adapters = self._split(params)
+        if adapters is not None:
+            self._push_adapter(adapters, version)
+        elif self._comm is not None:
             try:
                 self._push_nccl(params, version)
             except _ServerGone as gone:
@@ -689,6 +755,56 @@ class VLLMSidecar:
             "vLLM weight sync v%d (%s) took %.2fs", version, self.weight_transfer, self.last_sync_s
         )
         return self.last_sync_s
+
+    @property
+    def _adapter_mode(self) -> bool:
+        return self.config.lora_sync == "adapter"
+
+    def _split(self, params) -> tuple[Any, Any]:
+        """(the weights to export, the adapters to push or None) of the policy `params`: the
+        params themselves without LoRA; with it the merged weights ("merged") or the base and
+        the adapters ("adapter")."""
+        base, adapters = lora.split(params)
+        if adapters is None:
+            if self._adapter_mode:
+                raise VLLMSidecarError(
+                    "lora_sync='adapter' needs params with LoRA adapters (lora.attach(base, "
+                    "adapters)); got params without them"
+                )
+            return params, None
+        if self._adapter_mode:
+            return base, adapters
+        return lora.merge(self.model_config, params), None
+
+    def _export_adapter(self, adapters, *, version: int) -> pathlib.Path:
+        """Writes the adapters as a PEFT directory under workdir/vllm_adapters/v{version}."""
+        adapter_dir = self.workdir / "vllm_adapters" / f"v{version:06d}"
+        if adapter_dir.exists():
+            shutil.rmtree(adapter_dir)
+        hf_export.save_adapter(self.model_config, adapters, adapter_dir)
+        return adapter_dir
+
+    def _load_adapter(self) -> None:
+        """Loads the current adapter into the server, then unloads the ones loaded before."""
+        body = {"lora_name": self._lora_name, "lora_path": str(self._adapter_dir),
+                "load_inplace": True}  # fmt: skip
+        self._request("POST", "/v1/load_lora_adapter", body, timeout=self.config.sync_timeout_s,
+                      text=True)  # fmt: skip
+        self._reset_prefix_cache(f"loading the LoRA adapter {self._adapter_dir}")
+        for name in self._loaded_adapters:
+            if name != self._lora_name:
+                self._request("POST", "/v1/unload_lora_adapter", {"lora_name": name},
+                              timeout=self.config.sync_timeout_s, text=True)  # fmt: skip
+        self._loaded_adapters = [self._lora_name]
+
+    def _push_adapter(self, adapters, version: int) -> None:
+        adapter_dir = self._export_adapter(adapters, version=version)
+        previous, self._adapter_dir = self._adapter_dir, adapter_dir
+        self._lora_name = _adapter_name(version)
+        self._export_version = version  # a restart starts from the base and loads this adapter
+        self._with_restarts(f"adapter push v{version}", self._load_adapter)
+        if previous is not None and previous != adapter_dir:
+            shutil.rmtree(previous, ignore_errors=True)
 
     def _push_disk(self, params, version: int) -> None:
         export_dir = self._export(params, version=version)
@@ -868,7 +984,7 @@ class VLLMSidecar:
         base_seed = int(jax.random.randint(sampler.as_typed_key(jnp.asarray(rng)), (), 0, 2**30))
         bodies = [
             {
-                "model": self._model_name,
+                "model": self._lora_name if self._adapter_mode else self._model_name,
                 "prompt": [int(t) for t in ids_T[mask_T == 1]],
                 "n": n,
                 "max_tokens": max_new_tokens,
@@ -1023,6 +1139,11 @@ def build_rollout(
 
 def _malformed(where: str, msg: str, log_where: str) -> VLLMResponseError:
     return VLLMResponseError(f"malformed vLLM output for {where}: {msg}; server log: {log_where}")
+
+
+def _adapter_name(version: int) -> str:
+    """The name the server serves LoRA adapter weights version `version` under."""
+    return f"grpo_jax-policy-lora-v{version}"
 
 
 def _free_port(host: str) -> int:

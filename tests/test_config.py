@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import train  # noqa: E402
-from configs import common, demo, gsm8k, gsm8k_dapo, gsm8k_drgrpo  # noqa: E402
+from configs import common, demo, gsm8k, gsm8k_dapo, gsm8k_drgrpo, gsm8k_lora  # noqa: E402
 from configs import math as math_config  # noqa: E402
 from grpo_jax import config  # noqa: E402
 
@@ -31,6 +31,20 @@ def test_the_config_tree_is_the_dataclasses():
     # A None default is a typed placeholder: the CLI still type-checks an override.
     with pytest.raises(TypeError):
         tree.model.path = 3
+
+
+def test_gsm8k_lora_is_verls_grpo_lora_baseline():
+    # verl-data gsm8k/Qwen2.5-0.5B-bsz64_2-prompt512-resp1024-lorarank32-score0.543.log
+    run = train.check_config(gsm8k_lora.get_config("model=qwen2.5-0.5b"))
+    m, a = run.model, run.actor
+    assert (m.lora_rank, m.lora_alpha, m.target_modules) == (32, 32.0, "all-linear")
+    assert (a.optim.lr, a.entropy_coeff, a.kl_loss_coef, a.kl_loss_type) == (
+        3e-5, 0.001, 0.001, "low_var_kl",
+    )  # fmt: skip
+    assert (run.data.train_batch_size, a.ppo_mini_batch_size, run.rollout.n) == (64, 64, 5)
+    assert run.trainer.total_epochs == 1
+    smoke = train.check_config(gsm8k_lora.get_config("smoke"))
+    assert smoke.model.source == "random" and 0 < smoke.model.lora_rank < 32
 
 
 def test_gsm8k_has_verl_recipe_defaults():
@@ -85,6 +99,8 @@ def test_parse_arg_big_vision_semantics():
         gsm8k.get_config,
         gsm8k_drgrpo.get_config,
         gsm8k_dapo.get_config,
+        gsm8k_lora.get_config,
+        lambda: gsm8k_lora.get_config("smoke"),
         demo.get_config,
         lambda: demo.get_config("tiny"),
         math_config.get_config,

@@ -152,3 +152,39 @@ def test_rules_override_reaches_the_planner():
     c.mesh.rules = tuple((k, None) if k == "embed" else (k, v) for k, v in sharding.LOGICAL_RULES)
     p = plan.planner_from_config(c, model_name="tiny")
     assert p.param_bytes == 2 * (TINY_PARAM_BYTES_222 - 256) + 256
+
+
+# LoRA r=4 on every projection of the tiny model on (2,2,2): A [L, *in, r] is split like its
+# kernel's input axes, B [L, r, *out] like its output axes, the rank axis replicated. Per device:
+#   q: A [2,32/2,4] 128 + B [2,4,4/2,8] 128    k, v: A 128 + B [2,4,2/2,8] 64, each
+#   o: A [2,4/2,8,4] 128 + B [2,4,32/2] 128    gate, up: A 128 + B [2,4,64/2] 256, each
+#   down: A [2,64/2,4] 256 + B [2,4,32/2] 128
+# total 256 + 2*192 + 256 + 2*384 + 384 = 2048 float32 = 8192 bytes.
+TINY_LORA4_BYTES_222 = 8192
+
+
+def test_lora_plan_holds_adapter_state_only_and_no_reference_copy():
+    p = _planner(**{"model.lora_rank": 4})
+    assert p.param_bytes == TINY_PARAM_BYTES_222  # the frozen base, as before
+    assert p.adapter_bytes == TINY_LORA4_BYTES_222
+    assert p.opt_bytes == 2 * TINY_LORA4_BYTES_222 + 4  # Adam mu, nu of the adapters + count
+    assert p.ref_bytes == 0  # the reference is the base with the adapters off: no copy
+    assert (p.full_opt_bytes, p.full_ref_bytes) == (2 * TINY_PARAM_BYTES_222 + 4,
+                                                    TINY_PARAM_BYTES_222)  # fmt: skip
+    # The compiled update takes the base as a plain (not donated) argument; only the adapter
+    # state is donated and rewritten.
+    m = p.train(1)
+    w = p.w
+    rows = w.prompts * w.n
+    s, t = w.prompt_len + w.response_len, w.response_len
+    batch = rows // 4 * (2 * s + 5 * t) * 4
+    state = TINY_LORA4_BYTES_222 * 3 + 4 + 4
+    assert m.argument == state + TINY_PARAM_BYTES_222 + batch + 4 + 4
+    assert m.alias == state
+    report = plan.plan(p, hbm_bytes=2**30, search=False)
+    # full: opt 2 x 23104 + 4, ref 23104; LoRA: adapters 8192, opt 2 x 8192 + 4, ref 0
+    saved = (2 * TINY_PARAM_BYTES_222 + 4 + TINY_PARAM_BYTES_222) - 3 * TINY_LORA4_BYTES_222 - 4
+    assert p.lora_saved_bytes() == saved == 44736
+    assert f"saves {saved / 2**30:.2f} GiB/device" in report
+    assert "base params (frozen)" in report and "LoRA adapters (f32)" in report
+    assert "LoRA r=4 alpha=16 on q_proj," in report

