@@ -42,13 +42,21 @@ def _prompts(tokenizer, count: int):
     examples = dataset.parse_rows(rows, source=GSM8K, on_malformed="error")
     seqs = [tokenizer.apply_chat_template(ex.prompt, add_generation_prompt=True, tokenize=True)
             for ex in examples]
-    seqs = [list(s["input_ids"]) if isinstance(s, dict) else list(s) for s in seqs]
+    seqs = [list(s["input_ids"]) if hasattr(s, "keys") else list(s) for s in seqs]
     width = max(len(s) for s in seqs)
     ids = np.full((count, width), tokenizer.pad_token_id or 0, np.int32)
     mask = np.zeros((count, width), np.int32)
     for i, s in enumerate(seqs):
         ids[i, width - len(s):], mask[i, width - len(s):] = s, 1
     return ids, mask
+
+
+def _load_prompts(path):
+    """The parent's prompts (every side samples exactly the same token ids)."""
+    import numpy as np
+
+    data = np.load(path)
+    return data["ids"], data["mask"]
 
 
 def _worker_jax(args) -> dict:
@@ -60,7 +68,7 @@ def _worker_jax(args) -> dict:
     gguf = demo_task.smollm2_gguf()
     cfg, params = model.load_gguf(gguf)
     tok = gguf_checkpoint.load_tokenizer(gguf)
-    ids, mask = _prompts(tok, args.prompts)
+    ids, mask = _load_prompts(args.prompts_file)
     eos = tuple(sorted(set(cfg.eos_token_ids) | {tok.eos_token_id}))
 
     def call(seed, compaction=True):
@@ -113,7 +121,7 @@ def _worker_hf(args, hf_dir) -> dict:
 
     tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    ids, mask = _prompts(tok, args.prompts)
+    ids, mask = _load_prompts(args.prompts_file)
     ids_t, mask_t = torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(mask.astype(np.int64))
 
     def call(seed):
@@ -149,7 +157,7 @@ def _worker_vllm(args, hf_dir) -> dict:
     gguf = demo_task.smollm2_gguf()
     cfg, params = model.load_gguf(gguf)
     tok = gguf_checkpoint.load_tokenizer(gguf)
-    ids, mask = _prompts(tok, args.prompts)
+    ids, mask = _load_prompts(args.prompts_file)
     conf = vllm_sidecar.VLLMConfig(
         python=args.vllm_python, dtype="float32", extra_args=("--enforce-eager",),
         env=(("VLLM_CPU_KVCACHE_SPACE", "2"), ("VLLM_CPU_OMP_THREADS_BIND", args.omp_bind)),
@@ -184,7 +192,7 @@ def _spawn(worker, args, hf_dir, python=sys.executable) -> dict:
     cmd = [python, os.path.abspath(__file__), f"--worker={worker}", f"--hf_dir={hf_dir}",
            f"--prompts={args.prompts}", f"--n={args.n}", f"--new-tokens={args.new_tokens}",
            f"--repeats={args.repeats}", f"--vllm-python={args.vllm_python}",
-           f"--omp-bind={args.omp_bind}"]  # fmt: skip
+           f"--omp-bind={args.omp_bind}", f"--prompts_file={args.prompts_file}"]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=REPO)
     env.pop("XLA_FLAGS", None)
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
@@ -217,6 +225,7 @@ def main():
     p.add_argument("--omp-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND")
     p.add_argument("--worker", choices=("jax", "hf", "vllm"), help=argparse.SUPPRESS)
     p.add_argument("--hf_dir", help=argparse.SUPPRESS)
+    p.add_argument("--prompts_file", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         fn = {"jax": lambda: _worker_jax(args), "hf": lambda: _worker_hf(args, args.hf_dir),
@@ -235,6 +244,14 @@ def main():
 
     cache = os.environ.get("GRPO_JAX_CACHE", os.path.expanduser("~/.cache/grpo_jax"))
     hf_dir = bench_e2e._hf_export(demo_task.smollm2_gguf(), cache)
+    import numpy as np
+
+    from grpo_jax import gguf_checkpoint
+
+    ids, mask = _prompts(gguf_checkpoint.load_tokenizer(demo_task.smollm2_gguf()), args.prompts)
+    tmp = tempfile.mkdtemp(prefix="bench_rollout_")
+    args.prompts_file = os.path.join(tmp, "prompts.npz")
+    np.savez(args.prompts_file, ids=ids, mask=mask)
     trl_python = None
     if not args.no_hf:  # HF generate runs in the TRL venv (torch + transformers, pinned)
         trl_python = subprocess.run(
@@ -242,12 +259,16 @@ def main():
             capture_output=True, text=True, check=True,
         ).stdout.strip().splitlines()[-1]  # fmt: skip
     runs = {"grpo_jax": [], "hf_generate": [], "vllm_cpu": []}
+    errors = {}  # a peer that fails is reported in the JSON; the other sides' results stay
     for _ in range(args.rounds):
         runs["grpo_jax"].append(_spawn("jax", args, hf_dir))
-        if trl_python:
-            runs["hf_generate"].append(_spawn("hf", args, hf_dir, python=trl_python))
-        if not args.no_vllm:
-            runs["vllm_cpu"].append(_spawn("vllm", args, hf_dir))
+        for peer, worker, python in (("hf_generate", "hf", trl_python),
+                                     ("vllm_cpu", "vllm", None if args.no_vllm else sys.executable)):
+            if python and peer not in errors:
+                try:
+                    runs[peer].append(_spawn(worker, args, hf_dir, python=python))
+                except RuntimeError as e:
+                    errors[peer] = str(e)[-2000:]
     jax_sum = _summary(runs["grpo_jax"])
     work = [w for r in runs["grpo_jax"] for w in r["work"]]
     times = [t for r in runs["grpo_jax"] for t in r["times"]]
@@ -273,6 +294,8 @@ def main():
             out[f"ratio_tok_s_vs_{peer}"] = (
                 jax_sum["generated_tok_s_median"] / out[peer]["generated_tok_s_median"]
             )
+    if errors:
+        out["peer_errors"] = errors
     print(json.dumps(out, indent=2))
 
 
