@@ -783,7 +783,7 @@ def test_register_policy_loss_errors():
         loss.register_policy_loss("")
     args = [jnp.zeros((1, 2))] * 4
     with pytest.raises(ValueError, match=r"must be one of \['vanilla', .*'dro', .*'test_scaled_reinforce'"):
-        loss.compute_policy_loss(*args, policy_loss_mode="bypass_mode")
+        loss.compute_policy_loss(*args, policy_loss_mode="no_such_policy_loss")
     with pytest.raises(TypeError, match="takes no extra keyword"):
         loss.compute_policy_loss(*args, scale=2.0)
     with pytest.raises(ValueError, match="kl_cov_ratio must be > 0"):
