@@ -235,17 +235,23 @@ def make_programs(
     mini_rows = a.ppo_mini_batch_size * n
     micro_rows = min(a.ppo_micro_batch_size_per_gpu * dp, mini_rows)
     logprob_rows = min(r.log_prob_micro_batch_size_per_gpu * dp, run.data.train_batch_size * n)
-    update = jax.jit(
-        functools.partial(
-            trainer.train_step,
-            model_config=model_config,
-            loss_config=loss_config,
-            tx=tx,
-            mini_batch_size=mini_rows,
-            micro_batch_size=micro_rows,
-        ),
-        donate_argnums=0,
-    )
+
+    def update_for(mc, **jit_kw):
+        return jax.jit(
+            functools.partial(
+                trainer.train_step, model_config=mc, loss_config=loss_config, tx=tx,
+                mini_batch_size=mini_rows, micro_batch_size=micro_rows,
+            ),
+            **jit_kw,
+        )  # fmt: skip
+
+    def packed_grads_for(mc, **jit_kw):
+        return jax.jit(
+            functools.partial(trainer.packed_micro_grads, model_config=mc, loss_config=loss_config),
+            **jit_kw,
+        )
+
+    update = update_for(model_config, donate_argnums=0)
     common = dict(temperature=r.temperature, chunk_size=loss_config.chunk_size)
 
     def log_probs_fn(calculate_entropy):
@@ -270,27 +276,13 @@ def make_programs(
             donate_argnums=(2, 3),
         )
 
-    packed_grads = jax.jit(
-        functools.partial(
-            trainer.packed_micro_grads, model_config=model_config, loss_config=loss_config
-        ),
-        donate_argnums=1,
-    )
+    packed_grads = packed_grads_for(model_config, donate_argnums=1)
     apply = jax.jit(functools.partial(trainer.apply_gradients, tx=tx), donate_argnums=0)
     # The same update without gradient checkpointing, only lowered: its XLA FLOP count is the
     # model FLOPs of perf/mfu/actor (grpo_jax/perf.py).
     flop_model = dataclasses.replace(model_config, remat=False)
-    flop_update = jax.jit(
-        functools.partial(
-            trainer.train_step, model_config=flop_model, loss_config=loss_config, tx=tx,
-            mini_batch_size=mini_rows, micro_batch_size=micro_rows,
-        )
-    )
-    flop_packed_grads = jax.jit(
-        functools.partial(
-            trainer.packed_micro_grads, model_config=flop_model, loss_config=loss_config
-        )
-    )
+    flop_update = update_for(flop_model)
+    flop_packed_grads = packed_grads_for(flop_model)
 
     advantage = make_advantage(run)
     return Programs(
