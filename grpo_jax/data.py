@@ -17,7 +17,7 @@
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -55,11 +55,15 @@ class PromptSet:
     """Tokenised prompts (variable length, not padded) and their examples."""
 
     examples: tuple[Example, ...]
-    prompt_ids: tuple[tuple[int, ...], ...]
+    prompt_ids: Sequence[tuple[int, ...]]  # per prompt (in shares: tokenised when first read)
     num_filtered: int  # prompts dropped by filter_overlong_prompts
+    lengths: tuple[int, ...] | None = None  # per prompt, known without reading prompt_ids
 
     def __len__(self):
         return len(self.examples)
+
+    def length(self, i: int) -> int:
+        return self.lengths[i] if self.lengths is not None else len(self.prompt_ids[i])
 
 
 def prompt_text(tokenizer, prompt: str | Sequence[Mapping[str, Any]]) -> str:
@@ -80,6 +84,43 @@ def chat_prompt(tokenizer, question: str, *, suffix: str) -> str:
     return prompt_text(tokenizer, [{"role": "user", "content": question + suffix}])
 
 
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """Which share of a dataset this process tokenises (multi-process runs).
+
+    Attributes:
+      index, count: this process's rank and the number of processes; process p tokenises the
+        rows p, p + count, p + 2 count, ...
+      gather: this process's int array -> every process's, concatenated in process order
+        (grpo_jax.distributed.gather_rows); only prompt lengths go through it.
+    """
+
+    index: int
+    count: int
+    gather: Callable[[np.ndarray], np.ndarray]
+
+
+class _ShareTokens(Sequence):
+    """The prompt ids of a PromptSet tokenised in shares: this process's share is held, and any
+    other prompt is tokenised (and kept) when a batch of this process first asks for it."""
+
+    def __init__(self, tokenize: Callable[[Example], tuple[int, ...]], examples, held: dict):
+        self._tokenize, self._examples, self._held = tokenize, examples, held
+
+    def __len__(self):
+        return len(self._examples)
+
+    def __getitem__(self, i):
+        if i not in self._held:
+            self._held[i] = self._tokenize(self._examples[i])
+        return self._held[i]
+
+
+def _tokenize(tokenizer, examples: Sequence[Example]) -> list[list[int]]:
+    texts = [prompt_text(tokenizer, ex.prompt) for ex in examples]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+
+
 def encode(
     tokenizer,
     examples: Sequence[Example],
@@ -87,34 +128,62 @@ def encode(
     max_prompt_length: int,
     filter_overlong_prompts: bool,
     truncation: str,
+    share: Share | None = None,
 ) -> PromptSet:
-    """Tokenises every prompt and applies verl's overlong-prompt policy (see module doc)."""
+    """Tokenises the prompts and applies verl's overlong-prompt policy (see module doc).
+
+    With a `share` of several processes, each tokenises only its share (every count-th row) and
+    the processes exchange the prompt lengths, so every process knows which prompts are kept
+    and how long they are (batch widths, the data order) without tokenising the others; a
+    prompt of another share is tokenised when one of this process's batches needs it.
+    """
     if truncation not in TRUNCATION_MODES:
         raise ValueError(f"data.truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
-    kept, ids_list, num_filtered = [], [], 0
-    texts = [prompt_text(tokenizer, ex.prompt) for ex in examples]
-    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    for ex, ids in zip(examples, encoded, strict=True):
-        if len(ids) > max_prompt_length:
+    n = len(examples)
+    index, count = (0, 1) if share is None else (share.index, share.count)
+    mine = range(index, n, count)
+    held = dict(zip(mine, _tokenize(tokenizer, [examples[i] for i in mine]), strict=True))
+    if count == 1:
+        lengths = [len(held[i]) for i in range(n)]
+    else:
+        per = -(-n // count)
+        local = np.full(per, -1, np.int64)
+        local[: len(mine)] = [len(held[i]) for i in mine]
+        table = share.gather(local).reshape(count, per)
+        lengths = [int(table[i % count, i // count]) for i in range(n)]
+
+    def fit(ids):
+        ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
+        return tuple(int(t) for t in ids)
+
+    kept, kept_len, num_filtered = [], [], 0
+    held_kept = {}
+    for i, (ex, length) in enumerate(zip(examples, lengths, strict=True)):
+        if length > max_prompt_length:
             if filter_overlong_prompts:
                 num_filtered += 1
                 continue
             if truncation == "error":
                 raise ValueError(
-                    f"prompt of line {ex.line} has {len(ids)} tokens > data.max_prompt_length="
+                    f"prompt of line {ex.line} has {length} tokens > data.max_prompt_length="
                     f"{max_prompt_length}; set data.filter_overlong_prompts=True or "
                     f"data.truncation to 'left' or 'right'"
                 )
-            ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
+        if i in held:
+            held_kept[len(kept)] = fit(held[i])
         kept.append(ex)
-        ids_list.append(tuple(int(t) for t in ids))
+        kept_len.append(min(length, max_prompt_length))
     if num_filtered:
         logging.warning(
             "filtered %d prompt(s) longer than %d tokens", num_filtered, max_prompt_length
         )
     if not kept:
         raise ValueError(f"every prompt is longer than data.max_prompt_length={max_prompt_length}")
-    return PromptSet(tuple(kept), tuple(ids_list), num_filtered)
+    if count == 1:
+        ids = tuple(held_kept[j] for j in range(len(kept)))
+    else:
+        ids = _ShareTokens(lambda ex: fit(_tokenize(tokenizer, [ex])[0]), tuple(kept), held_kept)
+    return PromptSet(tuple(kept), ids, num_filtered, tuple(kept_len))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,33 +191,47 @@ class PromptBatch:
     """P prompts, left-padded to the longest one (host numpy).
 
     Attributes:
-      prompt_ids_PT: int32, pad_token_id on the left.
-      prompt_mask_PT: int32, 1 on real tokens.
-      examples: the P Examples.
+      prompt_ids_PT: int32, pad_token_id on the left; with `rows`, only those rows.
+      prompt_mask_PT: int32, 1 on real tokens; with `rows`, only those rows.
+      examples: the P Examples (all of them, whatever `rows` is).
       indices: P indices into the PromptSet.
+      rows: None when the arrays hold all P rows; else (start, stop), the block of rows this
+        process holds (multi-process: the others hold the rest, see grpo_jax.distributed).
     """
 
     prompt_ids_PT: np.ndarray
     prompt_mask_PT: np.ndarray
     examples: tuple[Example, ...]
     indices: tuple[int, ...]
+    rows: tuple[int, int] | None = None
 
     @property
     def ground_truths(self) -> tuple[Any, ...]:
         return tuple(ex.ground_truth for ex in self.examples)
 
 
-def make_batch(prompts: PromptSet, indices: Sequence[int], *, pad_token_id: int) -> PromptBatch:
-    """Left-pads the prompts at `indices` into one PromptBatch."""
-    seqs = [prompts.prompt_ids[i] for i in indices]
-    t = max(len(s) for s in seqs)
+def make_batch(
+    prompts: PromptSet,
+    indices: Sequence[int],
+    *,
+    pad_token_id: int,
+    rows: tuple[int, int] | None = None,
+) -> PromptBatch:
+    """Left-pads the prompts at `indices` into one PromptBatch.
+
+    With `rows` = (start, stop) (multi-process: this process's block of the batch), only those
+    rows are tokenised and held, padded to the width of the whole batch.
+    """
+    t = max(prompts.length(i) for i in indices)
+    held = indices if rows is None else indices[rows[0] : rows[1]]
+    seqs = [prompts.prompt_ids[i] for i in held]
     ids_PT = np.full((len(seqs), t), pad_token_id, np.int32)
     mask_PT = np.zeros((len(seqs), t), np.int32)
     for p, s in enumerate(seqs):
         ids_PT[p, t - len(s) :] = s
         mask_PT[p, t - len(s) :] = 1
     examples = tuple(prompts.examples[i] for i in indices)
-    return PromptBatch(ids_PT, mask_PT, examples, tuple(int(i) for i in indices))
+    return PromptBatch(ids_PT, mask_PT, examples, tuple(int(i) for i in indices), rows)
 
 
 @dataclasses.dataclass(frozen=True)

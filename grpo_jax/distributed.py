@@ -3,8 +3,15 @@
 Owns ``maybe_initialize`` (the one place that calls ``jax.distributed.initialize``), the helpers
 that give each process its own slice of the prompts (``process_shard``, ``local_batch_size``),
 ``to_global`` (assembling per-process host batches into global sharded arrays), ``to_device`` /
-``to_host`` (a host array held by every process <-> a global array) and
+``to_host`` (a host array held by every process <-> a global array), ``gather_rows`` /
+``gather_objects`` (host arrays and small Python results of every process, in process order),
+``share`` / ``process_rows`` (which prompts this process tokenises, and its block of a batch) and
 ``is_main_process`` (only process 0 writes logs, plots and HF exports).
+
+In a multi-process run each process tokenises its share of the prompts, holds its block of
+each step's prompts (``to_global`` makes the global batch), and decodes and scores the
+completions of its own prompts; only the reward results and the token ids (which the packed
+update reads on every process) are exchanged.
 
 JAX runs one process per host (TPU VM worker, SLURM task, or node); every process executes the
 same program over the global mesh, holds only its addressable shards, and feeds only its own part
@@ -156,6 +163,50 @@ def to_global(local_tree: Any, sharding_tree: Any) -> Any:
         local_tree,
         sharding_tree,
     )
+
+
+def gather_rows(x: np.ndarray) -> np.ndarray:
+    """Every process's host array, concatenated in process order (all must have one shape)."""
+    if jax.process_count() == 1:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(np.asarray(x), tiled=True))
+
+
+def gather_objects(items: Sequence[Any]) -> list[Any]:
+    """Every process's list of picklable Python values, concatenated in process order.
+
+    For small per-row results (reward scores, an extracted answer string); lists may differ in
+    length between processes."""
+    if jax.process_count() == 1:
+        return list(items)
+    import pickle
+
+    blob = np.frombuffer(pickle.dumps(list(items)), np.uint8)
+    sizes = gather_rows(np.array([blob.size], np.int64))
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: blob.size] = blob
+    blobs = gather_rows(padded[None]).reshape(len(sizes), -1)
+    return [v for b, size in zip(blobs, sizes, strict=True) for v in pickle.loads(b[:size].tobytes())]
+
+
+def share():
+    """This process's share of a dataset to tokenise (grpo_jax.data.encode), None for one
+    process."""
+    if jax.process_count() == 1:
+        return None
+    from grpo_jax import data
+
+    return data.Share(jax.process_index(), jax.process_count(), gather_rows)
+
+
+def process_rows(global_rows: int) -> tuple[int, int]:
+    """(start, stop): this process's block of a global batch of `global_rows` rows (what
+    ``to_global`` and ``to_local`` place on it); the batch must split evenly."""
+    local = local_batch_size(global_rows)
+    start = jax.process_index() * local
+    return start, start + local
 
 
 def to_device(x: np.ndarray, mesh) -> jax.Array:

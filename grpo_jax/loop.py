@@ -113,6 +113,12 @@ def make_engine(run, model_config, mesh, *, eos_ids, pad_id, workdir):
     """The configured rollout engine (rollout.name): native sampler or vLLM sidecar."""
     if run.rollout.name == "jax":
         return step.NativeEngine(model_config, mesh, eos_ids=eos_ids, pad_id=pad_id)
+    if jax.process_count() > 1:
+        raise ValueError(
+            f"rollout.name={run.rollout.name!r}: the vLLM sidecar serves one trainer process, and "
+            f"this run has {jax.process_count()} JAX processes; use rollout.name=jax (the "
+            "native sampler on the global mesh) for multi-process runs"
+        )
     from grpo_jax import vllm_sidecar
 
     sidecar = vllm_sidecar.VLLMSidecar(
@@ -184,6 +190,7 @@ def train(
         max_prompt_length=run.data.max_prompt_length,
         filter_overlong_prompts=run.data.filter_overlong_prompts,
         truncation=run.data.truncation,
+        share=distributed.share(),
     )
     layout = dataset.Layout.of(run.data)
     train_set = encode(_examples(train_data, "train_data", layout, run.data.on_malformed))
@@ -511,7 +518,8 @@ def _steps(
             idx, loop.position = data.next_indices(
                 len(train_set), loop.position, count, seed=run.data.seed, shuffle=run.data.shuffle
             )
-            return data.make_batch(train_set, idx, pad_token_id=ctx.engine.pad_id)
+            rows = distributed.process_rows(count) if jax.process_count() > 1 else None
+            return data.make_batch(train_set, idx, pad_token_id=ctx.engine.pad_id, rows=rows)
 
         rng = jax.random.fold_in(jax.random.wrap_key_data(loop.root_key), i)
         timing = {}

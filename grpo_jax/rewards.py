@@ -196,6 +196,22 @@ class RewardResult:
     num_errors: int
     num_lost: int
 
+    @classmethod
+    def concat(cls, parts: Sequence[RewardResult]) -> RewardResult:
+        """The results of consecutive batches as one (an extra key missing from a part is None
+        on that part's samples)."""
+        keys = list(dict.fromkeys(k for p in parts for k in p.extras))
+        names = list(dict.fromkeys(k for p in parts for k in p.per_fn))
+        return cls(
+            [s for p in parts for s in p.scores_B],
+            {k: [v for p in parts for v in p.per_fn.get(k, [0.0] * len(p.scores_B))]
+             for k in names},
+            {k: [v for p in parts for v in p.extras.get(k, [None] * len(p.scores_B))]
+             for k in keys},
+            sum(p.num_errors for p in parts),
+            sum(p.num_lost for p in parts),
+        )
+
 
 class RewardError(RuntimeError):
     """A reward function failed under on_error="raise"."""

@@ -34,7 +34,7 @@ import numpy as np
 
 from grpo_jax import advantage as advantage_lib
 from grpo_jax import config as config_lib
-from grpo_jax import data, distributed, lora, packing, perf, rewards, sampler, trainer
+from grpo_jax import data, distributed, lora, packing, perf, rewards, sampler, sharding, trainer
 from grpo_jax import loss as loss_lib
 from grpo_jax import model as model_lib
 from grpo_jax import reward_pool as reward_pool_lib
@@ -94,8 +94,8 @@ class NativeEngine:
     def sample(self, params, prompt_ids_PT, prompt_mask_PT, rng, sp: SamplingParams,
                policy_version: int | None = None):
         del policy_version  # samples with `params` themselves: always current
-        ids = distributed.to_device(prompt_ids_PT, self.mesh)
-        mask = distributed.to_device(prompt_mask_PT, self.mesh)
+        ids, mask = (x if isinstance(x, jax.Array) else distributed.to_device(x, self.mesh)
+                     for x in (prompt_ids_PT, prompt_mask_PT))
         if lora.split(params)[1] is not None:
             params = lora.merge(self.model_config, params)
         return sampler.sample(
@@ -122,6 +122,8 @@ class SidecarEngine:
     (vllm_sidecar.StaleRolloutError), e.g. after an update without a sync, or a server restarted
     from an older export.
     """
+
+    mesh = None  # takes host prompts: the whole batch, in one process
 
     def __init__(self, sidecar, *, eos_ids, pad_id):
         self.sidecar = sidecar
@@ -382,9 +384,28 @@ def generate(engine, params, prompts: data.PromptBatch, rng, sp: SamplingParams,
     """Stage 1: n completions per prompt (a sampler.Rollout, B = P * n rows).
 
     `policy_version` (TrainState.step of `params`) lets an engine that holds its own copy of the
-    weights refuse a rollout sampled under other ones."""
-    return engine.sample(params, prompts.prompt_ids_PT, prompts.prompt_mask_PT, rng, sp,
-                         policy_version)
+    weights refuse a rollout sampled under other ones. A batch of which this process holds
+    only its rows (`prompts.rows`, several processes) becomes one global batch first.
+    """
+    ids, mask = prompts.prompt_ids_PT, prompts.prompt_mask_PT
+    if prompts.rows is not None:
+        if engine.mesh is None:
+            raise ValueError(
+                f"rollout engine {type(engine).__name__} samples a whole batch in one process; "
+                f"with {jax.process_count()} JAX processes use rollout.name=jax (the native "
+                "sampler on the global mesh)"
+            )
+        shd = sharding.batch_sharding(engine.mesh, 2)
+        ids, mask = distributed.to_global(ids, shd), distributed.to_global(mask, shd)
+    return engine.sample(params, ids, mask, rng, sp, policy_version)
+
+
+def full_prompts(prompts: data.PromptBatch) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, mask) of all P prompts on this host (gathered from every process with `rows`)."""
+    if prompts.rows is None:
+        return prompts.prompt_ids_PT, prompts.prompt_mask_PT
+    return (distributed.gather_rows(prompts.prompt_ids_PT),
+            distributed.gather_rows(prompts.prompt_mask_PT))
 
 
 def decode(tokenizer, response_ids_BT: np.ndarray, response_mask_BT: np.ndarray) -> list[str]:
@@ -415,14 +436,24 @@ def score(
     n: int,
     pool: reward_pool_lib.Pool | None = None,
 ) -> Scored:
-    """Stage 2: decode every completion and score it against its prompt's example."""
+    """Stage 2: decode every completion and score it against its prompt's example.
+
+    With several processes (`prompts.rows`), each decodes and scores the completions of its own
+    prompts, and only the reward results are exchanged: `texts` holds this process's
+    completions and None for the others'.
+    """
     ids, mask = (
         distributed.to_host(rollout.response_ids),
         distributed.to_host(rollout.response_mask),
     )
-    texts = decode(tokenizer, ids, mask)
-    examples = [ex for ex in prompts.examples for _ in range(n)]
-    return Scored(texts, rewards.score_batch(reward_fn, texts, examples, pool=pool), ids, mask)
+    start, stop = (0, len(prompts.examples)) if prompts.rows is None else prompts.rows
+    texts = decode(tokenizer, ids[start * n : stop * n], mask[start * n : stop * n])
+    examples = [ex for ex in prompts.examples[start:stop] for _ in range(n)]
+    result = rewards.score_batch(reward_fn, texts, examples, pool=pool)
+    if prompts.rows is not None:
+        result = rewards.RewardResult.concat(distributed.gather_objects([result]))
+        texts = [None] * (start * n) + texts + [None] * (len(ids) - stop * n)
+    return Scored(texts, result, ids, mask)
 
 
 def train_batch(rollout: sampler.Rollout, *, prompt_width: int, bucket: int) -> trainer.TrainBatch:
@@ -746,9 +777,10 @@ def sample_and_score(
             scores_B=[s + float(p) for s, p in zip(result.scores_B, penalty_B, strict=True)],
             extras=extras,
         )
+    prompt_ids, prompt_mask = full_prompts(prompts)
     host = HostRollout(
-        np.repeat(prompts.prompt_ids_PT, sp.n, axis=0),
-        np.repeat(prompts.prompt_mask_PT, sp.n, axis=0),
+        np.repeat(prompt_ids, sp.n, axis=0),
+        np.repeat(prompt_mask, sp.n, axis=0),
         scored.response_ids_BT,
         scored.response_mask_BT,
     )
@@ -898,11 +930,14 @@ def greedy_baselines(ctx: StepContext, params, sampled: Sampled, rng, timing: di
     prompt, repeated over the prompt's samples (verl's reward_baselines)."""
     n = sampled.group_size
     first = np.arange(0, len(sampled.texts), n)
+    rows = distributed.process_rows(len(first)) if jax.process_count() > 1 else None
+    held = first if rows is None else first[rows[0] : rows[1]]
     prompts = data.PromptBatch(
-        sampled.host.prompt_ids_BP[first],
-        sampled.host.prompt_mask_BP[first],
+        sampled.host.prompt_ids_BP[held],
+        sampled.host.prompt_mask_BP[held],
         tuple(sampled.examples[i] for i in first),
         tuple(int(i) for i in first),
+        rows,
     )
     sp = SamplingParams(1, ctx.run.data.max_response_length, 0.0)
     greedy = _timed(timing, "gen_max", generate, ctx.engine, params, prompts, rng, sp,
@@ -945,6 +980,52 @@ def estimator_extras(ctx: StepContext, params, sampled: Sampled, rng, timing: di
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class RolloutBatch:
+    """Stages 1-2 of a step, ready for the update: what `rollout_stage` returns (and what an
+    asynchronous run samples one step ahead).
+
+    Attributes:
+      sampled: the completions and their rewards.
+      extras: the estimator's per-batch inputs (estimator_extras: remax's greedy baselines...).
+      timing: the seconds of sampling and scoring (timing_s/gen, reward, ...).
+      policy_version: TrainState.step of the params that sampled it (the behaviour policy).
+      sampled_at: the loop step (0-based) whose params sampled it; the step that updates with it
+        is sampled_at + its staleness.
+    """
+
+    sampled: Sampled
+    extras: dict
+    timing: dict
+    policy_version: int
+    sampled_at: int = 0
+
+
+def rollout_stage(
+    ctx: StepContext,
+    policy,
+    next_prompts: Callable[[int], data.PromptBatch],
+    rng,
+    *,
+    policy_version: int,
+    sampled_at: int = 0,
+) -> RolloutBatch:
+    """Stages 1-2 (and the estimator's extra rollouts): the step's prompts, n completions each,
+    their rewards. `policy` are the params that sample (an engine with its own copy checks
+    that it holds `policy_version`)."""
+    run, timing = ctx.run, {}
+    if run.algorithm.filter_groups.enable:
+        sampled = dynamic_sample(ctx, policy, next_prompts, rng, timing,
+                                 policy_version=policy_version)
+    else:
+        prompts = next_prompts(run.data.train_batch_size)
+        sampled = sample_and_score(ctx, policy, prompts, rng, timing,
+                                   policy_version=policy_version)
+    extras = estimator_extras(ctx, policy, sampled, jax.random.fold_in(rng, 1 << 30), timing,
+                              policy_version=policy_version)
+    return RolloutBatch(sampled, extras, timing, policy_version, sampled_at)
+
+
 def run_step(
     ctx: StepContext,
     state: trainer.TrainState,
@@ -964,14 +1045,25 @@ def run_step(
       kl_coef: the in-reward KL coefficient of this step (algorithm.kl_ctrl's current value;
         None = kl_ctrl.kl_coef).
     """
-    run, timing = ctx.run, {}
     version = int(jax.device_get(state.step))  # the policy version being updated
-    policy = ctx.policy(state)
-    if run.algorithm.filter_groups.enable:
-        sampled = dynamic_sample(ctx, policy, next_prompts, rng, timing, policy_version=version)
-    else:
-        prompts = next_prompts(run.data.train_batch_size)
-        sampled = sample_and_score(ctx, policy, prompts, rng, timing, policy_version=version)
+    batch = rollout_stage(ctx, ctx.policy(state), next_prompts, rng, policy_version=version)
+    return train_stage(ctx, state, ref_params, batch, lr, kl_coef=kl_coef)
+
+
+def train_stage(
+    ctx: StepContext,
+    state: trainer.TrainState,
+    ref_params,
+    rollout_batch: RolloutBatch,
+    lr,
+    *,
+    kl_coef: float | None = None,
+) -> tuple[trainer.TrainState, dict]:
+    """Stages 3-5 on a sampled batch: old and reference log-probs under `state` (the policy
+    being updated, whatever policy sampled the batch), advantages, the update; returns the new
+    state and the step's metrics."""
+    run, timing = ctx.run, dict(rollout_batch.timing)
+    sampled, extras = rollout_batch.sampled, rollout_batch.extras
     rollout, host = sampled.rollout, sampled.host
     batch = train_batch(
         rollout,
@@ -982,9 +1074,6 @@ def run_step(
         ctx.programs, run, state, ref_params, batch, host, ctx.mesh, timing,
         rollout_log_probs_BT=rollout.log_probs,
         base_params=ctx.base_params,
-    )
-    extras = estimator_extras(
-        ctx, policy, sampled, jax.random.fold_in(rng, 1 << 30), timing, policy_version=version
     )
     batch, adv_metrics = advantages(
         ctx.programs, run, batch, rollout, sampled.result.scores_B, ctx.mesh, timing,

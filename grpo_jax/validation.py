@@ -61,29 +61,45 @@ def run(
     """
     n = sampling.n
     scores, sources, lengths, extras, generations = [], [], [], {}, []
+    procs = jax.process_count()
+    if procs > 1 and batch_size % procs:
+        raise ValueError(
+            f"data.val_batch_size={batch_size} must be a multiple of the {procs} JAX processes "
+            "(each samples and scores its block of every validation batch)"
+        )
     for start in range(0, len(prompts), batch_size):
         idx = list(range(start, min(start + batch_size, len(prompts))))
         real = len(idx)
         idx += [idx[-1]] * (batch_size - real)
-        pb = data.make_batch(prompts, idx, pad_token_id=pad_id)
+        rows = distributed.process_rows(batch_size) if procs > 1 else None
+        pb = data.make_batch(prompts, idx, pad_token_id=pad_id, rows=rows)
         rollout = step.generate(engine, params, pb, jax.random.key(seed), sampling,
                                 policy_version=policy_version)
-        ids = distributed.to_host(rollout.response_ids)[: real * n]
-        mask = distributed.to_host(rollout.response_mask)[: real * n]
+        lo, hi = (0, batch_size) if rows is None else rows
+        hi = min(hi, real)  # padding prompts are not scored
+        lo = min(lo, hi)
+        ids = distributed.to_host(rollout.response_ids)[lo * n : hi * n]
+        mask = distributed.to_host(rollout.response_mask)[lo * n : hi * n]
         texts = step.decode(tokenizer, ids, mask)
-        examples = [ex for ex in pb.examples[:real] for _ in range(n)]
+        examples = [ex for ex in pb.examples[lo:hi] for _ in range(n)]
         res = rewards.score_batch(reward_fn, texts, examples, pool=pool)
-        for key in set(extras) | set(res.extras):  # a key missing on either side is None there
-            extras[key] = extras.get(key, [None] * len(scores)) + res.extras.get(
-                key, [None] * len(texts)
-            )
         for text, ex, sc in zip(texts, examples, res.scores_B, strict=True):
-            if len(generations) < num_generations:
+            if len(generations) < num_generations:  # this process's samples
                 generations.append({"input": _prompt_text(ex.prompt), "output": text,
                                     "score": sc, "ground_truth": ex.ground_truth})
+        chunk_lengths = mask.sum(1).tolist()
+        if rows is not None:  # every process's results, in row order
+            parts = distributed.gather_objects([(res, chunk_lengths)])
+            res = rewards.RewardResult.concat([r for r, _ in parts])
+            chunk_lengths = [v for _, c in parts for v in c]
+        examples = [ex for ex in pb.examples[:real] for _ in range(n)]
+        for key in set(extras) | set(res.extras):  # a key missing on either side is None there
+            extras[key] = extras.get(key, [None] * len(scores)) + res.extras.get(
+                key, [None] * len(res.scores_B)
+            )
         scores += res.scores_B
         sources += [ex.data_source for ex in examples]
-        lengths += mask.sum(1).tolist()
+        lengths += chunk_lengths
     preds = extras.get("pred", [None] * len(scores))
     out = group_metrics(sources, {"reward": scores, **extras}, preds, n=n)
     out["val-aux/response_length/mean"] = float(np.mean(lengths))
