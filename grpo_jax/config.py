@@ -491,7 +491,11 @@ class VLLMSettings:
     """
 
     python: str = ""  # interpreter of the vLLM venv (starts a server); exclusive with url
-    url: str = ""  # attach to a running server instead (e.g. "http://10.0.0.5:8000")
+    # attach to running servers instead: "http://10.0.0.5:8000", or several, comma-separated
+    url: str = ""
+    # servers started (python) or attached (url), each fed every weight push; the prompts of a
+    # batch are split between them (grpo_jax/vllm_pool.py)
+    num_servers: int = 1
     host: str = "127.0.0.1"  # interface a started server listens on
     port: int = 0  # port of a started server; 0 = pick a free one
     gpu_memory_utilization: float = 0.4  # vLLM's GPU memory fraction (JAX shares the GPU)
@@ -526,7 +530,25 @@ class VLLMSettings:
             env.append((name, value))
         fields = dataclasses.asdict(self) | {"extra_args": shlex.split(self.extra_args)}
         fields |= {"env": tuple(env), "tensor_parallel_size": tensor_parallel_size}
+        urls = self.urls
+        if self.num_servers < 1:
+            raise ValueError(f"num_servers={self.num_servers} must be >= 1")
+        if len(urls) > 1 and self.num_servers not in (1, len(urls)):
+            raise ValueError(f"num_servers={self.num_servers} but url lists {len(urls)} servers")
+        fields.pop("num_servers")
+        fields["url"] = urls[0] if urls else ""
         return vllm_sidecar.VLLMConfig(**fields)
+
+    @property
+    def urls(self) -> list[str]:
+        return split_list(self.url)
+
+    def sidecar_configs(self, *, tensor_parallel_size: int = 1) -> list:
+        """One vllm_sidecar.VLLMConfig per server (num_servers, or each url)."""
+        from grpo_jax import vllm_pool
+
+        one = self.sidecar_config(tensor_parallel_size=tensor_parallel_size)
+        return vllm_pool.server_configs(one, self.num_servers, self.urls)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -543,6 +565,11 @@ class RolloutConfig:
     log_prob_max_token_len_per_gpu: int = 16384  # that budget, tokens per device
     # vLLM's --tensor-parallel-size (rollout.name="vllm"); verl's default is 2, for its GPUs.
     tensor_model_parallel_size: int = 1
+    # With trainer.async_rollout and name="jax": devices of their own for the sampler (the last
+    # num_devices of jax.devices(); the trainer's mesh takes the rest), which receive a copy of
+    # the weights after every update (verl one-step-off: rollout.nnodes x n_gpus_per_node).
+    # 0 = the sampler shares the trainer's devices (with a copy of the params).
+    num_devices: int = 0
     val_kwargs: ValKwargs = ValKwargs()
     vllm: VLLMSettings = VLLMSettings()
 
@@ -554,6 +581,9 @@ class RolloutConfig:
         _positive(
             c, self, "n", "log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu"
         )
+        c.need(self.num_devices >= 0, "num_devices", self.num_devices, "must be >= 0")
+        c.need(self.num_devices == 0 or self.name == "jax", "num_devices", self.num_devices,
+               "is for the native sampler (name='jax'); the vLLM server has its own devices")
         # Training divides the log-probs by the temperature, so the log-prob rule (> 0) applies
         # here; it implies the sampler's (>= 0), whose top-p and top-k rules come next.
         from grpo_jax import loss
@@ -567,7 +597,7 @@ class RolloutConfig:
         )
         if self.name == "vllm":
             try:
-                self.sidecar_config()
+                self.sidecar_configs()
             except ValueError as e:
                 c.problems.append(f"rollout.vllm: {e}")
         c.done()
@@ -575,6 +605,10 @@ class RolloutConfig:
     def sidecar_config(self):
         """vllm_sidecar.VLLMConfig of rollout.vllm with rollout.tensor_model_parallel_size."""
         return self.vllm.sidecar_config(tensor_parallel_size=self.tensor_model_parallel_size)
+
+    def sidecar_configs(self) -> list:
+        """One vllm_sidecar.VLLMConfig per server (rollout.vllm.num_servers or urls)."""
+        return self.vllm.sidecar_configs(tensor_parallel_size=self.tensor_model_parallel_size)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -851,9 +885,19 @@ class TrainerConfig:
     # Peak TFLOP/s per device for perf/mfu/actor; 0 = grpo_jax.perf's table of accelerators
     # (bf16 dense), and no MFU on devices it does not list (CPU).
     device_peak_tflops: float = 0.0
+    # Asynchronous rollouts (one step off-policy): the next step's batch is sampled, with the
+    # params before this step's update, while this step updates (README "Asynchronous
+    # rollouts"). max_staleness bounds the steps between the params that sampled a batch and
+    # the policy it updates; a batch beyond it is sampled again.
+    async_rollout: bool = False
+    max_staleness: int = 1
 
     def __post_init__(self):
         c = _Checks("trainer")
+        c.need(self.max_staleness >= 0, "max_staleness", self.max_staleness, "must be >= 0")
+        c.need(not self.async_rollout or self.max_staleness >= 1, "max_staleness",
+               self.max_staleness, "must be >= 1 with async_rollout=True (its batches are "
+               "sampled one step before the update that uses them)")
         c.choice("resume_mode", self.resume_mode, ("auto", "disable"))
         c.need(self.device_peak_tflops >= 0, "device_peak_tflops", self.device_peak_tflops,
                "must be >= 0 (0 = look the device up)")
@@ -966,6 +1010,18 @@ class RunConfig:
             r.vllm.lora_sync,
             "pushes LoRA adapters: it needs model.lora_rank > 0 (use 'merged')",
         )
+        c.need(
+            r.num_devices == 0 or self.trainer.async_rollout,
+            "rollout.num_devices",
+            r.num_devices,
+            "gives the sampler devices of its own, which only pays with trainer.async_rollout="
+            "True (else they would idle while the trainer updates)",
+        )
+        for name in ("train_batch_size", "val_batch_size", "gen_batch_size"):
+            size = getattr(d, name) or 0
+            c.need(not r.num_devices or size % r.num_devices == 0, "rollout.num_devices",
+                   r.num_devices, f"must divide data.{name}={size} (the sampler's prompts split "
+                   "over its devices)")
         rc = self.algorithm.rollout_correction
         c.need(
             a.policy_loss.loss_mode != "bypass_mode" or rc.bypass_mode,

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax import (
+    async_rollout,
     checkpoint,
     data,
     dataset,
@@ -109,21 +110,30 @@ def total_steps(run: config_lib.RunConfig, num_prompts: int) -> int:
     return run.trainer.total_training_steps or run.trainer.total_epochs * per_epoch
 
 
-def make_engine(run, model_config, mesh, *, eos_ids, pad_id, workdir):
-    """The configured rollout engine (rollout.name): native sampler or vLLM sidecar."""
+def make_engine(run, model_config, mesh, *, eos_ids, pad_id, workdir, rollout_mesh=None,
+                rules=sharding.LOGICAL_RULES):
+    """The configured rollout engine (rollout.name): native sampler or vLLM sidecar.
+
+    The native sampler runs on `rollout_mesh` when given (rollout.num_devices), else on the
+    trainer's mesh; with trainer.async_rollout it samples with a copy of the params of its own.
+    """
     if run.rollout.name == "jax":
-        return step.NativeEngine(model_config, mesh, eos_ids=eos_ids, pad_id=pad_id)
+        return step.NativeEngine(model_config, rollout_mesh or mesh, eos_ids=eos_ids,
+                                 pad_id=pad_id, own_params=run.trainer.async_rollout,
+                                 rules=rules)
     if jax.process_count() > 1:
         raise ValueError(
             f"rollout.name={run.rollout.name!r}: the vLLM sidecar serves one trainer process, and "
             f"this run has {jax.process_count()} JAX processes; use rollout.name=jax (the "
             "native sampler on the global mesh) for multi-process runs"
         )
-    from grpo_jax import vllm_sidecar
+    from grpo_jax import vllm_pool, vllm_sidecar
 
-    sidecar = vllm_sidecar.VLLMSidecar(
-        run.rollout.sidecar_config(), model_config, os.path.join(workdir, "vllm")
-    )
+    configs = run.rollout.sidecar_configs()
+    if len(configs) == 1:
+        sidecar = vllm_sidecar.VLLMSidecar(configs[0], model_config, os.path.join(workdir, "vllm"))
+    else:
+        sidecar = vllm_pool.VLLMServers(configs, model_config, os.path.join(workdir, "vllm"))
     return step.SidecarEngine(sidecar, eos_ids=eos_ids, pad_id=pad_id)
 
 
@@ -157,7 +167,10 @@ def train(
       callbacks: called as fn(step, metrics_row) after every step's row is written.
     """
     if mesh is None:
-        mesh = sharding.make_mesh(tuple(run.mesh.shape))
+        devices = jax.devices()
+        if run.rollout.num_devices:  # the last ones sample (rollout_mesh)
+            devices = devices[: max(0, len(devices) - run.rollout.num_devices)]
+        mesh = sharding.make_mesh(tuple(run.mesh.shape), devices=devices)
         rules = sharding.rules_from_config(run.mesh.rules)
         with sharding.use_mesh(mesh, rules):
             return train(
@@ -293,7 +306,8 @@ def train(
                 warmed = jax.tree.map(jnp.copy, loop.state.params)  # with LoRA: the adapters
                 loop.ref_params = trainer.policy_params(base, warmed)
 
-    engine = make_engine(run, model_config, mesh, eos_ids=eos_ids, pad_id=pad_id, workdir=workdir)
+    engine = make_engine(run, model_config, mesh, eos_ids=eos_ids, pad_id=pad_id, workdir=workdir,
+                         rollout_mesh=rollout_mesh(run, mesh), rules=rules)
     pool = (
         reward_pool_lib.Pool(run.reward.num_workers, timeout_s=run.reward.timeout_s)
         if run.reward.num_workers
@@ -356,6 +370,29 @@ def train(
             pool.close()
         writer.close()
     return Result(loop.state, model_config, history, workdir, base)
+
+
+def rollout_mesh(run: config_lib.RunConfig, mesh):
+    """The sampler's own data-parallel mesh (rollout.num_devices of the devices `mesh` does not
+    use), or None when it shares the trainer's."""
+    k = run.rollout.num_devices
+    if not k:
+        return None
+    if jax.process_count() > 1:
+        raise ValueError(
+            f"rollout.num_devices={k}: devices of the sampler's own are supported in one process "
+            f"(this run has {jax.process_count()}); use rollout.num_devices=0 (the sampler "
+            "shares the trainer's mesh, with its own copy of the params)"
+        )
+    used = set(mesh.devices.flat)
+    free = [d for d in jax.devices() if d not in used]
+    if len(free) < k:
+        raise ValueError(
+            f"rollout.num_devices={k}, but only {len(free)} of the {jax.device_count()} devices "
+            f"are not in the trainer's mesh {dict(mesh.shape)}: lower rollout.num_devices or "
+            "give the trainer a smaller mesh.shape"
+        )
+    return sharding.make_mesh((-1, 1, 1), devices=free[:k])
 
 
 GENERATIONS_FILE = "val_generations.jsonl"
@@ -511,61 +548,101 @@ def _steps(
     with_ref = run.needs_reference and run.warmup.steps > 0
     history, last_val = [], {}
     t = run.trainer
-    for i in range(start, steps):
-        t_step = time.perf_counter()
 
-        def next_prompts(count: int) -> data.PromptBatch:
-            idx, loop.position = data.next_indices(
-                len(train_set), loop.position, count, seed=run.data.seed, shuffle=run.data.shuffle
-            )
-            rows = distributed.process_rows(count) if jax.process_count() > 1 else None
-            return data.make_batch(train_set, idx, pad_token_id=ctx.engine.pad_id, rows=rows)
+    def next_prompts(count: int) -> data.PromptBatch:
+        idx, loop.position = data.next_indices(
+            len(train_set), loop.position, count, seed=run.data.seed, shuffle=run.data.shuffle
+        )
+        rows = distributed.process_rows(count) if jax.process_count() > 1 else None
+        return data.make_batch(train_set, idx, pad_token_id=ctx.engine.pad_id, rows=rows)
 
+    def sample(i: int, policy, version: int, sampled_at: int):
+        """Batch i, sampled by `policy` (policy version `version`) in loop step `sampled_at`,
+        and the data position after its prompts."""
         rng = jax.random.fold_in(jax.random.wrap_key_data(loop.root_key), i)
-        timing = {}
-        synced = ctx.engine.sync(ctx.policy(loop.state), int(jax.device_get(loop.state.step)))
-        if synced is not None:  # the params changed in the last update
-            timing["timing_s/weight_sync"] = synced
-        loop.state, row = step.run_step(
-            ctx, loop.state, loop.ref_params, next_prompts, rng, schedule(i), kl_coef=loop.kl_coef
-        )
-        if run.algorithm.use_kl_in_reward:  # the controller moves after the step (verl)
-            loop.kl_coef = step.next_kl_coef(
-                run.algorithm.kl_ctrl, loop.kl_coef, row["actor/reward_kl_penalty"],
-                n_steps=run.data.train_batch_size * run.rollout.n,
+        batch = step.rollout_stage(ctx, policy, next_prompts, rng, policy_version=version,
+                                   sampled_at=sampled_at)
+        return batch, loop.position
+
+    def saves_after(done: int) -> bool:
+        return (t.save_freq > 0 and done % t.save_freq == 0) or (
+            done == steps and run.checkpoint.save_last)
+
+    # trainer.async_rollout: the batch of step i + 1 is sampled during step i's update (see
+    # grpo_jax/async_rollout.py), never across a checkpoint.
+    ahead = async_rollout.Ahead() if t.async_rollout else None
+    elsewhere = getattr(ctx.engine, "mesh", None) not in (None, ctx.mesh)
+    try:
+        for i in range(start, steps):
+            t_step = time.perf_counter()
+            done = i + 1
+            timing = {}
+            version = int(jax.device_get(loop.state.step))
+            batch = None
+            if ahead is not None and ahead.pending:
+                t0 = time.perf_counter()
+                batch, position = ahead.take()
+                # the trainer's wait: the part of sampling the update did not cover
+                timing["timing_s/wait_rollout"] = time.perf_counter() - t0
+            synced = ctx.engine.sync(ctx.policy(loop.state), version)
+            if synced is not None:  # the params changed in the last update
+                timing["timing_s/weight_sync"] = synced
+            if batch is None:  # sampled now, by the params being updated
+                batch, position = sample(i, ctx.policy(loop.state), version, i)
+            staleness = async_rollout.check_staleness(batch.sampled_at, i, t.max_staleness)
+            if ahead is not None and done < steps and not saves_after(done):
+                # Batch i + 1, sampled by the engine's copy of these params during the update.
+                ahead.submit(sample, i + 1, None, version, i)
+            if elsewhere:  # sampled on the sampler's own devices
+                batch = step.on_mesh(batch, ctx.mesh)
+            loop.state, row = step.train_stage(
+                ctx, loop.state, loop.ref_params, batch, schedule(i), kl_coef=loop.kl_coef
             )
-        loop.consecutive_bad = loop.consecutive_bad + 1 if row["actor/update_skipped"] else 0
-        if loop.consecutive_bad >= t.max_consecutive_nonfinite:
-            raise RuntimeError(
-                f"{loop.consecutive_bad} consecutive steps had non-finite losses or gradients "
-                f"(limit trainer.max_consecutive_nonfinite={t.max_consecutive_nonfinite}); last "
-                f"grad norm {row['actor/grad_norm']}"
+            if t.async_rollout:
+                row["async/staleness"] = staleness
+                row["async/policy_version_lag"] = version - batch.policy_version
+            if run.algorithm.use_kl_in_reward:  # the controller moves after the step (verl)
+                loop.kl_coef = step.next_kl_coef(
+                    run.algorithm.kl_ctrl, loop.kl_coef, row["actor/reward_kl_penalty"],
+                    n_steps=run.data.train_batch_size * run.rollout.n,
+                )
+            bad = loop.consecutive_bad + 1 if row["actor/update_skipped"] else 0
+            loop.consecutive_bad = bad
+            if bad >= t.max_consecutive_nonfinite:
+                raise RuntimeError(
+                    f"{bad} consecutive steps had non-finite losses or gradients (limit "
+                    f"trainer.max_consecutive_nonfinite={t.max_consecutive_nonfinite}); last grad "
+                    f"norm {row['actor/grad_norm']}"
+                )
+            row["actor/nonfinite_consecutive"] = loop.consecutive_bad
+            row["training/epoch"] = position.epoch
+            row["training/global_step"] = i + 1
+            timing["timing_s/step"] = time.perf_counter() - t_step  # verl: validation excluded
+            tests = t.test_freq > 0 and (done % t.test_freq == 0 or done == steps)
+            if evaluate is not None and tests:
+                if ahead is not None:
+                    ahead.wait()  # the batch in flight, on the same engine, finishes first
+                last_val = _timed(timing, "testing", evaluate, loop.state, done)
+                row |= last_val
+            row |= timing
+            row["perf/time_per_step"] = timing["timing_s/step"]
+            row["perf/throughput"] = (
+                row["perf/total_num_tokens"] / timing["timing_s/step"] / jax.device_count()
             )
-        row["actor/nonfinite_consecutive"] = loop.consecutive_bad
-        row["training/epoch"] = loop.position.epoch
-        row["training/global_step"] = i + 1
-        done = i + 1
-        timing["timing_s/step"] = time.perf_counter() - t_step  # verl: validation excluded
-        if evaluate is not None and t.test_freq > 0 and (done % t.test_freq == 0 or done == steps):
-            last_val = _timed(timing, "testing", evaluate, loop.state, done)
-            row |= last_val
-        row |= timing
-        row["perf/time_per_step"] = timing["timing_s/step"]
-        row["perf/throughput"] = (
-            row["perf/total_num_tokens"] / timing["timing_s/step"] / jax.device_count()
-        )
-        save = t.save_freq > 0 and done % t.save_freq == 0
-        if save or (done == steps and run.checkpoint.save_last):
-            t0 = time.perf_counter()
-            checkpoint.save(mngr, done, loop.tree(with_ref=with_ref), loop.meta(done, row))
-            row["timing_s/save_checkpoint"] = time.perf_counter() - t0
-        writer.write(done, row)
-        history.append({"step": done, **row})
-        for callback in callbacks:
-            callback(done, row)
-        bar.set_postfix(score=f"{row['critic/score/mean']:.3f}")
-        bar.update(1)
-    bar.close()
+            if saves_after(done):
+                t0 = time.perf_counter()
+                checkpoint.save(mngr, done, loop.tree(with_ref=with_ref), loop.meta(done, row))
+                row["timing_s/save_checkpoint"] = time.perf_counter() - t0
+            writer.write(done, row)
+            history.append({"step": done, **row})
+            for callback in callbacks:
+                callback(done, row)
+            bar.set_postfix(score=f"{row['critic/score/mean']:.3f}")
+            bar.update(1)
+    finally:
+        if ahead is not None:
+            ahead.close()
+        bar.close()
     return history
 
 

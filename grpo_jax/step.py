@@ -78,39 +78,71 @@ class NativeEngine:
     on all linear layers (8 prompts x 4 x 128 tokens, float32, CPU) that was ~6 % more tokens/s
     than base + adapter unmerged (75 vs 71 median, merge time of 0.4 s per call included;
     benchmarks/bench_lora.py, README "LoRA"). The merged kernels exist only during the call.
+
+    With `own_params` (asynchronous rollouts) the engine samples with a copy of the weights of
+    its own, placed on its `mesh` (the trainer's devices, or devices of its own) by `start` /
+    `sync`, so the trainer can update (and donate) its params while this engine samples; like
+    the vLLM sidecar it then checks that it holds the policy version a caller asks for.
     """
 
-    def __init__(self, model_config: model_lib.ModelConfig, mesh, *, eos_ids, pad_id):
+    def __init__(self, model_config: model_lib.ModelConfig, mesh, *, eos_ids, pad_id,
+                 own_params: bool = False, rules=sharding.LOGICAL_RULES):
         self.model_config, self.mesh = model_config, mesh
         self.eos_ids, self.pad_id = tuple(eos_ids), pad_id
+        self.own_params, self.rules = own_params, rules
+        self.params, self.version = None, None
 
     def start(self, params, version: int = 0) -> None:
-        del params, version
+        if self.own_params:
+            self._hold(params, version)
 
     def sync(self, params, version: int) -> float | None:
-        del params, version
-        return None
+        """With own_params: copies `params` as policy `version` (seconds; None when held)."""
+        if not self.own_params or version == self.version:
+            return None
+        t0 = time.perf_counter()
+        self._hold(params, version)
+        return time.perf_counter() - t0
+
+    def _hold(self, params, version: int) -> None:
+        if lora.split(params)[1] is not None:
+            params = lora.merge(self.model_config, params)  # a new array per merged kernel
+        shardings = sharding.param_shardings(self.model_config, self.mesh, self.rules)
+        # A copy, on the engine's devices: the trainer donates its own buffers to the update.
+        self.params = jax.block_until_ready(jax.device_put(params, shardings, may_alias=False))
+        self.version = version
 
     def sample(self, params, prompt_ids_PT, prompt_mask_PT, rng, sp: SamplingParams,
                policy_version: int | None = None):
-        del policy_version  # samples with `params` themselves: always current
+        if self.own_params:
+            if policy_version is not None and policy_version != self.version:
+                from grpo_jax import vllm_sidecar
+
+                raise vllm_sidecar.StaleRolloutError(
+                    f"the rollout engine holds policy version {self.version}, but version "
+                    f"{policy_version} was asked for: sync the engine (engine.sync(params, "
+                    "version)) before sampling"
+                )
+            params = self.params
+            rng = jax.device_put(rng, sharding.replicated(self.mesh))  # the loop's key
+        elif lora.split(params)[1] is not None:
+            params = lora.merge(self.model_config, params)
         ids, mask = (x if isinstance(x, jax.Array) else distributed.to_device(x, self.mesh)
                      for x in (prompt_ids_PT, prompt_mask_PT))
-        if lora.split(params)[1] is not None:
-            params = lora.merge(self.model_config, params)
-        return sampler.sample(
-            self.model_config,
-            params,
-            ids,
-            mask,
-            rng,
-            eos_token_ids=self.eos_ids,
-            pad_token_id=self.pad_id,
-            **sp.kwargs(),
-        )
+        with sharding.use_mesh(self.mesh, self.rules):  # also from another thread (async)
+            return sampler.sample(
+                self.model_config,
+                params,
+                ids,
+                mask,
+                rng,
+                eos_token_ids=self.eos_ids,
+                pad_token_id=self.pad_id,
+                **sp.kwargs(),
+            )
 
     def close(self) -> None:
-        pass
+        self.params = None
 
 
 class SidecarEngine:
@@ -999,6 +1031,22 @@ class RolloutBatch:
     timing: dict
     policy_version: int
     sampled_at: int = 0
+
+
+def on_mesh(batch: RolloutBatch, mesh) -> RolloutBatch:
+    """`batch` with its device arrays on `mesh` (a batch sampled on devices of its own): arrays
+    with a row per sample split over the batch axes, the others replicated."""
+    rows = len(batch.sampled.texts)
+
+    def put(x):
+        if not isinstance(x, jax.Array):
+            return x
+        if x.ndim and x.shape[0] == rows:
+            return jax.device_put(x, sharding.batch_sharding(mesh, x.ndim))
+        return jax.device_put(x, sharding.replicated(mesh))
+
+    sampled = dataclasses.replace(batch.sampled, rollout=jax.tree.map(put, batch.sampled.rollout))
+    return dataclasses.replace(batch, sampled=sampled, extras=jax.tree.map(put, batch.extras))
 
 
 def rollout_stage(

@@ -956,6 +956,20 @@ class VLLMSidecar:
         Raises:
           VLLMSidecarError subclasses, see the module docstring.
         """
+        request = self.request(
+            prompt_ids, prompt_mask, rng, n=n, max_new_tokens=max_new_tokens,
+            temperature=temperature, top_p=top_p, top_k=top_k, eos_token_ids=eos_token_ids,
+            pad_token_id=pad_token_id,
+        )  # fmt: skip
+        choices = self.complete(request.bodies)
+        return request.rollout(choices, weights_version=self.server_weights_version,
+                               vocab_size=self.model_config.vocab_size,
+                               log_where=self._log_where())
+
+    def request(self, prompt_ids, prompt_mask, rng, *, n, max_new_tokens, temperature=1.0,
+                top_p=1.0, top_k=-1, eos_token_ids=(), pad_token_id=0) -> "Request":
+        """The checked generation request of `sample` (same arguments): one body per prompt,
+        seeded from `rng` by the prompt's index, without the served model's name."""
         if self.weights_version < 0:
             raise VLLMSidecarError("sample before start(): call start(params) first")
         prompt_ids_PT = np.asarray(jax.device_get(prompt_ids)).astype(np.int32)
@@ -984,7 +998,6 @@ class VLLMSidecar:
         base_seed = int(jax.random.randint(sampler.as_typed_key(jnp.asarray(rng)), (), 0, 2**30))
         bodies = [
             {
-                "model": self._lora_name if self._adapter_mode else self._model_name,
                 "prompt": [int(t) for t in ids_T[mask_T == 1]],
                 "n": n,
                 "max_tokens": max_new_tokens,
@@ -1001,19 +1014,14 @@ class VLLMSidecar:
             }
             for i, (ids_T, mask_T) in enumerate(zip(prompt_ids_PT, prompt_mask_PT))
         ]
-        choices = self._with_restarts("generation", lambda: self._complete_all(bodies))
-        return build_rollout(
-            prompt_ids_PT,
-            prompt_mask_PT,
-            choices,
-            n=n,
-            max_new_tokens=max_new_tokens,
-            eos_token_ids=eos_token_ids,
-            pad_token_id=pad_token_id,
-            vocab_size=self.model_config.vocab_size,
-            weights_version=self.server_weights_version,
-            log_where=self._log_where(),
-        )
+        return Request(prompt_ids_PT, prompt_mask_PT, bodies, n, max_new_tokens,
+                       tuple(eos_token_ids), pad_token_id)
+
+    def complete(self, bodies: list[dict]) -> list[Any]:
+        """The `choices` of each request body (restarting a dead managed server)."""
+        model = self._lora_name if self._adapter_mode else self._model_name
+        bodies = [{"model": model, **body} for body in bodies]
+        return self._with_restarts("generation", lambda: self._complete_all(bodies))
 
     def _complete_all(self, bodies: list[dict]) -> list[Any]:
         """Sends every request concurrently; returns their `choices` lists in prompt order."""
@@ -1038,6 +1046,28 @@ class VLLMSidecar:
                 for f in futures:
                     f.cancel()
                 raise
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A checked generation request: the prompts and one /v1/completions body per prompt."""
+
+    prompt_ids_PT: np.ndarray
+    prompt_mask_PT: np.ndarray
+    bodies: list[dict]
+    n: int
+    max_new_tokens: int
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+
+    def rollout(self, choices_P, *, weights_version: int, vocab_size: int,
+                log_where: str) -> sampler.Rollout:
+        return build_rollout(
+            self.prompt_ids_PT, self.prompt_mask_PT, choices_P, n=self.n,
+            max_new_tokens=self.max_new_tokens, eos_token_ids=self.eos_token_ids,
+            pad_token_id=self.pad_token_id, vocab_size=vocab_size,
+            weights_version=weights_version, log_where=log_where,
+        )  # fmt: skip
 
 
 def build_rollout(

@@ -357,6 +357,43 @@ def test_exact_resume_after_random_sigkills(reference, tmp_path, jax_cache):
     assert lost == 0
 
 
+ASYNC_OVERRIDES = ("--config.trainer.async_rollout=True", "--config.trainer.save_freq=2")
+
+
+def test_exact_resume_of_async_rollouts_after_sigkills(tmp_path, jax_cache):
+    """trainer.async_rollout: batch t+1 is sampled during update t, but never across a
+    checkpoint (grpo_jax/async_rollout.py). SIGKILL inside step 2 (no checkpoint yet) and inside
+    step 4 (with step 4's batch sampled during step 3's update); the restarted run must equal
+    an uninterrupted async run bitwise, with no sample lost or used twice."""
+    ref = str(tmp_path / "reference")
+    with open(ref + ".digest", "w") as f:
+        f.write(_source_digest())
+    rc, log = _run(_train_cmd(ref, *ASYNC_OVERRIDES), ref + ".log", jax_cache)
+    assert rc == 0, log[-4000:]
+    rows = metrics.read(ref)[1:]
+    assert [r["async/staleness"] for r in rows] == [0, 1, 0, 1]  # none after a save
+    assert [r["training/epoch"] for r in rows] == [0, 0, 1, 1]
+    rng = random.Random(15)
+    workdir = str(tmp_path / "run")
+    for launch, (after_row, resume) in enumerate([(1, None), (3, None), (None, 2)]):
+        log_path = str(tmp_path / f"launch{launch}.log")
+        proc = _launch(_train_cmd(workdir, *ASYNC_OVERRIDES), log_path, jax_cache)
+        while after_row is not None and proc.poll() is None:
+            rows = metrics.read(workdir) if (resume is None or "resumed from step" in
+                                             _read(log_path)) else []
+            if rows and rows[-1]["step"] >= after_row:
+                time.sleep(rng.uniform(0.0, 0.05))
+                proc.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.001)
+        rc = _finish(proc)
+        log = _read(log_path)
+        assert _resumed_from(log) == resume, log[-3000:]
+        assert rc == (0 if after_row is None else -signal.SIGKILL), log[-3000:]
+    _assert_same_run(workdir, ref)
+    FIGURES["kills survived"] += 2
+
+
 # ------------------------------------------------------------------------------------------
 # CORRUPT CHECKPOINTS
 # ------------------------------------------------------------------------------------------

