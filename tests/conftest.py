@@ -19,6 +19,19 @@ import reference  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "float32")
+# One persistent compilation cache per test session: many tests build the same programs (the
+# loop on the tiny model), and a cache hit loads the executable XLA compiled before instead of
+# compiling it again (the same executable, so no result can change).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _CACHE = tempfile.mkdtemp(prefix="grpo_jax_test_jit_")
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", _CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 # What each reference marker means in the summary line.
 _REFERENCE_TITLES = {
