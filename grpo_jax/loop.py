@@ -13,14 +13,19 @@
   resume    from the newest readable checkpoint in the workdir (exact: params, optimizer state,
             rng, data position, counters, the reference when a warm-up produced it);
   warm-up   optional supervised steps on reference answers, then a fresh optimizer;
-  loop      per step: the next prompts, `step.run_step`, validation every trainer.test_freq
-            steps and at the last step (verl: none with test_freq=-1), a checkpoint every
-            trainer.save_freq steps (and after the last step with checkpoint.save_last), one
-            metrics.jsonl line, the callbacks;
+  loop      per step: the next prompts, `step.rollout_stage` (sample and score) and
+            `step.train_stage` (log-probs, advantages, update), validation every
+            trainer.test_freq steps and at the last step (verl: none with test_freq=-1), a
+            checkpoint every trainer.save_freq steps (and after the last step with
+            checkpoint.save_last), one metrics.jsonl line, the callbacks;
+  async     (trainer.async_rollout, grpo_jax/async_rollout.py) the next step's rollout stage
+            runs in a background thread, with the engine's own copy of the weights, while this
+            step trains; never across a checkpoint, so resume stays exact;
   result    the final state and the metrics history.
 
-Only process 0 writes metrics. A non-finite loss or gradient skips that update; after
-trainer.max_consecutive_nonfinite consecutive skips the run stops with an error.
+Only process 0 writes metrics. With several JAX processes, each tokenises and scores its own
+block of every batch (grpo_jax/distributed.py). A non-finite loss or gradient skips that
+update; after trainer.max_consecutive_nonfinite consecutive skips the run stops with an error.
 """
 
 from __future__ import annotations
