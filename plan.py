@@ -1,17 +1,28 @@
-r"""Memory planner: will this GRPO config fit, and how large can the micro-batch be?
+r"""Memory planner: will this GRPO config fit, and if not, which knob to turn and by how much?
 
 Run (on the target hardware, or on any CPU by simulating the device count):
-  python plan.py --config=configs/gsm8k.py --model=qwen2.5-7b --hbm_gib=141 --devices=8 \
+  python plan.py --config=configs/gsm8k.py --model=qwen2.5-7b --device=h200 --devices=8 \
       --config.model.dtype=bfloat16 --config.model.enable_gradient_checkpointing=True
+  python plan.py --config=configs/gsm8k_qwen3_8b.py --model=qwen3-8b --device=h200 --devices=8
+  python plan.py --config=configs/gsm8k_qwen3_8b.py:jax --model=qwen3-8b --device=v5p --devices=8
   python train.py --config=... --plan          # the same report, from the trainer
 
 Nothing is materialised: parameters, optimizer state and batches are ``jax.ShapeDtypeStruct``s
 carrying their ``NamedSharding``s, and each phase of one GRPO step is AOT-lowered and compiled
 for the configured model and mesh (``jax.jit(...).lower(...).compile().memory_analysis()``):
 
-  * sample: ``sampler.sample`` on ``data.train_batch_size`` prompts x ``rollout.n`` (KV cache);
-  * logprob: ``trainer.compute_log_probs`` (reference / old log-probs), when the config needs it;
-  * train: ``trainer.train_step`` on one mini-batch with ``actor.ppo_micro_batch_size_per_gpu``.
+  * sample: ``sampler.sample`` on ``data.train_batch_size`` prompts x ``rollout.n`` (KV cache),
+    unless ``rollout.name="vllm"``: then the sidecar samples, and JAX budgets only its
+    1 - ``rollout.vllm.gpu_memory_utilization`` share of each device (the server stays
+    resident on its GPUs); its own side is estimated (weights, KV-cache room);
+  * logprob: ``trainer.compute_log_probs`` (reference / old log-probs), when the config needs it,
+    or with ``rollout.log_prob_use_dynamic_bsz`` one packed micro-batch of
+    ``log_prob_max_token_len_per_gpu`` tokens a device (``trainer.packed_log_probs_into``);
+  * train: ``trainer.train_step`` on one mini-batch with ``actor.ppo_micro_batch_size_per_gpu``,
+    or with ``actor.use_dynamic_bsz`` one packed micro-batch of ``ppo_max_token_len_per_gpu``
+    tokens a device (``trainer.packed_micro_grads``) and the optimizer step after it
+    (``trainer.apply_gradients``). A packed micro-batch is planned at its largest: every row
+    full and every position a response token.
 
 Per device it prints parameters, optimizer state and reference parameters (exact, from the
 shardings; with LoRA, model.lora_rank > 0, the frozen base, the adapters and their optimizer
@@ -19,26 +30,34 @@ state, no reference copy, and what full fine-tuning would hold instead), XLA's a
 output / temporary sizes for each phase (temporaries are the
 activations, gradients being accumulated and the float32 logits chunks), the KV cache and logits
 sizes (analytic), the peak of each phase, and then searches (compiling each candidate) for the
-largest micro-batch per device, and the largest number of prompts per sampling call, that fit in
-``usable_fraction * hbm_gib``.
+largest value of each phase's batch knob (micro-batch size, token budget, prompts per step)
+that fits in ``usable_fraction * hbm_gib``. When the step does not fit, `advise` says which
+fields to change and to what: the knob of each phase over budget, else gradient checkpointing,
+else FSDP over the data devices; it re-plans the step with all the changes and prints them as
+``--config`` flags.
 
+--device=h200|v5p sets the memory per device (DEVICE_HBM), --hbm_gib=G any other.
 --devices=N sets ``--xla_force_host_platform_device_count=N`` on the CPU backend before JAX is
-imported, so an 8-GPU or TPU v5p-8 plan can be computed on a laptop. Caveat: the numbers are then
-XLA:CPU's buffer assignment for the same sharded program. Parameter, optimizer, batch and KV-cache
-bytes are exact; temporaries can differ from the GPU/TPU compilers (other fusion decisions, no
-cuDNN/Pallas flash attention), so keep the default 10 % headroom and re-run on the real hardware
-(without --devices) before a long job.
+imported, so an 8-GPU or TPU v5p-16 (8 chips) plan can be computed on a laptop. Caveat: the
+numbers are then XLA:CPU's buffer assignment for the same sharded program. Parameter, optimizer,
+batch and KV-cache bytes are exact; temporaries can differ from the GPU/TPU compilers (other
+fusion decisions, no cuDNN/Pallas flash attention), so keep the default 10 % headroom and re-run
+on the real hardware (without --devices) before a long job.
 
 Peak of a phase = its compiled arguments + outputs - donated (aliased) buffers + temporaries +
-what stays resident outside it (the reference parameters; during sampling and log-prob passes
-also the optimizer state, which is not an argument there).
+what stays resident outside it (the reference parameters; during sampling, log-prob and packed
+gradient passes also the optimizer state, which is not an argument there; during the packed
+passes the step's batch).
 """
 
+import copy
 import dataclasses
 import functools
 import math
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 
 def _fake_device_count(argv) -> int:
@@ -62,15 +81,28 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from grpo_jax import config as config_lib
-from grpo_jax import lora, loop, sampler, sharding, step, trainer
+from grpo_jax import loop, lora, packing, sampler, sharding, step, trainer
 from grpo_jax import model as model_lib
 
 GIB = 2**30
 
+# Memory per device (bytes) of the accelerators --device names.
+#   h200: NVIDIA's H200 datasheet, 141 GB of HBM3e per GPU (decimal GB: 131.3 GiB).
+#   v5p: Cloud TPU's v5p page (cloud.google.com/tpu/docs/v5p), 95 GB of HBM2e per chip, taken
+#     as 95 GiB. JAX sees one device per chip (its two TensorCores run as one megacore), so a
+#     v5p-16 slice (16 TensorCores) is 8 devices on 2 hosts, a v5p-8 is 4 on one.
+DEVICE_HBM = {"h200": 141 * 10**9, "v5p": 95 * GIB}
+
 # Architectures from the models' config.json, so planning needs no download.
+_QWEN = {"rope_theta": 1e6, "rms_norm_eps": 1e-6}
+_QWEN25 = {**_QWEN, "arch": "qwen2", "qkv_bias": True, "max_position_embeddings": 32768}
+# Qwen3 (dense): no q/k/v bias, RMSNorm on q and k per head, head_dim given explicitly.
+_QWEN3 = {**_QWEN, "arch": "qwen3", "qkv_bias": False, "qk_norm": True,
+          "max_position_embeddings": 40960}  # fmt: skip
 PRESETS = {
     "tiny": {},  # ModelConfig.tiny()
     "qwen2.5-0.5b": {
+        **_QWEN25,
         "vocab_size": 151936,
         "hidden_size": 896,
         "intermediate_size": 4864,
@@ -81,6 +113,7 @@ PRESETS = {
         "tie_word_embeddings": True,
     },
     "qwen2.5-1.5b": {
+        **_QWEN25,
         "vocab_size": 151936,
         "hidden_size": 1536,
         "intermediate_size": 8960,
@@ -91,6 +124,7 @@ PRESETS = {
         "tie_word_embeddings": True,
     },
     "qwen2.5-3b": {
+        **_QWEN25,
         "vocab_size": 151936,
         "hidden_size": 2048,
         "intermediate_size": 11008,
@@ -101,6 +135,7 @@ PRESETS = {
         "tie_word_embeddings": True,
     },
     "qwen2.5-7b": {
+        **_QWEN25,
         "vocab_size": 152064,
         "hidden_size": 3584,
         "intermediate_size": 18944,
@@ -110,13 +145,17 @@ PRESETS = {
         "head_dim": 128,
         "tie_word_embeddings": False,
     },
-}
-_QWEN25 = {
-    "arch": "qwen2",
-    "qkv_bias": True,
-    "rope_theta": 1e6,
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 32768,
+    "qwen3-8b": {  # Qwen/Qwen3-8B config.json
+        **_QWEN3,
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_layers": 36,
+        "num_heads": 32,
+        "num_kv_heads": 8,
+        "head_dim": 128,
+        "tie_word_embeddings": False,
+    },
 }
 
 
@@ -126,9 +165,7 @@ def preset_config(name: str, *, dtype, param_dtype, remat: bool) -> model_lib.Mo
         raise ValueError(f"unknown model preset {name!r}; choose from {sorted(PRESETS)}")
     if name == "tiny":
         return model_lib.ModelConfig.tiny(dtype=dtype, param_dtype=param_dtype, remat=remat)
-    return model_lib.ModelConfig(
-        **_QWEN25, **PRESETS[name], dtype=dtype, param_dtype=param_dtype, remat=remat
-    )
+    return model_lib.ModelConfig(**PRESETS[name], dtype=dtype, param_dtype=param_dtype, remat=remat)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +183,12 @@ class Workload:
       needs_ref: a KL term needs reference parameters and log-probs.
       needs_old: the step runs the old-log-prob pass before the first update
         (``RunConfig.needs_old_log_probs``: off-policy, or the KL in the reward).
+      packed: ``actor.use_dynamic_bsz``: the update runs packed token-budget micro-batches.
+      tokens_per_device: ``actor.ppo_max_token_len_per_gpu``, their budget.
+      logprob_packed: ``rollout.log_prob_use_dynamic_bsz``, the same for the log-prob passes.
+      logprob_tokens_per_device: ``rollout.log_prob_max_token_len_per_gpu``.
+      row_len: the packed row length (``packing.row_length`` of prompt + response).
+      vllm: ``rollout.name == "vllm"``: the sidecar samples, JAX compiles no sampling phase.
     """
 
     prompt_len: int
@@ -157,20 +200,32 @@ class Workload:
     logprob_micro_per_device: int
     needs_ref: bool
     needs_old: bool
+    packed: bool
+    tokens_per_device: int
+    logprob_packed: bool
+    logprob_tokens_per_device: int
+    row_len: int
+    vllm: bool
 
     @classmethod
     def from_run(cls, run: config_lib.RunConfig) -> "Workload":
-        n = run.rollout.n
+        n, d, a, r = run.rollout.n, run.data, run.actor, run.rollout
         return cls(
-            prompt_len=sampler.bucket_length(run.data.max_prompt_length),
-            response_len=run.data.max_response_length,
+            prompt_len=sampler.bucket_length(d.max_prompt_length),
+            response_len=d.max_response_length,
             n=n,
-            prompts=run.data.train_batch_size,
-            mini_rows=run.actor.ppo_mini_batch_size * n,
-            micro_per_device=run.actor.ppo_micro_batch_size_per_gpu,
-            logprob_micro_per_device=run.rollout.log_prob_micro_batch_size_per_gpu,
+            prompts=d.train_batch_size,
+            mini_rows=a.ppo_mini_batch_size * n,
+            micro_per_device=a.ppo_micro_batch_size_per_gpu,
+            logprob_micro_per_device=r.log_prob_micro_batch_size_per_gpu,
             needs_ref=run.needs_reference,  # the library's rules, not re-derived here
             needs_old=run.needs_old_log_probs,
+            packed=a.use_dynamic_bsz,
+            tokens_per_device=a.ppo_max_token_len_per_gpu,
+            logprob_packed=r.log_prob_use_dynamic_bsz,
+            logprob_tokens_per_device=r.log_prob_max_token_len_per_gpu,
+            row_len=packing.row_length(d.max_prompt_length, d.max_response_length),
+            vllm=r.name == "vllm",
         )
 
 
@@ -208,6 +263,41 @@ class PhaseMemory:
         return self.argument + self.output - self.alias + self.temp
 
 
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One compiled phase of the step: what it is, XLA's memory, and its per-device peak.
+
+    Attributes:
+      name: "sample", "logprob", "train" (padded or packed micro-batches) or "apply" (the
+        optimizer step after the packed micro-batches).
+      label: its row in the report.
+      memory: XLA's memory analysis.
+      peak: bytes per device while it runs, what stays resident outside it included.
+    """
+
+    name: str
+    label: str
+    memory: PhaseMemory
+    peak: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    """The config field that sizes one phase's batch, and the values the planner may try.
+
+    Attributes:
+      field: the dotted config field.
+      value: its value in the config.
+      candidates: values to try, ascending (the current one among them).
+      peak: value -> the phase's peak in bytes per device (compiles; memoised by the Planner).
+    """
+
+    field: str
+    value: int
+    candidates: tuple[int, ...]
+    peak: Callable[[int], int]
+
+
 class Planner:
     """Compiles the phases of one GRPO step for a model, mesh and run, without weights.
 
@@ -228,7 +318,11 @@ class Planner:
         self.dp = mesh.shape["data"] * mesh.shape["fsdp"]
         self.rules = rules
         self.lora = bool(model_config.lora_rank)
+        # planner_from_config sets these, so that `variant` can re-plan a changed config.
+        self.config, self.model_name = None, ""
+        self._variants = {}
         abstract = model_lib.abstract_params(model_config)
+        self.num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract))
         self.param_sh = sharding.param_shardings(model_config, mesh, rules)
         self.base = sharding.abstract_with_shardings(abstract, self.param_sh)
         if self.lora:
@@ -256,6 +350,9 @@ class Planner:
             full_opt, sharding.tx_state_shardings(tx, abstract, self.param_sh, mesh)
         )
         self.full_ref_bytes = self.param_bytes if self.w.needs_ref else 0
+        batch = self._batch(self.w.prompts * self.w.n)
+        # The step's whole batch stays on the devices while the packed passes run.
+        self.batch_bytes = bytes_per_device(batch, jax.tree.map(lambda x: x.sharding, batch))
         self._compiled = {}
 
     def lora_saved_bytes(self) -> int:
@@ -267,23 +364,48 @@ class Planner:
         full = self.full_opt_bytes + self.full_ref_bytes
         return full - (self.adapter_bytes + self.opt_bytes + self.ref_bytes)
 
-    def programs(self, micro_per_device: int | None = None) -> step.Programs:
-        """The run's programs, with another micro-batch size when given (the search)."""
+    @property
+    def resident_bytes(self) -> int:
+        """What no batch size changes: the trained params (or frozen base + adapters), their
+        optimizer state and the reference copy."""
+        return self.param_bytes + self.adapter_bytes + self.opt_bytes + self.ref_bytes
+
+    def jax_share(self) -> float:
+        """The part of each device JAX may use: all of it, or with the vLLM sidecar, which
+        stays resident on the GPUs it runs on, 1 - rollout.vllm.gpu_memory_utilization."""
+        return 1.0 - self.run.rollout.vllm.gpu_memory_utilization if self.w.vllm else 1.0
+
+    def programs(
+        self, micro_per_device: int | None = None, logprob_micro_per_device: int | None = None
+    ) -> step.Programs:
+        """The run's programs, with other padded micro-batch sizes when given (the searches)."""
         run = self.run
         if micro_per_device is not None:
             actor = dataclasses.replace(run.actor, ppo_micro_batch_size_per_gpu=micro_per_device)
             run = dataclasses.replace(run, actor=actor)
+        if logprob_micro_per_device is not None:
+            rollout = dataclasses.replace(
+                run.rollout, log_prob_micro_batch_size_per_gpu=logprob_micro_per_device
+            )
+            run = dataclasses.replace(run, rollout=rollout)
         return step.make_programs(run, self.cfg, self.tx, dp=self.dp)
 
+    def variant(self, overrides) -> "Planner":
+        """The planner of this config with ``overrides`` ((dotted field, value), ...) applied."""
+        if self.config is None:
+            raise ValueError("Planner.variant needs a planner made by planner_from_config")
+        overrides = tuple(overrides)
+        if overrides not in self._variants:  # memoised too: advise asks again for the same
+            config = with_overrides(self.config, overrides)
+            self._variants[overrides] = planner_from_config(config, model_name=self.model_name)
+        return self._variants[overrides]
+
+    def _arr(self, shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.batch_sharding(self.mesh, 2))
+
     def _batch(self, rows: int) -> trainer.TrainBatch:
-        w, tp = self.w, self.w.prompt_len
-        s, t = tp + w.response_len, w.response_len
-
-        def arr(shape, dtype):
-            return jax.ShapeDtypeStruct(
-                shape, dtype, sharding=sharding.batch_sharding(self.mesh, 2)
-            )
-
+        w, arr = self.w, self._arr
+        s, t = w.prompt_len + w.response_len, w.response_len
         return trainer.TrainBatch(
             input_ids_BS=arr((rows, s), jnp.int32),
             attention_mask_BS=arr((rows, s), jnp.int32),
@@ -294,13 +416,44 @@ class Planner:
             ref_log_probs_BT=arr((rows, t), jnp.float32) if w.needs_ref else None,
         )
 
+    def packed_rows(self, tokens_per_device: int) -> int:
+        """Rows of a full packed micro-batch over all data devices (packing.pack's cap)."""
+        rows = (tokens_per_device * self.dp // self.w.row_len) // self.dp * self.dp
+        if rows < 1:
+            raise ValueError(
+                f"a token budget of {tokens_per_device} tokens per device holds no packed row of "
+                f"{self.w.row_len} tokens (max_prompt_length + max_response_length, rounded up "
+                f"to {packing.LEN_BUCKET}): it must be at least {self.w.row_len}"
+            )
+        return rows
+
+    def _micro(self, tokens_per_device: int) -> trainer.PackedMicro:
+        # The largest micro-batch packing makes: every row full, every slot a response token
+        # (a row holds at most row_len response tokens, so slots <= row_len).
+        rows, row_len = self.packed_rows(tokens_per_device), self.w.row_len
+        tokens = self._arr((rows, row_len), jnp.int32)
+        return trainer.PackedMicro(*(tokens,) * 7)
+
     def train(self, micro_per_device: int) -> PhaseMemory:
         """One ``train_step`` (state donated) on the step's batch, one mini-batch of it."""
         return self._memo(("train", micro_per_device), self._train)
 
-    def logprob(self) -> PhaseMemory:
+    def packed_train(self, tokens_per_device: int) -> PhaseMemory:
+        """``packed_micro_grads`` (gradients donated) on the largest packed micro-batch."""
+        return self._memo(("packed_train", tokens_per_device), self._packed_train)
+
+    def apply(self) -> PhaseMemory:
+        """``apply_gradients`` (state donated) after the packed micro-batches."""
+        return self._memo(("apply",), self._apply)
+
+    def logprob(self, micro_per_device: int | None = None) -> PhaseMemory:
         """``compute_log_probs`` over the step's batch (reference or old policy)."""
-        return self._memo(("logprob",), self._logprob)
+        micro = self.w.logprob_micro_per_device if micro_per_device is None else micro_per_device
+        return self._memo(("logprob", micro), self._logprob)
+
+    def packed_logprob(self, tokens_per_device: int) -> PhaseMemory:
+        """``packed_log_probs_into`` (accumulators donated) on the largest packed micro-batch."""
+        return self._memo(("packed_logprob", tokens_per_device), self._packed_logprob)
 
     def sample(self, prompts: int) -> PhaseMemory:
         """``sampler.sample`` of ``prompts`` x n completions of response_len tokens."""
@@ -314,6 +467,11 @@ class Planner:
                 self._compiled[key] = compile_fn(*key[1:])
         return self._compiled[key]
 
+    def _scalars(self):
+        scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding.replicated(self.mesh))
+        lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding.replicated(self.mesh))
+        return scalar, lr
+
     def _train(self, micro_per_device: int) -> PhaseMemory:
         w = self.w
         micro_rows = min(micro_per_device * self.dp, w.mini_rows)
@@ -323,24 +481,40 @@ class Planner:
                 f"mini-batch of {w.mini_rows} sequences"
             )
         update = self.programs(micro_per_device).update
-        scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding.replicated(self.mesh))
-        lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding.replicated(self.mesh))
         batch = self._batch(w.prompts * w.n)
         base = (self.base,) if self.lora else ()  # LoRA: the frozen base is an argument
-        return PhaseMemory.of(update.lower(self.state, batch, scalar, lr, *base).compile())
+        return PhaseMemory.of(update.lower(self.state, batch, *self._scalars(), *base).compile())
 
-    def _logprob(self) -> PhaseMemory:
-        programs = self.programs()
+    def _packed_train(self, tokens_per_device: int) -> PhaseMemory:
+        params = self.state.params  # the gradients have the trained params' shapes and shardings
+        base = (self.base,) if self.lora else ()
+        mini_batch = self._batch(self.w.mini_rows)
+        micro = self._micro(tokens_per_device)
+        fn = self.programs().packed_grads
+        return PhaseMemory.of(fn.lower(params, params, micro, mini_batch, *base).compile())
+
+    def _apply(self) -> PhaseMemory:
+        _, lr = self._scalars()
+        fn = self.programs().apply
+        return PhaseMemory.of(fn.lower(self.state, self.state.params, lr, lr).compile())
+
+    def _logprob(self, micro_per_device: int) -> PhaseMemory:
+        programs = self.programs(logprob_micro_per_device=micro_per_device)
         # The old-log-prob pass also returns the entropy; it is the larger of the two.
         fn = programs.log_probs_entropy if self.w.needs_old else programs.log_probs
         batch = self._batch(self.w.prompts * self.w.n)
         return PhaseMemory.of(fn.lower(self.params, batch).compile())
 
+    def _packed_logprob(self, tokens_per_device: int) -> PhaseMemory:
+        programs = self.programs()
+        fn = programs.packed_log_probs_entropy if self.w.needs_old else programs.packed_log_probs
+        lp_BT = self._arr((self.w.prompts * self.w.n, self.w.response_len), jnp.float32)
+        micro = self._micro(tokens_per_device)
+        return PhaseMemory.of(fn.lower(self.params, micro, lp_BT, lp_BT).compile())
+
     def _sample(self, prompts: int) -> PhaseMemory:
         w = self.w
-        ids = jax.ShapeDtypeStruct(
-            (prompts, w.prompt_len), jnp.int32, sharding=sharding.batch_sharding(self.mesh, 2)
-        )
+        ids = self._arr((prompts, w.prompt_len), jnp.int32)
         rng = jax.eval_shape(lambda: jax.random.key(0))
         rng = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=sharding.replicated(self.mesh))
 
@@ -376,6 +550,106 @@ class Planner:
         """Sampling / log-prob passes: params are an argument, optimizer state stays resident."""
         return m.total + self.opt_bytes + self.ref_bytes
 
+    def packed_peak(self, m: PhaseMemory) -> int:
+        """Packed passes: what they take (the trained params, gradients or accumulators and one
+        micro-batch) plus what stays resident: the step's batch, the reference copy and, but for
+        the optimizer step, the optimizer state."""
+        return m.total + self.opt_bytes + self.ref_bytes + self.batch_bytes
+
+    def apply_peak(self, m: PhaseMemory) -> int:
+        return m.total + self.ref_bytes + self.batch_bytes
+
+    def phases(self) -> list[Phase]:
+        """Every phase one step of the run compiles, in the order the step runs them."""
+        w, out = self.w, []
+        if not w.vllm:
+            m = self.sample(w.prompts)
+            out.append(Phase("sample", f"sample (P={w.prompts})", m, self.side_peak(m)))
+        if w.needs_ref or w.needs_old:
+            if w.logprob_packed:
+                m = self.packed_logprob(w.logprob_tokens_per_device)
+                label = f"log-probs ({w.logprob_tokens_per_device} tok/dev)"
+                out.append(Phase("logprob", label, m, self.packed_peak(m)))
+            else:
+                m = self.logprob()
+                label = f"log-probs ({w.logprob_micro_per_device}/dev)"
+                out.append(Phase("logprob", label, m, self.side_peak(m)))
+        if w.packed:
+            m = self.packed_train(w.tokens_per_device)
+            label = f"train ({w.tokens_per_device} tok/dev)"
+            out.append(Phase("train", label, m, self.packed_peak(m)))
+            m = self.apply()
+            out.append(Phase("apply", "optimizer step", m, self.apply_peak(m)))
+        else:
+            m = self.train(w.micro_per_device)
+            label = f"train ({w.micro_per_device}/dev)"
+            out.append(Phase("train", label, m, self.train_peak(m)))
+        return out
+
+    def knob(self, phase: str, *, max_micro: int = 64) -> Knob | None:
+        """The batch-size field of ``phase`` and the values it may take (None: "apply").
+
+        Padded micro-batches try powers of two per device that split the (mini-)batch evenly;
+        token budgets try every whole number of packed rows per device (1 .. max_micro); the
+        sampling batch tries data.train_batch_size / 2**k that still splits over the devices.
+        """
+        w, dp = self.w, self.dp
+        if phase == "sample":
+            # A smaller step batch: the mini-batch cannot be larger (with_knob lowers it too).
+            values = {w.prompts // 2**k for k in range(12) if w.prompts % 2**k == 0}
+            values = [q for q in values if q % dp == 0]
+            return Knob("data.train_batch_size", w.prompts, tuple(sorted(values)),
+                        lambda q: self.side_peak(self.sample(q)))  # fmt: skip
+        packed = {"train": w.packed, "logprob": w.logprob_packed}.get(phase)
+        if packed is None:
+            return None
+        if packed:
+            field, tokens = (
+                ("actor.ppo_max_token_len_per_gpu", w.tokens_per_device)
+                if phase == "train"
+                else ("rollout.log_prob_max_token_len_per_gpu", w.logprob_tokens_per_device)
+            )
+            values = {r * w.row_len for r in range(1, max_micro + 1)} | {tokens}
+            compile_fn = self.packed_train if phase == "train" else self.packed_logprob
+            return Knob(field, tokens, tuple(sorted(values)),
+                        lambda t: self.packed_peak(compile_fn(t)))  # fmt: skip
+        if phase == "train":
+            rows, value = w.mini_rows, w.micro_per_device
+            field, peak = (
+                "actor.ppo_micro_batch_size_per_gpu",
+                lambda m: self.train_peak(self.train(m)),
+            )
+        else:
+            rows, value = w.prompts * w.n, w.logprob_micro_per_device
+            field, peak = (
+                "rollout.log_prob_micro_batch_size_per_gpu",
+                lambda m: self.side_peak(self.logprob(m)),
+            )
+        values = {m for m in (2**i for i in range(12)) if m <= max_micro and m * dp <= rows
+                  and rows % (m * dp) == 0} | {value}  # fmt: skip
+        return Knob(field, value, tuple(sorted(values)), peak)
+
+    def with_knob(self, knob: Knob, value: int) -> tuple[tuple[str, Any], ...]:
+        """The config overrides that set ``knob`` to ``value`` (and what must follow it)."""
+        out = ((knob.field, value),)
+        if knob.field == "data.train_batch_size":
+            mini = self.run.actor.ppo_mini_batch_size
+            if value < mini or value % mini:
+                out += (("actor.ppo_mini_batch_size", math.gcd(value, mini)),)
+        return out
+
+
+def with_overrides(c, overrides):
+    """A copy of config ``c`` with ((dotted field, value), ...) set."""
+    out = copy.deepcopy(c)
+    for dotted, value in overrides:
+        *sections, leaf = dotted.split(".")
+        node = out
+        for section in sections:
+            node = node[section]
+        node[leaf] = value
+    return out
+
 
 def _largest(candidates, fits) -> tuple[int | None, dict]:
     """Binary search for the largest candidate (sorted ascending) with fits(c) True.
@@ -399,86 +673,344 @@ def _gb(x: float) -> str:
     return f"{x / GIB:8.2f}"
 
 
-def plan(planner: Planner, *, hbm_bytes: int, search: bool = True, max_micro: int = 64) -> str:
-    """Compiles every phase, searches the batch sizes that fit, returns the report text."""
+# ---------------------------------------------------------------------------------------------
+# Advice: which knob to turn, and by how much, when the step does not fit
+
+
+@dataclasses.dataclass(frozen=True)
+class Advice:
+    """One change that makes a phase fit, found by compiling the changed phase.
+
+    Attributes:
+      phase: the label of the phase that did not fit.
+      overrides: ((dotted config field, value), ...) to apply, in order.
+      peak: that phase's peak with them, bytes per device.
+      why: what the change costs (speed, memory, or the recipe itself).
+    """
+
+    phase: str
+    overrides: tuple[tuple[str, Any], ...]
+    peak: int
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Fix:
+    """The outcome of `advise`: the changes, and whether the step fits with all of them.
+
+    Attributes:
+      advice: the changes, in the order found.
+      fits: whether the re-planned step (every override applied, every phase compiled again)
+        fits the budget.
+      peak: that re-planned step's peak, bytes per device.
+      unresolved: for each phase nothing fixed, why and what is left to try.
+    """
+
+    advice: tuple[Advice, ...]
+    fits: bool
+    peak: int
+    unresolved: tuple[str, ...]
+
+    @property
+    def overrides(self) -> tuple[tuple[str, Any], ...]:
+        return _merged(self.advice)
+
+    def flags(self) -> str:
+        """The overrides as train.py / plan.py flags."""
+        return " ".join(f"--config.{k}={_flag_value(v)}" for k, v in self.overrides)
+
+
+def _merged(advice) -> tuple[tuple[str, Any], ...]:
+    """The overrides of every Advice, a later value of a field replacing an earlier one."""
+    merged = {}
+    for a in advice:
+        merged.update(a.overrides)
+    return tuple(merged.items())
+
+
+def _flag_value(v) -> str:
+    if isinstance(v, tuple):
+        return '"(' + ",".join(str(x) for x in v) + ')"'
+    return str(v)
+
+
+_KNOB_WHY = {
+    "actor.ppo_micro_batch_size_per_gpu": "more, smaller micro-batches: same gradient, slower",
+    "rollout.log_prob_micro_batch_size_per_gpu": "more, smaller micro-batches: same log-probs",
+    "actor.ppo_max_token_len_per_gpu": "smaller token-budget micro-batches: same gradient, "
+    "more of them",
+    "rollout.log_prob_max_token_len_per_gpu": "smaller token-budget micro-batches: same "
+    "log-probs, more of them",
+    "data.train_batch_size": "fewer prompts per step, which changes the recipe: sampling holds "
+    "the KV cache of every rollout of the step at once",
+}
+
+
+def _escalations(p: Planner, phase: str) -> list[tuple[tuple[str, Any], ...]]:
+    """Changes beyond a batch size, cheapest first, each including the ones before it."""
+    out, extra = [], ()
+    if phase == "train" and not p.cfg.remat:  # the optimizer step keeps no activations
+        extra += (("model.enable_gradient_checkpointing", True),)
+        out.append(extra)
+    data, fsdp, tensor = (p.mesh.shape[a] for a in ("data", "fsdp", "tensor"))
+    if data > 1:  # FSDP over the data devices: params and Adam state split, not replicated
+        extra += (("mesh.shape", (1, data * fsdp, tensor)),)
+        out.append(extra)
+    return out
+
+
+def _escalation_why(extra) -> str:
+    fields = dict(extra)
+    why = []
+    if "model.enable_gradient_checkpointing" in fields:
+        why.append("gradient checkpointing: each layer is recomputed in the backward (~1/3 more "
+                   "update FLOPs)")  # fmt: skip
+    if "mesh.shape" in fields:
+        why.append("FSDP over all data devices: parameters and Adam state split, not replicated")
+    return "; ".join(why)
+
+
+def _fix_phase(p: Planner, phase: Phase, budget: int, max_micro: int) -> Advice | str:
+    """The first change that makes ``phase`` fit: its batch knob, else escalations (each with
+    the knob searched again). A string says why nothing was found."""
+    smallest = None
+    for extra in [(), *_escalations(p, phase.name)]:
+        q = p.variant(extra) if extra else p
+        now = next(ph for ph in q.phases() if ph.name == phase.name)
+        if extra and now.peak <= budget:
+            return Advice(phase.label, extra, now.peak, _escalation_why(extra))
+        knob = q.knob(phase.name, max_micro=max_micro)
+        if knob is None:
+            continue
+        below = [v for v in knob.candidates if v < knob.value]
+        best, seen = _largest(below, lambda v, k=knob: _fits_peak(k.peak(v), budget))
+        if best is not None:
+            why = "; ".join(filter(None, [_escalation_why(extra), _KNOB_WHY[knob.field]]))
+            return Advice(phase.label, extra + q.with_knob(knob, best), seen[best], why)
+        if below:
+            smallest = (knob.field, below[0], seen[below[0]])
+    tried = (
+        f"; even {smallest[0]}={smallest[1]} needs {smallest[2] / GIB:.1f} GiB" if smallest else ""
+    )
+    left = [
+        f"more devices (FSDP over more than {p.dp})",
+        "model.lora_rank > 0 (adapters only, no reference copy)",
+    ]
+    if phase.name == "sample":
+        left.insert(0, "rollout.name=vllm on GPUs (the sidecar samples outside JAX)")
+    return (
+        f"{phase.label}: {phase.peak / GIB:.1f} GiB of {budget / GIB:.1f}, no change found{tried} "
+        f"(resident params + optimizer + reference: {p.resident_bytes / GIB:.1f} GiB); left to "
+        "try: " + ", ".join(left)
+    )
+
+
+def _fits_peak(peak: int, budget: int) -> tuple[bool, int]:
+    return peak <= budget, peak
+
+
+def advise(planner: Planner, budget: int, *, max_micro: int = 64, max_rounds: int = 3) -> Fix:
+    """Finds config changes that make the step fit ``budget`` bytes per device.
+
+    Each phase over the budget gets, in this order: the largest smaller value of its batch
+    knob that fits (micro-batch size or token budget: the gradient does not change; for
+    sampling, data.train_batch_size: the recipe does), else gradient checkpointing (update
+    phases), else FSDP over the data devices, each with the knob searched again. Then every
+    change is applied and the whole step planned again, which is what `Fix.fits` reports;
+    changes that interact (a smaller batch after a new mesh) get further rounds.
+    """
+    p, advice, unresolved = planner, [], []
+    for _ in range(max_rounds):
+        failing = [ph for ph in p.phases() if ph.peak > budget]
+        if not failing:
+            break
+        for ph in failing:
+            fix = _fix_phase(p, ph, budget, max_micro)
+            if isinstance(fix, str):
+                unresolved.append(fix)
+            else:
+                advice.append(fix)
+        if unresolved:
+            break
+        p = planner.variant(_merged(advice))
+    peak = max(ph.peak for ph in p.phases())
+    return Fix(tuple(advice), peak <= budget and not unresolved, peak, tuple(unresolved))
+
+
+# ---------------------------------------------------------------------------------------------
+# The report
+
+
+def plan(
+    planner: Planner,
+    *,
+    hbm_bytes: int,
+    search: bool = True,
+    max_micro: int = 64,
+    advice: bool = True,
+) -> str:
+    """Compiles every phase, searches the batch sizes that fit, returns the report text.
+
+    ``hbm_bytes`` is the usable memory of one device; with rollout.name="vllm" JAX budgets
+    its 1 - rollout.vllm.gpu_memory_utilization share of it (`Planner.jax_share`). When the
+    step does not fit and ``advice`` is set, the report ends with the changes that make it fit
+    (`advise`).
+    """
     p, w = planner, planner.w
-    budget = hbm_bytes
+    budget = int(hbm_bytes * p.jax_share())
+    share = (
+        f" (JAX's {p.jax_share():.2f} of {hbm_bytes / GIB:.1f}; the vLLM sidecar holds the rest)"
+        if w.vllm
+        else ""
+    )
+    batching = (
+        f"token budget {w.tokens_per_device}/device (rows of {w.row_len})"
+        if w.packed
+        else f"micro {w.micro_per_device}/device"
+    )
     lines = [
         (
-            f"model: L={p.cfg.num_layers} D={p.cfg.hidden_size} N={p.cfg.num_heads} "
+            f"model: {p.cfg.arch} L={p.cfg.num_layers} D={p.cfg.hidden_size} N={p.cfg.num_heads} "
             f"K={p.cfg.num_kv_heads} H={p.cfg.head_dim} F={p.cfg.intermediate_size} "
-            f"V={p.cfg.vocab_size} params={p.cfg.param_dtype} compute={p.cfg.dtype} remat={p.cfg.remat}"
+            f"V={p.cfg.vocab_size} ({p.num_params / 1e9:.2f}B) params={p.cfg.param_dtype} "
+            f"compute={p.cfg.dtype} remat={p.cfg.remat}"
         ),
         (
             f"mesh: {dict(p.mesh.shape)} on {p.mesh.devices.size} x {p.mesh.devices.flat[0].platform}"
-            f" | budget {budget / GIB:.1f} GiB/device"
+            f" | budget {budget / GIB:.1f} GiB/device{share}"
         ),
         (
             f"step: P={w.prompts} prompts x n={w.n}, Tp={w.prompt_len}, T={w.response_len}, "
-            f"mini-batch {w.mini_rows} seqs, micro {w.micro_per_device}/device, "
+            f"mini-batch {w.mini_rows} seqs, {batching}, "
             f"ref={'yes' if w.needs_ref else 'no'}, old log-probs={'yes' if w.needs_old else 'no'}"
         ),
         "",
-        "per-device GiB          | resident | argument |   output |  donated |     temp |     PEAK",
-        "------------------------|----------|----------|----------|----------|----------|---------",
-        f"{'base params (frozen)' if p.lora else 'params':<24}| {_gb(p.param_bytes)} |",
-        *([f"LoRA adapters (f32)     | {_gb(p.adapter_bytes)} |"] if p.lora else []),
-        f"optimizer state         | {_gb(p.opt_bytes)} |",
-        f"reference params        | {_gb(p.ref_bytes)} |",
+        f"{'per-device GiB':<{_W}}" + "".join(f"| {h:>8} " for h in _COLUMNS) + "|     PEAK",
+        "-" * _W + "|----------" * 5 + "|---------",
+        f"{'base params (frozen)' if p.lora else 'params':<{_W}}| {_gb(p.param_bytes)} |",
+        *([f"{'LoRA adapters (f32)':<{_W}}| {_gb(p.adapter_bytes)} |"] if p.lora else []),
+        f"{'optimizer state':<{_W}}| {_gb(p.opt_bytes)} |",
+        f"{'reference params':<{_W}}| {_gb(p.ref_bytes)} |",
+        *([f"{'step batch':<{_W}}| {_gb(p.batch_bytes)} |"] if w.packed else []),
     ]
-
-    def row(name, m: PhaseMemory, peak):
-        return (
-            f"{name:<24}|          | {_gb(m.argument)} | {_gb(m.output)} | {_gb(m.alias)} |"
-            f" {_gb(m.temp)} | {_gb(peak)}"
+    phases = p.phases()
+    for ph in phases:
+        m = ph.memory
+        lines.append(
+            f"{ph.label:<{_W}}|          | {_gb(m.argument)} | {_gb(m.output)} | {_gb(m.alias)} |"
+            f" {_gb(m.temp)} | {_gb(ph.peak)}"
         )
-
-    sample_m = p.sample(w.prompts)
-    lines.append(row(f"sample (P={w.prompts})", sample_m, p.side_peak(sample_m)))
-    peaks = [p.side_peak(sample_m)]
-    if w.needs_ref or w.needs_old:
-        lp = p.logprob()
-        lines.append(row(f"log-probs ({w.logprob_micro_per_device}/dev)", lp, p.side_peak(lp)))
-        peaks.append(p.side_peak(lp))
-    train_m = p.train(w.micro_per_device)
-    lines.append(row(f"train ({w.micro_per_device}/dev)", train_m, p.train_peak(train_m)))
-    peaks.append(p.train_peak(train_m))
+    peak = max(ph.peak for ph in phases)
     lines += [
         "",
-        f"KV cache (sample, analytic)      {_gb(p.kv_cache_bytes(w.prompts))} GiB/device",
-        f"logits [rows,V] f32 (sample)     {_gb(p.sample_logits_bytes(w.prompts))} GiB/device",
+        *(_vllm_lines(p, hbm_bytes) if w.vllm else _sample_lines(p)),
         (
             f"logits chunk f32 (train, one)    {_gb(p.train_logits_bytes())} GiB "
             f"(loss chunk_size={p.loss_config.chunk_size} rows)"
         ),
         *_lora_lines(p),
-        f"step peak {max(peaks) / GIB:.2f} GiB/device -> "
-        + ("FITS" if max(peaks) <= budget else "DOES NOT FIT")
+        f"step peak {peak / GIB:.2f} GiB/device -> "
+        + ("FITS" if peak <= budget else "DOES NOT FIT")
         + f" in {budget / GIB:.1f} GiB",
     ]
     if search:
-        # Micro-batches per device that divide the mini-batch evenly, powers of two.
-        micro = [
-            m
-            for m in (2**i for i in range(12))
-            if m <= max_micro and m * p.dp <= w.mini_rows and w.mini_rows % (m * p.dp) == 0
-        ]
-        best_micro, seen = _largest(micro, lambda m: _fits(p.train(m), p.train_peak, budget))
-        prompts = [q * p.dp for q in (2**i for i in range(12)) if q * p.dp <= w.prompts]
-        best_p, seen_p = _largest(prompts, lambda q: _fits(p.sample(q), p.side_peak, budget))
-        tried = ", ".join(f"{m}:{v / GIB:.1f}" for m, v in sorted(seen.items()))
-        tried_p = ", ".join(f"{q}:{v / GIB:.1f}" for q, v in sorted(seen_p.items()))
-        lines += [
-            (
-                f"largest micro-batch per device that fits: {best_micro} "
-                f"(tried micro:peak GiB {tried})"
-            ),
-            (
-                f"largest prompts per sampling call (x n={w.n}) that fits: {best_p} "
-                f"(tried P:peak GiB {tried_p})"
-            ),
-        ]
+        for ph in phases:
+            knob = p.knob(ph.name, max_micro=max_micro)
+            if knob is None:
+                continue
+            best, seen = _largest(knob.candidates, lambda v, k=knob: _fits_peak(k.peak(v), budget))
+            tried = ", ".join(f"{v}:{x / GIB:.1f}" for v, x in sorted(seen.items()))
+            lines.append(
+                f"largest {knob.field} that fits: {best} (now {knob.value}; tried value:peak GiB"
+                f" {tried})"
+            )
+    if advice and peak > budget:
+        lines += ["", *_advice_lines(advise(p, budget, max_micro=max_micro), budget)]
+        if w.vllm:
+            lines += _vllm_alternative(p, hbm_bytes, peak)
     return "\n".join(lines)
+
+
+_W = 26  # the report's label column
+_COLUMNS = ("resident", "argument", "output", "donated", "temp")
+
+
+def _advice_lines(fix: Fix, budget: int) -> list[str]:
+    lines = [f"to fit in {budget / GIB:.1f} GiB/device:"]
+    for a in fix.advice:
+        change = ", ".join(f"{k}={v}" for k, v in a.overrides)
+        lines.append(f"  {a.phase}: set {change} -> {a.peak / GIB:.1f} GiB ({a.why})")
+    lines += [f"  {u}" for u in fix.unresolved]
+    if fix.advice:
+        verdict = "FITS" if fix.fits else "still DOES NOT FIT"
+        lines += [
+            f"  with all of them (re-planned): step peak {fix.peak / GIB:.2f} GiB -> {verdict}",
+            f"  flags: {fix.flags()}",
+        ]
+    return lines
+
+
+def _sample_lines(p: Planner) -> list[str]:
+    prompts = p.w.prompts
+    return [
+        f"KV cache (sample, analytic)      {_gb(p.kv_cache_bytes(prompts))} GiB/device",
+        f"logits [rows,V] f32 (sample)     {_gb(p.sample_logits_bytes(prompts))} GiB/device",
+    ]
+
+
+def _vllm_bytes(p: Planner) -> tuple[float, int]:
+    """(weights, KV cache per token) of the sidecar on each of its GPUs, bytes (analytic)."""
+    r, c = p.run.rollout, p.cfg
+    tp = r.tensor_model_parallel_size
+    itemsize = {"float32": 4, "auto": c.param_dtype.itemsize}.get(r.vllm.dtype, 2)
+    kv_heads = max(1, c.num_kv_heads // tp)  # vLLM replicates KV heads when TP > K
+    return p.num_params * itemsize / tp, 2 * c.num_layers * kv_heads * c.head_dim * itemsize
+
+
+def _vllm_alternative(p: Planner, hbm_bytes: int, peak: int) -> list[str]:
+    """Instead of smaller batches: a smaller vLLM share, if the sidecar still holds its weights
+    and the KV cache of one sequence (analytic; JAX's programs and peaks stay the same)."""
+    weights, kv_per_token = _vllm_bytes(p)
+    share = math.floor((1 - peak / hbm_bytes) * 100) / 100
+    tokens = int((share * hbm_bytes - weights) // kv_per_token)
+    if tokens < p.w.prompt_len + p.w.response_len:
+        return [f"  (a smaller vLLM share cannot help: JAX alone needs {peak / GIB:.1f} GiB)"]
+    jax_gib = (1 - share) * hbm_bytes / GIB
+    return [
+        (
+            f"  or keep the batches: rollout.vllm.gpu_memory_utilization={share} and "
+            f"XLA_PYTHON_CLIENT_MEM_FRACTION={1 - share:.2f}"
+        ),
+        f"    (JAX's share {jax_gib:.1f} GiB; vLLM's KV cache {tokens} tokens)",
+    ]
+
+
+def _vllm_lines(p: Planner, hbm_bytes: int) -> list[str]:
+    """The sidecar's side of the GPUs it runs on (analytic): weights and KV-cache room."""
+    r, w = p.run.rollout, p.w
+    tp, share = r.tensor_model_parallel_size, r.vllm.gpu_memory_utilization
+    weights, kv_per_token = _vllm_bytes(p)
+    room = share * hbm_bytes - weights
+    tokens = max(0, int(room // kv_per_token))
+    seq = w.prompt_len + w.response_len
+    lines = [
+        (
+            f"vLLM sidecar (analytic): gpu_memory_utilization={share} of each of its "
+            f"tensor_model_parallel_size={tp} GPUs = {share * hbm_bytes / GIB:.1f} GiB: weights "
+            f"{weights / GIB:.2f} GiB,"
+        ),
+        (
+            f"  KV-cache room {room / GIB:.1f} GiB = {tokens} tokens = {tokens // seq} sequences "
+            f"of {seq} tokens at once (of {w.prompts * w.n} a step)"
+        ),
+    ]
+    if tokens < seq:
+        need = (weights + seq * kv_per_token) / hbm_bytes
+        lines.append(
+            f"vLLM DOES NOT FIT one sequence: raise rollout.vllm.gpu_memory_utilization to at "
+            f"least {need:.2f} or rollout.tensor_model_parallel_size"
+        )
+    return lines
 
 
 def _lora_lines(p: Planner) -> list[str]:
@@ -501,8 +1033,7 @@ def _lora_lines(p: Planner) -> list[str]:
 
 
 def _fits(m: PhaseMemory, peak_fn, budget) -> tuple[bool, int]:
-    peak = peak_fn(m)
-    return peak <= budget, peak
+    return _fits_peak(peak_fn(m), budget)
 
 
 def planner_from_config(c, *, model_name: str = "", mesh=None) -> Planner:
@@ -526,11 +1057,15 @@ def planner_from_config(c, *, model_name: str = "", mesh=None) -> Planner:
             + ") or a local "
             f"HF checkpoint directory in config.model.path (got {run.model.path!r})"
         )
+    # What a rematerialised layer keeps changes the update's memory (loading.py does the same).
+    cfg = dataclasses.replace(cfg, remat_policy=run.model.gradient_checkpointing_policy)
     mesh = sharding.make_mesh(tuple(run.mesh.shape)) if mesh is None else mesh
     tx, _ = loop.make_optimizer(run, total_steps=1)
     # config.mesh.rules (None = sharding.LOGICAL_RULES) overrides the logical-axis rules.
     rules = sharding.rules_from_config(run.mesh.rules)
-    return Planner(cfg, mesh, run, tx=tx, rules=rules)
+    planner = Planner(cfg, mesh, run, tx=tx, rules=rules)
+    planner.config, planner.model_name = c, model_name
+    return planner
 
 
 def run(
@@ -554,7 +1089,10 @@ def _define_flags():
     return {
         "config": config_flags.DEFINE_config_file("config", None, "train.py config file."),
         "model": flags.DEFINE_string("model", "", f"model preset: {', '.join(PRESETS)}"),
-        "hbm_gib": flags.DEFINE_float("hbm_gib", 80.0, "GiB per device (H200 141, v5p 95)"),
+        "device": flags.DEFINE_enum(
+            "device", None, sorted(DEVICE_HBM), "accelerator: its memory per device (DEVICE_HBM)"
+        ),
+        "hbm_gib": flags.DEFINE_float("hbm_gib", 80.0, "GiB per device, without --device"),
         "usable_fraction": flags.DEFINE_float("usable_fraction", 0.9, "usable part of hbm_gib"),
         "devices": flags.DEFINE_integer("devices", 0, "simulate N CPU devices (0: real ones)"),
         "search": flags.DEFINE_bool("search", True, "search the largest batch sizes that fit"),
@@ -569,10 +1107,13 @@ def main(argv, fl):
     devices = fl["devices"].value
     if devices and len(jax.devices()) != devices:
         raise app.UsageError(f"--devices={devices} but JAX sees {len(jax.devices())} devices")
+    if fl["device"].value and fl["hbm_gib"].present:
+        raise app.UsageError("give --device or --hbm_gib, not both")
+    device = fl["device"].value
     report = run(
         fl["config"].value,
         model_name=fl["model"].value,
-        hbm_gib=fl["hbm_gib"].value,
+        hbm_gib=DEVICE_HBM[device] / GIB if device else fl["hbm_gib"].value,
         usable_fraction=fl["usable_fraction"].value,
         search=fl["search"].value,
         max_micro=fl["max_micro"].value,

@@ -15,9 +15,10 @@ uses (start, push_weights, sample, weights_version, close), over N sidecars:
             goes on with N - 1 (`dropped` lists them). With no server left it raises
             VLLMServerDiedError naming each server's failure.
 
-Managed servers get ports port, port + 1, ... (or free ones with port 0), and workdirs
-workdir/server<i>; attached ones are the comma-separated rollout.vllm.url. Each server writes
-its own weight export per push.
+Managed servers get ports port, port + 1, ... (or free ones with port 0), GPUs of their own
+(server i: CUDA_VISIBLE_DEVICES = GPUs [i * tp, (i + 1) * tp) for tensor parallelism tp, unless
+rollout.vllm.env sets it), and workdirs workdir/server<i>; attached ones are the
+comma-separated rollout.vllm.url. Each server writes its own weight export per push.
 """
 
 from __future__ import annotations
@@ -40,11 +41,24 @@ log = logging.getLogger(__name__)
 
 def server_configs(config: sidecar_lib.VLLMConfig, num_servers: int,
                    urls: Sequence[str] = ()) -> list[sidecar_lib.VLLMConfig]:
-    """The config of each server: the given urls (attached), or `num_servers` managed ones."""
+    """The config of each server: the given urls (attached), or `num_servers` managed ones.
+
+    Several managed servers get GPUs of their own: server i sees GPUs [i * tp, (i + 1) * tp)
+    (CUDA_VISIBLE_DEVICES, tp = its tensor_parallel_size), unless rollout.vllm.env sets
+    CUDA_VISIBLE_DEVICES itself.
+    """
     if urls:
         return [dataclasses.replace(config, url=u, python="") for u in urls]
-    return [dataclasses.replace(config, port=config.port + i if config.port else 0)
-            for i in range(num_servers)]
+    out = []
+    for i in range(num_servers):
+        env = config.env
+        if num_servers > 1 and "CUDA_VISIBLE_DEVICES" not in dict(env):
+            tp = config.tensor_parallel_size
+            gpus = ",".join(str(g) for g in range(i * tp, (i + 1) * tp))
+            env = (*env, ("CUDA_VISIBLE_DEVICES", gpus))
+        out.append(dataclasses.replace(config, port=config.port + i if config.port else 0,
+                                       env=env))
+    return out
 
 
 class VLLMServers:

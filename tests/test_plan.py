@@ -1,13 +1,15 @@
 """Tests for the memory planner (plan.py) on 8 fake CPU devices with the tiny model."""
 
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 import plan
-from configs import gsm8k
+import train
+from configs import gsm8k, gsm8k_qwen3_8b
 from grpo_jax import model, sharding
 
 # Tiny model (V=128, D=32, N=4, K=2, H=8, F=64, L=2, tied, qkv bias) on mesh (2,2,2): vocab,
@@ -188,3 +190,222 @@ def test_lora_plan_holds_adapter_state_only_and_no_reference_copy():
     assert f"saves {saved / 2**30:.2f} GiB/device" in report
     assert "base params (frozen)" in report and "LoRA adapters (f32)" in report
     assert "LoRA r=4 alpha=16 on q_proj," in report
+
+
+# ---------------------------------------------------------------------------------------------
+# Qwen3-8B and the seed recipe (configs/gsm8k_qwen3_8b.py)
+
+
+def _param_count(cfg):
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(model.abstract_params(cfg)))
+
+
+def test_qwen3_8b_preset_is_the_published_model():
+    cfg = plan.preset_config("qwen3-8b", dtype=jnp.bfloat16, param_dtype=jnp.float32, remat=True)
+    assert (cfg.arch, cfg.qk_norm, cfg.qkv_bias, cfg.tie_word_embeddings) == (
+        "qwen3", True, False, False,
+    )  # fmt: skip
+    # Embedding + untied head 2 * 151936 * 4096; per layer q, o 2 * 4096 * (32*128) + k, v
+    # 2 * 4096 * (8*128) + MLP 3 * 4096 * 12288 + 2 norms of 4096 + q/k norms 2 * 128 (no
+    # bias); 36 layers; final norm 4096. The model card: 8.2B parameters, 6.95B non-embedding.
+    per_layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 12288 + 2 * 4096 + 2 * 128
+    embeddings = 2 * 151936 * 4096
+    assert _param_count(cfg) == embeddings + 36 * per_layer + 4096 == 8_190_735_360
+    assert round((_param_count(cfg) - embeddings) / 1e9, 2) == 6.95
+
+
+def test_qwen3_8b_preset_is_what_from_hf_reads_from_its_config_json():
+    pytest.importorskip("transformers")
+    # Qwen/Qwen3-8B config.json (the architecture fields).
+    hf = {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+        "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
+        "tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu",
+        "use_sliding_window": False,
+    }  # fmt: skip
+    loaded = model.ModelConfig.from_hf(hf)
+    preset = plan.preset_config("qwen3-8b", dtype=jnp.float32, param_dtype=jnp.float32, remat=False)
+    fields = ("arch", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+              "num_kv_heads", "head_dim", "rope_theta", "rope_scaling", "rms_norm_eps",
+              "tie_word_embeddings", "qkv_bias", "qk_norm", "max_position_embeddings")  # fmt: skip
+    assert {f: getattr(preset, f) for f in fields} == {f: getattr(loaded, f) for f in fields}
+
+
+def test_seed_recipe_config_is_verls_qwen3_8b_script():
+    # verl examples/grpo_trainer/run_qwen3_8b_fsdp.sh, its GPU defaults.
+    run = train.check_config(gsm8k_qwen3_8b.get_config())
+    a, r, d = run.actor, run.rollout, run.data
+    assert run.model.path == "Qwen/Qwen3-8B" and run.model.enable_gradient_checkpointing
+    assert (r.n, d.train_batch_size, a.ppo_mini_batch_size) == (5, 1024, 256)
+    assert (d.max_prompt_length, d.max_response_length) == (1024, 2048)
+    assert (a.use_kl_loss, a.kl_loss_type, a.kl_loss_coef) == (True, "low_var_kl", 0.001)
+    assert (a.optim.lr, a.entropy_coeff) == (1e-6, 0.0)
+    assert (a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu) == (True, 24576)
+    assert (r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu) == (True, 24576)
+    assert (r.name, r.tensor_model_parallel_size, r.vllm.gpu_memory_utilization) == (
+        "vllm", 2, 0.6,
+    )  # fmt: skip
+    assert run.mesh.shape == (1, -1, 1)  # FSDP over all devices
+    assert train.check_config(gsm8k_qwen3_8b.get_config("jax")).rollout.name == "jax"
+    smoke = train.check_config(gsm8k_qwen3_8b.get_config("smoke"))
+    assert (smoke.model.source, smoke.rollout.name, smoke.actor.use_dynamic_bsz) == (
+        "random", "jax", True,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="rollout must be vllm or jax"):
+        gsm8k_qwen3_8b.get_config("rollout=sglang")
+
+
+def test_planner_reads_the_seed_recipe():
+    """The config's step and mesh reach the planner; bytes per device on fsdp=8 are exact."""
+    p = plan.planner_from_config(gsm8k_qwen3_8b.get_config(), model_name="qwen3-8b")
+    w = p.w
+    assert dict(p.mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert (w.prompts, w.n, w.mini_rows, w.prompt_len, w.response_len) == (1024, 5, 1280, 1024,
+                                                                           2048)  # fmt: skip
+    # Token budgets: rows of 1024 + 2048 = 3072 tokens (a multiple of 128), 8 a device.
+    assert (w.packed, w.tokens_per_device, w.row_len, p.packed_rows(24576)) == (True, 24576,
+                                                                                 3072, 64)  # fmt: skip
+    # 4 mini-batches per step (off-policy after the first): old log-probs; KL loss: reference.
+    assert (w.needs_old, w.needs_ref, w.vllm, p.jax_share()) == (True, True, True, 0.4)
+    # Every float32 parameter is split 8 ways over embed but the q/k norms ([36, 128] each, no
+    # embed axis), which every device holds whole.
+    norms = 2 * 36 * 128
+    assert p.param_bytes == ((8_190_735_360 - norms) // 8 + norms) * 4 == p.ref_bytes
+    assert p.opt_bytes == 2 * p.param_bytes + 4  # Adam mu, nu (float32) + the int32 count
+    with pytest.raises(ValueError, match="must be at least 3072"):
+        p.packed_rows(3071)
+
+
+# ---------------------------------------------------------------------------------------------
+# Advice: applying it makes the step fit
+
+
+def _config(shape=(1, 4, 2), **overrides):
+    c = _smoke_config(shape)
+    return plan.with_overrides(c, tuple(overrides.items()))
+
+
+# The vLLM sidecar samples, so only the update's phases compile: the cases about them run faster.
+VLLM = {"rollout.name": "vllm", "rollout.vllm.python": sys.executable}
+
+
+def _refit(c, fix):
+    """Plans config `c` with the advice applied, from scratch: the step's peak per device."""
+    fixed = plan.planner_from_config(plan.with_overrides(c, fix.overrides), model_name="tiny")
+    return max(ph.peak for ph in fixed.phases())
+
+
+def _over(c, budget):
+    p = plan.planner_from_config(c, model_name="tiny")
+    assert max(ph.peak for ph in p.phases()) > budget  # the case is one that does not fit
+    return p
+
+
+@pytest.fixture(scope="module")
+def r64():
+    """Responses of 64 tokens, 2 sequences a device per micro-batch: (config, planner).
+
+    Peaks measured on XLA:CPU: the update 3.15 MB at 2 a device, 1.68 MB at 1; with remat
+    1.43 MB at 2 and 0.79 MB at 1; log-probs 1.31 MB.
+    """
+    c = _config(**VLLM, **{"data.max_response_length": 64, "actor.ppo_micro_batch_size_per_gpu": 2})
+    return c, plan.planner_from_config(c, model_name="tiny")
+
+
+def test_advice_lowers_the_padded_micro_batch_first(r64):
+    c, p = r64
+    budget = 2_000_000  # 1 a device fits without remat
+    assert max(ph.peak for ph in p.phases()) > budget
+    fix = plan.advise(p, budget)
+    assert fix.overrides == (("actor.ppo_micro_batch_size_per_gpu", 1),) and fix.fits
+    assert fix.peak == _refit(c, fix) <= budget
+    assert fix.flags() == "--config.actor.ppo_micro_batch_size_per_gpu=1"
+    assert c.actor.ppo_micro_batch_size_per_gpu == 2  # with_overrides copied the config
+
+
+def test_advice_turns_on_gradient_checkpointing_when_no_micro_batch_fits(r64):
+    c, p = r64
+    budget = 1_500_000  # not even 1 a device without remat; 2 a device with it
+    fix = plan.advise(p, budget)
+    assert fix.overrides == (("model.enable_gradient_checkpointing", True),) and fix.fits
+    assert fix.peak == _refit(c, fix) <= budget
+
+
+def test_advice_spreads_fsdp_over_the_data_devices_when_nothing_else_is_left():
+    # Remat on and 1 sequence a device in every pass: no knob is left. Mesh (2,2,2) replicates
+    # params and Adam state over data: update 0.795 MB; on (1,4,2) 0.785 MB, log-probs 0.41 MB.
+    c = _config(
+        (2, 2, 2),
+        **VLLM,
+        **{"data.max_response_length": 64, "model.enable_gradient_checkpointing": True,
+           "rollout.log_prob_micro_batch_size_per_gpu": 1},
+    )  # fmt: skip
+    budget = 790_000
+    fix = plan.advise(_over(c, budget), budget)
+    assert fix.overrides == (("mesh.shape", (1, 4, 2)),) and fix.fits
+    assert fix.peak == _refit(c, fix) <= budget
+    assert fix.flags() == '--config.mesh.shape="(1,4,2)"'
+
+
+def test_advice_lowers_the_token_budget_of_packed_micro_batches():
+    # Packed update and log-probs, 4 rows of 128 tokens a device: the update needs 6.2 MB,
+    # log-probs 1.34 MB, the optimizer step 0.08 MB.
+    c = _config(**VLLM, **{
+        "actor.use_dynamic_bsz": True, "actor.ppo_max_token_len_per_gpu": 512,
+        "rollout.log_prob_use_dynamic_bsz": True, "rollout.log_prob_max_token_len_per_gpu": 512,
+    })  # fmt: skip
+    budget = 3_000_000
+    p = _over(c, budget)
+    fix = plan.advise(p, budget)
+    (field, tokens), = fix.overrides  # fmt: skip
+    assert field == "actor.ppo_max_token_len_per_gpu" and fix.fits
+    assert tokens < 512 and tokens % 128 == 0  # whole rows, fewer of them
+    assert fix.peak == _refit(c, fix) <= budget
+    # The largest number of rows that fits: one more does not.
+    assert p.packed_peak(p.packed_train(tokens + 128)) > budget
+
+
+def test_advice_shrinks_the_step_batch_when_sampling_does_not_fit():
+    # 64 prompts x 2 of 64 + 64 tokens: sampling holds every rollout's KV cache and needs
+    # 3.95 MB, log-probs 2.74 MB, the update 1.74 MB. No micro-batch shrinks the KV cache.
+    c = _config(**{
+        "data.train_batch_size": 64, "data.max_response_length": 64,
+        "rollout.log_prob_micro_batch_size_per_gpu": 8,
+    })  # fmt: skip
+    budget = 3_000_000
+    fix = plan.advise(_over(c, budget), budget)
+    assert dict(fix.overrides)["data.train_batch_size"] < 64 and fix.fits
+    assert fix.peak == _refit(c, fix) <= budget
+    assert any("changes the recipe" in a.why for a in fix.advice)
+
+
+def test_advice_says_what_is_left_when_nothing_fits():
+    c = _config(**VLLM, **{"model.enable_gradient_checkpointing": True,
+                           "rollout.log_prob_micro_batch_size_per_gpu": 1})  # fmt: skip
+    p = plan.planner_from_config(c, model_name="tiny")
+    budget = p.resident_bytes  # nothing but the resident state fits
+    fix = plan.advise(p, budget)
+    assert not fix.fits and not fix.advice and len(fix.unresolved) == 2
+    assert all("more devices" in u and "model.lora_rank" in u for u in fix.unresolved)
+    report = plan.plan(p, hbm_bytes=int(budget / p.jax_share()) + 1, search=False)
+    assert "DOES NOT FIT" in report and "left to try: " in report
+
+
+def test_vllm_rollout_leaves_jax_its_share_and_no_sampling_phase():
+    c = _config(**VLLM, **{"rollout.vllm.gpu_memory_utilization": 0.75})
+    p = plan.planner_from_config(c, model_name="tiny")
+    assert p.jax_share() == 0.25
+    assert [ph.name for ph in p.phases()] == ["logprob", "train"]
+    report = plan.plan(p, hbm_bytes=2**30, search=False)
+    assert "budget 0.2 GiB/device (JAX's 0.25 of 1.0" in report and "sample (" not in report
+    assert "FITS in 0.2 GiB" in report and "vLLM sidecar (analytic)" in report
+    # Advice is for JAX's share: a device that the step would fit whole is not enough.
+    peak = max(ph.peak for ph in p.phases())
+    hbm = int(peak / 0.25 * 0.9)  # JAX's quarter of it: 0.9 x the peak
+    report = plan.plan(p, hbm_bytes=hbm, search=False)
+    assert "DOES NOT FIT" in report and "with all of them (re-planned)" in report
+    fix = plan.advise(p, int(hbm * 0.25))
+    assert fix.fits and fix.peak == _refit(c, fix) <= int(hbm * 0.25)
+    assert f"step peak {fix.peak / 2**30:.2f} GiB -> FITS" in report

@@ -450,6 +450,14 @@ def test_num_servers_config(tmp_path):
     assert [c.url for c in configs(url="http://a:1, http://b:2")] == ["http://a:1", "http://b:2"]
     assert [c.port for c in configs(python="/p", num_servers=3, port=8000)] == [8000, 8001, 8002]
     assert [c.port for c in configs(python="/p", num_servers=2)] == [0, 0]
+    # Each managed server gets GPUs of its own, tensor_parallel_size of them.
+    tp2 = config_lib.RolloutConfig(name="vllm", tensor_model_parallel_size=2,
+                                   vllm=config_lib.VLLMSettings(python="/p", num_servers=4))
+    assert [dict(c.env)["CUDA_VISIBLE_DEVICES"] for c in tp2.sidecar_configs()] == [
+        "0,1", "2,3", "4,5", "6,7"]
+    assert "CUDA_VISIBLE_DEVICES" not in dict(configs(python="/p")[0].env)
+    pinned = configs(python="/p", num_servers=2, env="CUDA_VISIBLE_DEVICES=3")
+    assert [dict(c.env)["CUDA_VISIBLE_DEVICES"] for c in pinned] == ["3", "3"]
     with pytest.raises(config_lib.ConfigError, match="num_servers=3 but url lists 2"):
         configs(url="http://a:1,http://b:2", num_servers=3)
     with pytest.raises(config_lib.ConfigError, match="num_servers=0 must be >= 1"):
