@@ -106,7 +106,7 @@ def main(argv):
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(c.to_json_best_effort(indent=2))
 
-    mesh = sharding.make_mesh(tuple(run.mesh.shape))
+    mesh = loop.train_mesh(run)  # without the sampler's own devices (rollout.num_devices)
     rules = sharding.rules_from_config(run.mesh.rules)
     # Every jitted function is traced inside the mesh and its logical-axis rules: model.py's
     # activation constraints act only there (without them FSDP leaves activations replicated).

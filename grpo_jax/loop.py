@@ -172,10 +172,7 @@ def train(
       callbacks: called as fn(step, metrics_row) after every step's row is written.
     """
     if mesh is None:
-        devices = jax.devices()
-        if run.rollout.num_devices:  # the last ones sample (rollout_mesh)
-            devices = devices[: max(0, len(devices) - run.rollout.num_devices)]
-        mesh = sharding.make_mesh(tuple(run.mesh.shape), devices=devices)
+        mesh = train_mesh(run)
         rules = sharding.rules_from_config(run.mesh.rules)
         with sharding.use_mesh(mesh, rules):
             return train(
@@ -375,6 +372,15 @@ def train(
             pool.close()
         writer.close()
     return Result(loop.state, model_config, history, workdir, base)
+
+
+def train_mesh(run: config_lib.RunConfig):
+    """The trainer's mesh (run.mesh.shape) over every device but the sampler's own (the last
+    rollout.num_devices, see rollout_mesh)."""
+    devices = jax.devices()
+    if run.rollout.num_devices:
+        devices = devices[: max(0, len(devices) - run.rollout.num_devices)]
+    return sharding.make_mesh(tuple(run.mesh.shape), devices=devices)
 
 
 def rollout_mesh(run: config_lib.RunConfig, mesh):

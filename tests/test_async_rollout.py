@@ -169,6 +169,20 @@ def test_no_batch_is_in_flight_at_a_checkpoint(tmp_path):
 
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 CPU devices (tests/conftest.py)")
+def test_train_mesh_leaves_the_samplers_devices_out():
+    """train.py and loop.train build the trainer's mesh without rollout.num_devices."""
+    run = config.RunConfig(rollout=config.RolloutConfig(num_devices=2),
+                           data=config.DataConfig(train_batch_size=4, val_batch_size=4),
+                           actor=config.ActorConfig(ppo_mini_batch_size=4),
+                           trainer=config.TrainerConfig(async_rollout=True))
+    mesh = loop.train_mesh(run)
+    n = len(jax.devices())
+    assert [d.id for d in mesh.devices.flat] == [d.id for d in jax.devices()[: n - 2]]
+    assert [d.id for d in loop.rollout_mesh(run, mesh).devices.flat] == [
+        d.id for d in jax.devices()[n - 2 :]]
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 CPU devices (tests/conftest.py)")
 def test_split_mesh_samples_on_its_own_devices(tmp_path, monkeypatch):
     """rollout.num_devices: the sampler's copy of the params lives on devices the trainer's
     mesh does not use, and the batch moves to the trainer's mesh for the update."""
