@@ -60,7 +60,7 @@ def run(
     every call has one compiled shape (the padding rows are not scored).
     """
     n = sampling.n
-    scores, sources, lengths, extras, generations = [], [], [], {}, []
+    results, sources, lengths, generations = [], [], [], []
     procs = jax.process_count()
     if procs > 1 and batch_size % procs:
         raise ValueError(
@@ -92,14 +92,11 @@ def run(
             parts = distributed.gather_objects([(res, chunk_lengths)])
             res = rewards.RewardResult.concat([r for r, _ in parts])
             chunk_lengths = [v for _, c in parts for v in c]
-        examples = [ex for ex in pb.examples[:real] for _ in range(n)]
-        for key in set(extras) | set(res.extras):  # a key missing on either side is None there
-            extras[key] = extras.get(key, [None] * len(scores)) + res.extras.get(
-                key, [None] * len(res.scores_B)
-            )
-        scores += res.scores_B
-        sources += [ex.data_source for ex in examples]
+        results.append(res)
+        sources += [ex.data_source for ex in pb.examples[:real] for _ in range(n)]
         lengths += chunk_lengths
+    merged = rewards.RewardResult.concat(results)  # a key missing from a chunk is None there
+    scores, extras = merged.scores_B, merged.extras
     preds = extras.get("pred", [None] * len(scores))
     out = group_metrics(sources, {"reward": scores, **extras}, preds, n=n)
     out["val-aux/response_length/mean"] = float(np.mean(lengths))
