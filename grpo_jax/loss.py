@@ -999,7 +999,8 @@ def logprobs_and_entropy_from_hidden(
         unembed: callable mapping [r, D] hidden states to [r, V] logits, e.g.
             ``functools.partial(model.unembed, config, params)`` or ``lambda h: h @ w_DV``.
         labels: [B, T] int token ids.
-        chunk_size: token rows per chunk (B*T is zero-padded up to a multiple of it).
+        chunk_size: the most token rows per chunk (B*T is split into ceil(B*T / chunk_size)
+            equal chunks, zero-padded by fewer rows than there are chunks).
         temperature: Python float > 0; logits are divided by it.
         calculate_entropy: also return the entropy.
 
@@ -1011,8 +1012,10 @@ def logprobs_and_entropy_from_hidden(
         raise ValueError(f"labels {labels.shape} do not match hidden states {h_BTD.shape}")
     batch, length, dim = h_BTD.shape
     num = batch * length
-    rows = max(1, min(chunk_size, num))
-    chunks = -(-num // rows)
+    # As few chunks as chunk_size allows, split evenly: at most chunks - 1 padded rows (2,400
+    # packed slots are 3 chunks of 800, not 3 of 1,024 with 672 rows of padding).
+    chunks = -(-num // max(1, min(chunk_size, num)))
+    rows = -(-num // chunks)
     pad = chunks * rows - num
     h_ND = jnp.pad(h_BTD.reshape(num, dim), ((0, pad), (0, 0)))
     labels_N = jnp.pad(labels.reshape(num).astype(jnp.int32), (0, pad))

@@ -441,15 +441,16 @@ def train_step(
 
 @flax.struct.dataclass
 class PackedMicro:
-    """One micro-batch of packing.Packed on device: R rows of L tokens, N response slots a row."""
+    """One micro-batch of packing.Packed on device: R rows of L tokens, and N response slots for
+    each of G groups of R / G consecutive rows (a slot indexes its group's positions flattened)."""
 
     tokens_RL: jax.Array
     positions_RL: jax.Array
     segments_RL: jax.Array
     prefixes_RL: jax.Array
-    slot_pos_RN: jax.Array
-    slot_label_RN: jax.Array
-    slot_bt_RN: jax.Array
+    slot_pos_GN: jax.Array
+    slot_label_GN: jax.Array
+    slot_bt_GN: jax.Array
 
 
 def packed_log_probs(
@@ -461,7 +462,7 @@ def packed_log_probs(
     chunk_size: int,
     calculate_entropy: bool,
 ):
-    """Log-probs (and entropy) of every response slot of a packed micro-batch: [R, N] each.
+    """Log-probs (and entropy) of every response slot of a packed micro-batch: [G, N] each.
 
     Only the positions that predict a response token are unembedded (chunked), never the
     prompt positions or the padding."""
@@ -473,24 +474,27 @@ def packed_log_probs(
         micro.segments_RL,
         micro.prefixes_RL,
     )
-    h_RND = jnp.take_along_axis(h_RLD, micro.slot_pos_RN[..., None], axis=1)
+    R, L, D = h_RLD.shape
+    G = micro.slot_pos_GN.shape[0]  # row groups: each gathers from its own rows (device-local)
+    h_GxD = h_RLD.reshape(G, (R // G) * L, D)
+    h_GND = jnp.take_along_axis(h_GxD, micro.slot_pos_GN[..., None], axis=1)
     return loss_lib.logprobs_and_entropy_from_hidden(
-        h_RND,
+        h_GND,
         functools.partial(model_lib.unembed, model_config, params),
-        micro.slot_label_RN,
+        micro.slot_label_GN,
         chunk_size=chunk_size,
         temperature=temperature,
         calculate_entropy=calculate_entropy,
     )
 
 
-def scatter_slots(values_RN, slot_bt_RN, shape_BT):
-    """[R, N] slot values -> [B, T] (zeros where no slot of this micro-batch lands)."""
+def scatter_slots(values_GN, slot_bt_GN, shape_BT):
+    """[G, N] slot values -> [B, T] (zeros where no slot of this micro-batch lands)."""
     num = shape_BT[0] * shape_BT[1]
     flat = (
-        jnp.zeros((num,), values_RN.dtype)
-        .at[slot_bt_RN.reshape(-1)]
-        .set(values_RN.reshape(-1), mode="drop")
+        jnp.zeros((num,), values_GN.dtype)
+        .at[slot_bt_GN.reshape(-1)]
+        .set(values_GN.reshape(-1), mode="drop")
     )
     return flat.reshape(shape_BT)
 
@@ -507,7 +511,7 @@ def packed_log_probs_into(
     calculate_entropy,
 ):
     """Adds one micro-batch's log-probs (and entropy) into the [B, T] results (donated)."""
-    lp_RN, ent_RN = packed_log_probs(
+    lp_GN, ent_GN = packed_log_probs(
         model_config,
         params,
         micro,
@@ -515,9 +519,9 @@ def packed_log_probs_into(
         chunk_size=chunk_size,
         calculate_entropy=calculate_entropy,
     )
-    lp_BT = lp_BT + scatter_slots(lp_RN, micro.slot_bt_RN, lp_BT.shape)
+    lp_BT = lp_BT + scatter_slots(lp_GN, micro.slot_bt_GN, lp_BT.shape)
     if calculate_entropy:
-        ent_BT = ent_BT + scatter_slots(ent_RN, micro.slot_bt_RN, ent_BT.shape)
+        ent_BT = ent_BT + scatter_slots(ent_GN, micro.slot_bt_GN, ent_BT.shape)
     return lp_BT, ent_BT
 
 
@@ -548,12 +552,12 @@ def packed_micro_grads(
     num_tokens = jnp.sum(mask_all_BT)
     shape = mask_all_BT.shape
     in_micro_BT = scatter_slots(
-        jnp.ones(micro.slot_bt_RN.shape, jnp.float32), micro.slot_bt_RN, shape
+        jnp.ones(micro.slot_bt_GN.shape, jnp.float32), micro.slot_bt_GN, shape
     )
     mask_BT = mask_all_BT * in_micro_BT
 
     def loss_fn(params):
-        lp_RN, ent_RN = packed_log_probs(
+        lp_GN, ent_GN = packed_log_probs(
             model_config,
             policy_params(base, params),
             micro,
@@ -561,8 +565,8 @@ def packed_micro_grads(
             chunk_size=lc.chunk_size,
             calculate_entropy=_wants_entropy(lc),
         )
-        lp_BT = scatter_slots(lp_RN, micro.slot_bt_RN, shape)
-        ent_BT = None if ent_RN is None else scatter_slots(ent_RN, micro.slot_bt_RN, shape)
+        lp_BT = scatter_slots(lp_GN, micro.slot_bt_GN, shape)
+        ent_BT = None if ent_GN is None else scatter_slots(ent_GN, micro.slot_bt_GN, shape)
         return _objective(lc, lp_BT, ent_BT, batch, mask_BT, num_tokens=num_tokens, rows=rows)
 
     (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params)

@@ -64,24 +64,31 @@ def test_pack_places_every_token_once_within_budget(group):
     )
     M, R, L = packed.tokens_MRL.shape
     assert L % 16 == 0 and R % 2 == 0 and R * L <= 32 and M > 1
+    G, N = packed.slot_bt_MGN.shape[1:]
+    assert G == 2 and R % G == 0  # one slot pool per row group (data device)
+    # Pooled slots: no more slots than the busiest group's response tokens, to SLOT_STEPS.
+    quantum = -(-(R // G) * L // packing.SLOT_STEPS)
+    assert N - quantum < (packed.slot_bt_MGN < B * T).sum(-1).max() <= N
     seen = np.zeros((B, T), int)
     for m in range(M):
-        for r in range(R):
-            for n in range(packed.slot_bt_MRN.shape[-1]):
-                bt = packed.slot_bt_MRN[m, r, n]
+        for g in range(G):
+            for n in range(N):
+                bt = packed.slot_bt_MGN[m, g, n]
                 if bt == B * T:
                     continue
                 b, t = divmod(int(bt), T)
                 seen[b, t] += 1
-                # The slot's position sees exactly sequence b up to response token t - 1, at
-                # its own positions, and its label is response token t.
-                context = _visible(packed, m, r, packed.slot_pos_MRN[m, r, n])
+                # The slot's position, in a row of its own group, sees exactly sequence b up to
+                # response token t - 1, at its own positions, and its label is response token t.
+                row, i = divmod(int(packed.slot_pos_MGN[m, g, n]), L)
+                r = g * (R // G) + row
+                context = _visible(packed, m, r, i)
                 want = np.concatenate([prompt_ids[b][prompt_mask[b] == 1], resp_ids[b, :t]])
                 np.testing.assert_array_equal(packed.tokens_MRL[m, r, context], want)
                 np.testing.assert_array_equal(
                     packed.positions_MRL[m, r, context], np.arange(len(want))
                 )
-                assert packed.slot_label_MRN[m, r, n] == resp_ids[b, t]
+                assert packed.slot_label_MGN[m, g, n] == resp_ids[b, t]
     np.testing.assert_array_equal(seen, resp_mask)  # every response token exactly once
     # Each group's prompt is stored once per row it spans: fewer tokens than the sequences.
     unique = prompt_mask[::group].sum() + resp_mask.sum()
