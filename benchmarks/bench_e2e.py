@@ -184,6 +184,7 @@ def main():
     p.add_argument("--trl_micro", type=int, default=8, help="TRL completions per forward")
     p.add_argument("--trl-python", default=os.environ.get("GRPO_JAX_TRL_PYTHON", ""))
     p.add_argument("--jax-only", action="store_true")
+    p.add_argument("--trl-first", action="store_true", help="TRL runs first in odd rounds")
     p.add_argument("--extra", action="append", default=[], help="more train.py flags")
     p.add_argument("--no-packing", action="store_true", help="padded micro-batches, no remat")
     p.add_argument("--lora-rank", type=int, default=0, help="grpo_jax LoRA rank (0 = full FT)")
@@ -212,7 +213,7 @@ def main():
     runs = {"grpo_jax": [], "trl": []}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            order = ["grpo_jax", "trl"] if r % 2 == 0 else ["trl", "grpo_jax"]
+            order = ["grpo_jax", "trl"] if (r + args.trl_first) % 2 == 0 else ["trl", "grpo_jax"]
             for side in order:
                 if side == "trl" and args.jax_only:
                     continue
@@ -230,6 +231,7 @@ def main():
             "kl": f"k3 (low_var_kl) x {args.beta}", "lr": args.lr, "clip": 0.2,
             "loss": "token-mean (TRL loss_type=dapo)", "optimizer_steps_per_step": 1,
             "dtype": args.dtype, "steps_per_run": args.steps, "rounds": args.rounds,
+            "trl_first": args.trl_first,
             "grpo_jax_flags": [*([] if args.no_packing else PACKED_FLAGS), *args.extra],
             "trl_micro_batch": args.trl_micro,
             "grpo_jax_lora": (
