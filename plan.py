@@ -429,7 +429,8 @@ class Planner:
 
     def _micro(self, tokens_per_device: int) -> trainer.PackedMicro:
         # The largest micro-batch packing makes: every row full, every slot a response token
-        # (a row holds at most row_len response tokens, so slots <= row_len).
+        # (as `rows` slot groups of one row each: a group holds at most its rows x row_len
+        # response tokens, so this bounds packing's pooled slots).
         rows, row_len = self.packed_rows(tokens_per_device), self.w.row_len
         tokens = self._arr((rows, row_len), jnp.int32)
         return trainer.PackedMicro(*(tokens,) * 7)

@@ -32,7 +32,7 @@ attention over ragged sequences; under XLA's static shapes the equivalent is pac
     indexes its group's positions flattened, (row in group) x L + position. Pooling matters:
     a GSM8K row of 768 holds a prompt and two or three answers, so per-row slots were a whole
     row and the vocabulary projection ran on every position; pooled, it runs on about the
-    response tokens (11,520 -> about 6,700 slots a step on SmolLM2 / GSM8K, 8 x 4).
+    response tokens (11,520 -> 7,200 slots a step on SmolLM2 / GSM8K-like lengths, 8 x 4).
     Each slot names its (b, t) in the [B, T] response layout, so the losses, which work on
     [B, T], see exactly the unpadded values.
 
