@@ -35,6 +35,7 @@ Sampling semantics (the same as HF `generate` and vLLM):
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Sequence
 
 import flax.struct
@@ -582,16 +583,89 @@ def _rollout(
     )
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _sample_jit(st: _Static, params, prompt_ids_PT, prompt_mask_PT, rng, weights_version):
-    """The whole call as one program (no compaction): traceable, e.g. by plan.py."""
+def _sample_whole(st: _Static, params, prompt_ids_PT, prompt_mask_PT, rng, weights_version):
+    """The whole call as one program (no compaction)."""
     state = _decode(st, params, _start(st, params, prompt_ids_PT, prompt_mask_PT, rng), 0)
     return _rollout(st, prompt_ids_PT, prompt_mask_PT, state, weights_version, compacted=False)
 
 
-_start_jit = jax.jit(_start, static_argnums=0)
-_decode_jit = jax.jit(_decode, static_argnums=0, donate_argnums=2)
-_rollout_jit = jax.jit(_rollout, static_argnums=0, static_argnames="compacted")
+# XLA:CPU compiles the sampler's programs with YNNPACK's dot kernels. A decode step's attention
+# is many small products (per row and KV head: R query heads x head_dim against every cache
+# slot), and XLA:CPU's default batched dot runs them at about 6 GB/s; YNNPACK's at about twice
+# that. SmolLM2-135M, 8 GSM8K prompts x 4 x 256 tokens (bench_rollout.py): 78 -> 58 s per call.
+# The update's large dots gain nothing from it (101 vs 103 s), so only the sampler sets it. (The
+# XLA_FLAGS spelling of the same option is --xla_cpu_experimental_ynn_fusion_type=dot.)
+CPU_COMPILER_OPTIONS = {
+    "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
+}
+
+
+@functools.cache
+def compiler_options(platform: str | None) -> dict[str, str] | None:
+    """The XLA options the sampler's programs compile with on `platform` (None: the defaults).
+
+    On CPU, `CPU_COMPILER_OPTIONS` where this jaxlib knows them: older jaxlibs have no YNNPACK
+    and compile the sampler with the defaults (same results, slower decode), with a warning.
+    """
+    if platform != "cpu":
+        return None
+    try:
+        jax.jit(lambda x: x @ x, compiler_options=CPU_COMPILER_OPTIONS).lower(
+            jnp.ones((2, 2), jnp.float32)
+        ).compile()
+    except Exception as e:  # noqa: BLE001 - any rejection of the options means "not here"
+        warnings.warn(
+            f"this jaxlib ({jax.__version__}) rejects {CPU_COMPILER_OPTIONS} ({e}); the sampler "
+            "compiles with XLA:CPU's default dots (slower decode, same results)",
+            stacklevel=2,
+        )
+        return None
+    return dict(CPU_COMPILER_OPTIONS)
+
+
+@functools.cache
+def _programs(platform: str | None) -> dict:
+    """The sampler's jitted programs for one platform (see `compiler_options`)."""
+    opts = compiler_options(platform)
+    return {
+        "sample": jax.jit(_sample_whole, static_argnums=0, compiler_options=opts),
+        "start": jax.jit(_start, static_argnums=0, compiler_options=opts),
+        "decode": jax.jit(_decode, static_argnums=0, donate_argnums=2, compiler_options=opts),
+        "rollout": jax.jit(
+            _rollout, static_argnums=0, static_argnames="compacted", compiler_options=opts
+        ),
+    }
+
+
+def _platform(x) -> str | None:
+    """The platform `x` lives on; None inside a trace (an outer jit compiles the programs, and
+    jax takes compiler options on top-level jits only)."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    devices = getattr(x, "devices", None)
+    return next(iter(devices())).platform if devices is not None else jax.default_backend()
+
+
+def _sample_jit(st: _Static, params, prompt_ids_PT, prompt_mask_PT, rng, weights_version):
+    """`_sample_whole` as one program: traceable, e.g. by plan.py."""
+    program = _programs(_platform(prompt_ids_PT))["sample"]
+    return program(st, params, prompt_ids_PT, prompt_mask_PT, rng, weights_version)
+
+
+def _start_jit(st: _Static, params, prompt_ids_PT, prompt_mask_PT, rng):
+    return _programs(_platform(prompt_ids_PT))["start"](
+        st, params, prompt_ids_PT, prompt_mask_PT, rng
+    )
+
+
+def _decode_jit(st: _Static, params, state: SampleState, stop_at):
+    return _programs(_platform(state.done_S))["decode"](st, params, state, stop_at)
+
+
+def _rollout_jit(st: _Static, prompt_ids_PT, prompt_mask_PT, state, weights_version, *, compacted):
+    return _programs(_platform(prompt_ids_PT))["rollout"](
+        st, prompt_ids_PT, prompt_mask_PT, state, weights_version, compacted=compacted
+    )
 
 
 def _next_size(size: int, multiple: int) -> int:
