@@ -265,6 +265,23 @@ def test_log_probs_match_teacher_forced_forward(tiny):
     assert bool(jnp.all(jnp.where(out.response_mask == 1, rank_BR < 20, True)))
 
 
+def test_cpu_programs_compile_with_ynnpack_dots_and_match_the_default_compile(tiny):
+    # On CPU the sampler's programs take sampler.CPU_COMPILER_OPTIONS (YNNPACK dots); the result
+    # is the default compile's up to float32 rounding.
+    config, params = tiny
+    assert sampler.compiler_options("cpu") == sampler.CPU_COMPILER_OPTIONS
+    assert sampler.compiler_options("gpu") is None and sampler.compiler_options(None) is None
+    ids_PT, mask_PT = _left_padded([6, 3], 64, config.vocab_size, seed=11)
+    st = sampler._Static(config, 2, 6, 0.0, 1.0, -1, (), _PAD)
+    args = (st, params, jnp.asarray(ids_PT), jnp.asarray(mask_PT), jax.random.key(0), jnp.int32(0))
+    ynn, default = sampler._programs("cpu")["sample"], sampler._programs(None)["sample"]
+    # The option reaches XLA: it changes which dots become YNNPACK fusions.
+    assert ynn.lower(*args).compile().as_text() != default.lower(*args).compile().as_text()
+    a, b = ynn(*args), default(*args)
+    np.testing.assert_array_equal(a.response_ids, b.response_ids)
+    np.testing.assert_allclose(a.log_probs, b.log_probs, atol=1e-5)
+
+
 def test_same_rng_same_rollout_different_rng_different(tiny):
     config, params = tiny
     ids_PT, mask_PT = _left_padded([4, 7], 7, config.vocab_size, seed=3)
