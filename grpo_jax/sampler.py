@@ -592,7 +592,7 @@ def _sample_whole(st: _Static, params, prompt_ids_PT, prompt_mask_PT, rng, weigh
 # XLA:CPU compiles the sampler's programs with YNNPACK's dot kernels. A decode step's attention
 # is many small products (per row and KV head: R query heads x head_dim against every cache
 # slot), and XLA:CPU's default batched dot runs them at about 6 GB/s; YNNPACK's at about twice
-# that. SmolLM2-135M, 8 GSM8K prompts x 4 x 256 tokens (bench_rollout.py): 78 -> 58 s per call.
+# that. SmolLM2-135M, 8 GSM8K prompts x 4 x 256 tokens (bench_rollout.py): 78 -> 53 s per call.
 # The update's large dots gain nothing from it (101 vs 103 s), so only the sampler sets it. (The
 # XLA_FLAGS spelling of the same option is --xla_cpu_experimental_ynn_fusion_type=dot.)
 CPU_COMPILER_OPTIONS = {
@@ -652,20 +652,9 @@ def _sample_jit(st: _Static, params, prompt_ids_PT, prompt_mask_PT, rng, weights
     return program(st, params, prompt_ids_PT, prompt_mask_PT, rng, weights_version)
 
 
-def _start_jit(st: _Static, params, prompt_ids_PT, prompt_mask_PT, rng):
-    return _programs(_platform(prompt_ids_PT))["start"](
-        st, params, prompt_ids_PT, prompt_mask_PT, rng
-    )
-
-
 def _decode_jit(st: _Static, params, state: SampleState, stop_at):
+    """One decode phase (`_decode`), compiled for the platform the state lives on."""
     return _programs(_platform(state.done_S))["decode"](st, params, state, stop_at)
-
-
-def _rollout_jit(st: _Static, prompt_ids_PT, prompt_mask_PT, state, weights_version, *, compacted):
-    return _programs(_platform(prompt_ids_PT))["rollout"](
-        st, prompt_ids_PT, prompt_mask_PT, state, weights_version, compacted=compacted
-    )
 
 
 def _next_size(size: int, multiple: int) -> int:
@@ -689,7 +678,8 @@ def _sample_compacting(
     Each phase is one compiled while_loop over the current slot count (B, B/2, ..., down to
     `min_slots`); the host only reads the live count between phases.
     """
-    state = _start_jit(st, params, prompt_ids_PT, prompt_mask_PT, rng)
+    programs = _programs(_platform(prompt_ids_PT))
+    state = programs["start"](st, params, prompt_ids_PT, prompt_mask_PT, rng)
     size = state.done_S.shape[0]
     compacted = False
     while True:
@@ -700,7 +690,7 @@ def _sample_compacting(
         if int(state.t) >= st.max_new_tokens or live == 0 or not can_shrink:
             break
         state, size, compacted = _compact(state, size=nxt), nxt, True
-    rollout = _rollout_jit(
+    rollout = programs["rollout"](
         st, prompt_ids_PT, prompt_mask_PT, state, weights_version, compacted=compacted
     )
     if compacted:  # rows back on the prompts' batch sharding (the gathers moved them)
