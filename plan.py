@@ -531,11 +531,12 @@ class Planner:
 
     # Analytic sizes, for the report (the compiled temporaries already contain them).
     def kv_cache_bytes(self, prompts: int) -> int:
+        """model.GroupKVCache: each prompt's slots once, each row's response blocks."""
         c, w = self.cfg, self.w
-        rows = prompts * w.n / self.dp
+        num_blocks, block = model_lib.decode_blocks(w.response_len - 1)
+        slots = (prompts * w.prompt_len + prompts * w.n * num_blocks * block) / self.dp
         kv_heads = c.num_kv_heads / self.mesh.shape["tensor"]
-        slots = w.prompt_len + w.response_len - 1
-        return int(2 * c.num_layers * rows * slots * kv_heads * c.head_dim * c.dtype.itemsize)
+        return int(2 * c.num_layers * slots * kv_heads * c.head_dim * c.dtype.itemsize)
 
     def sample_logits_bytes(self, prompts: int) -> int:
         return int(prompts * self.w.n / self.dp * self.cfg.vocab_size * 4)

@@ -1026,50 +1026,116 @@ class KVCache:
 
 
 @flax.struct.dataclass
-class LayerKVCache:
-    """A ``KVCache`` with each layer's keys and values in a buffer of its own (decode loops).
+class GroupKVCache:
+    """The decode loop's cache for GRPO groups: each prompt once, each response in blocks.
 
-    Why: ``Decoder.__call__`` scans the layers, so each layer's slice of the stacked cache (and
-    of the stacked weights) is a dynamic slice, and XLA:CPU copies it into a fresh buffer before
-    the matmuls read it: the whole cache and all weights once more per decode step (SmolLM2-135M,
-    32 rows, 447 slots: 0.66 + 0.42 GB, about 40 % of the step). ``decode_step`` on this form
-    runs the layers unrolled, reading and updating every layer's buffer in place.
-    ``split_cache`` / ``stack_cache`` convert (one copy of the cache each): a decode loop
-    converts once, outside the loop.
+    Why: the n samples of a prompt share its keys and values, so a cache of P * n full rows
+    reads every prompt n times per decode step; and a cache sized for the longest response
+    reads its unwritten slots too. Here each prompt's keys and values are stored once ([P, ...],
+    the prefill's) and attended by all n rows of its group in one product with n * R query rows
+    per kv head; each row's response keys and values live in NB blocks of C slots, and a step
+    reads only the blocks written so far (``lax.switch`` on ``index // C``). SmolLM2-135M, 8
+    GSM8K prompts x 4 x 256 tokens: the attention reads 1,536 prompt + on average 4,600
+    response slot-rows per layer and step instead of 32 x 447 = 14,304.
+
+    Every array is its own buffer (one per layer and block), so a decode loop reads and updates
+    them in place: slices of a stacked cache are copied by XLA:CPU before a product reads them
+    (the whole cache once more per step).
+
+    Rows (B here, the sampler's slots) are a subset of the P * n rollout rows, in any order:
+    ``row_B`` names each one's rollout row (group-major, so its prompt is ``row_B // n``), which
+    lets a sampler drop finished rows (``take_rows``) while the prompts stay where they are.
 
     Attributes:
-      k_BKHS: L arrays [B,K,H,S], layer l's slice of ``KVCache.k_LBKHS``.
-      v_BKSH: L arrays [B,K,S,H].
-      mask_BS, pos_B, index: as in ``KVCache``.
+      prompt_k_PKHT: L arrays [P,K,H,T], the prompts' rotary-embedded keys (transposed, as
+        ``KVCache``).
+      prompt_v_PKTH: L arrays [P,K,T,H].
+      prompt_mask_PT: int32 [P,T], 1 on real prompt tokens (prompts are left-padded).
+      k_BKHC: L tuples of NB arrays [B,K,H,C]: response slot j of row b is block j // C,
+        column j % C.
+      v_BKCH: L tuples of NB arrays [B,K,C,H].
+      row_B: int32 [B], the rollout row each cache row decodes (prompt row_B // n).
+      pos_B: int32 [B], the position id the next token of row b gets.
+      index: int32 scalar, the response slots written so far (shared by all rows).
+      n: static, the rows per prompt of the rollout (GRPO's group size).
     """
 
-    k_BKHS: tuple[jax.Array, ...]
-    v_BKSH: tuple[jax.Array, ...]
-    mask_BS: jax.Array
+    prompt_k_PKHT: tuple[jax.Array, ...]
+    prompt_v_PKTH: tuple[jax.Array, ...]
+    prompt_mask_PT: jax.Array
+    k_BKHC: tuple[tuple[jax.Array, ...], ...]
+    v_BKCH: tuple[tuple[jax.Array, ...], ...]
+    row_B: jax.Array
     pos_B: jax.Array
     index: jax.Array
+    n: int = flax.struct.field(pytree_node=False)
 
 
-def split_cache(cache: KVCache) -> LayerKVCache:
-    """The per-layer form of a stacked cache (same contents)."""
-    num_layers = cache.k_LBKHS.shape[0]
-    return LayerKVCache(
-        k_BKHS=tuple(cache.k_LBKHS[i] for i in range(num_layers)),
-        v_BKSH=tuple(cache.v_LBKSH[i] for i in range(num_layers)),
-        mask_BS=cache.mask_BS,
-        pos_B=cache.pos_B,
-        index=cache.index,
+MAX_DECODE_BLOCKS = 8  # response blocks of a GroupKVCache: bounds the branches each layer compiles
+DECODE_BLOCK = 64  # response slots per block, until MAX_DECODE_BLOCKS would be exceeded
+
+
+def decode_blocks(response_slots: int) -> tuple[int, int]:
+    """(NB, C): the blocks and block length of a ``GroupKVCache`` holding ``response_slots``.
+
+    Rule: blocks of DECODE_BLOCK slots, at most MAX_DECODE_BLOCKS of them (longer responses get
+    longer blocks), the slots split evenly: 255 -> (4, 64), 1023 -> (8, 128), 47 -> (1, 47).
+    A step reads ceil(written / C) blocks, so at most C - 1 unwritten slots per row.
+    """
+    slots = max(int(response_slots), 1)
+    num_blocks = min(MAX_DECODE_BLOCKS, -(-slots // DECODE_BLOCK))
+    return num_blocks, -(-slots // num_blocks)
+
+
+def group_cache(cache: KVCache, *, n: int, response_slots: int) -> GroupKVCache:
+    """The ``GroupKVCache`` of P prefilled prompts, for n rows each (adjacent), empty responses.
+
+    Args:
+      cache: the prefill's ``KVCache`` of the P prompts, every slot written (index == S).
+      n: rows per prompt.
+      response_slots: the response tokens the rows will feed back (the sampler's
+        max_new_tokens - 1: the last drawn token is never fed).
+
+    Returns:
+      A cache of P * n rows, row b decoding prompt b // n.
+    """
+    num_layers, P, K, H, _ = cache.k_LBKHS.shape
+    num_blocks, C = decode_blocks(response_slots)
+    B, dtype = P * n, cache.k_LBKHS.dtype
+    return GroupKVCache(
+        prompt_k_PKHT=tuple(cache.k_LBKHS[i] for i in range(num_layers)),
+        prompt_v_PKTH=tuple(cache.v_LBKSH[i] for i in range(num_layers)),
+        prompt_mask_PT=cache.mask_BS,
+        k_BKHC=tuple(
+            tuple(jnp.zeros((B, K, H, C), dtype) for _ in range(num_blocks))
+            for _ in range(num_layers)
+        ),
+        v_BKCH=tuple(
+            tuple(jnp.zeros((B, K, C, H), dtype) for _ in range(num_blocks))
+            for _ in range(num_layers)
+        ),
+        row_B=jnp.arange(B, dtype=jnp.int32),
+        pos_B=jnp.repeat(cache.pos_B, n, axis=0),
+        index=jnp.zeros((), jnp.int32),
+        n=n,
     )
 
 
-def stack_cache(cache: LayerKVCache) -> KVCache:
-    """The stacked form of a per-layer cache (inverse of ``split_cache``)."""
-    return KVCache(
-        k_LBKHS=jnp.stack(cache.k_BKHS),
-        v_LBKSH=jnp.stack(cache.v_BKSH),
-        mask_BS=cache.mask_BS,
-        pos_B=cache.pos_B,
-        index=cache.index,
+def take_rows(cache: GroupKVCache, keep_B: jax.Array) -> GroupKVCache:
+    """The cache of rows ``keep_B`` only (a gather of the response blocks; prompts stay).
+
+    It must drop rows: a cache of all P * n rows is taken to hold them in order (the prompt
+    attention then skips its scatter), which a permutation of all of them would break.
+    """
+    total = cache.prompt_mask_PT.shape[0] * cache.n
+    if keep_B.shape[0] >= total:
+        raise ValueError(f"take_rows keeps {keep_B.shape[0]} of {total} rows; it must drop some")
+    return dataclasses.replace(
+        cache,
+        k_BKHC=tuple(tuple(jnp.take(k, keep_B, axis=0) for k in ks) for ks in cache.k_BKHC),
+        v_BKCH=tuple(tuple(jnp.take(v, keep_B, axis=0) for v in vs) for vs in cache.v_BKCH),
+        row_B=cache.row_B[keep_B],
+        pos_B=cache.pos_B[keep_B],
     )
 
 
@@ -1132,13 +1198,13 @@ def prefill(config: ModelConfig, params, input_ids_BT, attention_mask_BT, cache:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def decode_step(config: ModelConfig, params, tokens_B, cache: KVCache | LayerKVCache):
+def decode_step(config: ModelConfig, params, tokens_B, cache: KVCache | GroupKVCache):
     """Feeds one token per row (a real token, mask 1) at slot ``cache.index``.
 
     Takes and returns either cache form, with the same logits up to float rounding. A decode
-    loop should use the per-layer form (``split_cache``) and ``decode_params`` weights built
-    before the loop: see ``LayerKVCache`` and ``DecodeParams`` for why (on the per-layer form,
-    plain ``params`` are converted on every call).
+    loop should use ``GroupKVCache`` (``group_cache``) and ``decode_params`` weights built
+    before the loop: see ``GroupKVCache`` and ``DecodeParams`` for why (with a
+    ``GroupKVCache``, plain ``params`` are converted on every call).
 
     Returns:
       (logits_BV float32 for the next token, updated cache).
@@ -1243,32 +1309,27 @@ def decode_params(config: ModelConfig, params) -> DecodeParams:
     )
 
 
-def _decode_layers(config: ModelConfig, params: DecodeParams, tokens_B, cache: LayerKVCache):
-    """``decode_step`` on the per-layer cache: layers unrolled, activations feature-major.
+def _decode_layers(config: ModelConfig, params: DecodeParams, tokens_B, cache: GroupKVCache):
+    """``decode_step`` on a ``GroupKVCache``: layers unrolled, activations feature-major.
 
     The same computation as ``prefill`` at T = 1 (``Decoder`` modules: RMSNorm, rotary q/k with
     optional bias and q/k norm, GQA attention over the cache, SwiGLU MLP, LoRA unmerged), with
     the rows on the minor axis so each projection is ``W_OI @ x_IB`` (see ``DecodeParams``).
-    ``_attend`` and the cache keep their row-major layouts (the transposes there are
-    [rows, N*H], small).
+    The attention is ``_attend_group``'s.
     """
     c = config
     dt = c.dtype
     B = tokens_B.shape[0]
     N, K, H = c.num_heads, c.num_kv_heads, c.head_dim
-    if len(params.layers) != c.num_layers or len(cache.k_BKHS) != c.num_layers:
+    R = N // K
+    if len(params.layers) != c.num_layers or len(cache.k_BKHC) != c.num_layers:
         raise ValueError(
-            f"{len(params.layers)} layers of weights and {len(cache.k_BKHS)} of KV cache do not "
+            f"{len(params.layers)} layers of weights and {len(cache.k_BKHC)} of KV cache do not "
             f"match L={c.num_layers}"
         )
-    if cache.mask_BS.shape[0] != B:
-        raise ValueError(f"KV cache of {cache.mask_BS.shape[0]} rows for {B} tokens")
-    # prefill's masks and positions at T = 1 with a real token: slot `index` becomes visible and
-    # the token gets position pos_B.
-    index, S = cache.index, cache.mask_BS.shape[1]
-    mask_BS = jax.lax.dynamic_update_slice(cache.mask_BS, jnp.ones((B, 1), jnp.int32), (0, index))
-    key_slot_S = jnp.arange(S, dtype=jnp.int32)
-    visible_BTS = (key_slot_S <= index)[None, None, :] & (mask_BS[:, None, :] > 0)
+    if cache.row_B.shape[0] != B:
+        raise ValueError(f"KV cache of {cache.row_B.shape[0]} rows for {B} tokens")
+    index = cache.index
     cos_BTH, sin_BTH = _rope_tables(c, cache.pos_B[:, None])
     cos_HB, sin_HB = cos_BTH[:, 0].T, sin_BTH[:, 0].T
     x_DB = jnp.take(params.embed_VD, tokens_B, axis=0).astype(dt).T
@@ -1290,7 +1351,7 @@ def _decode_layers(config: ModelConfig, params: DecodeParams, tokens_B, cache: L
         return x_nHB * cos_1HB + rotated * sin_1HB
 
     new_k, new_v = [], []
-    for w, k_BKHS, v_BKSH in zip(params.layers, cache.k_BKHS, cache.v_BKSH, strict=True):
+    for layer, w in enumerate(params.layers):
         h_DB = _rms_norm_fm(x_DB, w["input_norm"], c.rms_norm_eps, dt, axis=0)
         q_NHB = proj(w, "q", h_DB).reshape(N, H, B)
         k_KHB = proj(w, "k", h_DB).reshape(K, H, B)
@@ -1300,22 +1361,28 @@ def _decode_layers(config: ModelConfig, params: DecodeParams, tokens_B, cache: L
             k_KHB = _rms_norm_fm(k_KHB, w["k_norm"], c.rms_norm_eps, dt, axis=1)
         q_NHB = nn.with_logical_constraint(rope(q_NHB), ("act_heads", None, "batch"))
         k_KHB = rope(k_KHB)
-        k_BKHS = jax.lax.dynamic_update_slice(
-            k_BKHS, k_KHB.transpose(2, 0, 1)[..., None].astype(k_BKHS.dtype), (0, 0, 0, index)
+        k_BKHC = _write_block(cache.k_BKHC[layer], k_KHB.transpose(2, 0, 1)[..., None], index, 3)
+        v_BKCH = _write_block(cache.v_BKCH[layer], v_KHB.transpose(2, 0, 1)[:, :, None], index, 2)
+        q_BKRH = q_NHB.transpose(2, 0, 1).reshape(B, K, R, H)
+        o_BKRH = _attend_group(
+            q_BKRH,
+            cache.prompt_k_PKHT[layer].astype(dt),
+            cache.prompt_v_PKTH[layer].astype(dt),
+            cache.prompt_mask_PT,
+            tuple(k.astype(dt) for k in k_BKHC),
+            tuple(v.astype(dt) for v in v_BKCH),
+            row_B=cache.row_B,
+            n=cache.n,
+            index=index,
         )
-        v_BKSH = jax.lax.dynamic_update_slice(
-            v_BKSH, v_KHB.transpose(2, 0, 1)[:, :, None].astype(v_BKSH.dtype), (0, 0, index, 0)
-        )
-        q_BTNH = q_NHB.transpose(2, 0, 1)[:, None]
-        o_BTNH = _attend(q_BTNH, k_BKHS.astype(dt), v_BKSH.astype(dt), visible_BTS)
-        o_DB = proj(w, "o", o_BTNH[:, 0].transpose(1, 2, 0).reshape(N * H, B))
+        o_DB = proj(w, "o", o_BKRH.reshape(B, N * H).T)
         x_DB = x_DB + nn.with_logical_constraint(o_DB, ("act_embed", "batch"))
         h_DB = _rms_norm_fm(x_DB, w["post_attn_norm"], c.rms_norm_eps, dt, axis=0)
         a_FB = jax.nn.silu(proj(w, "gate", h_DB)) * proj(w, "up", h_DB)
         a_FB = nn.with_logical_constraint(a_FB, ("act_mlp", "batch"))
         x_DB = x_DB + proj(w, "down", a_FB)
-        new_k.append(k_BKHS)
-        new_v.append(v_BKSH)
+        new_k.append(k_BKHC)
+        new_v.append(v_BKCH)
     # h back to [rows, D] for the head (as ``Decoder.unembed``). The barrier keeps XLA from
     # folding the transpose into the head's dot: XLA:CPU has no bf16 kernel for that form.
     h_BD = jax.lax.optimization_barrier(
@@ -1324,14 +1391,117 @@ def _decode_layers(config: ModelConfig, params: DecodeParams, tokens_B, cache: L
     logits_BV = jnp.einsum(
         "BD,VD->BV", h_BD.astype(dt), params.head_VD, preferred_element_type=jnp.float32
     )
-    new_cache = LayerKVCache(
-        k_BKHS=tuple(new_k),
-        v_BKSH=tuple(new_v),
-        mask_BS=mask_BS,
-        pos_B=cache.pos_B + 1,
-        index=index + 1,
+    new_cache = dataclasses.replace(
+        cache, k_BKHC=tuple(new_k), v_BKCH=tuple(new_v), pos_B=cache.pos_B + 1, index=index + 1
     )
     return logits_BV, new_cache
+
+
+def _write_block(blocks, new, index, axis: int):
+    """Writes ``new`` (size 1 on ``axis``) at response slot ``index`` of NB blocks of C slots.
+
+    Every block takes a one-slot update at its clamped offset, with its old value except in
+    block index // C: an in-place one-slot write per block and step, where choosing the block
+    dynamically (a ``lax.switch`` returning the blocks) would copy them.
+    """
+    C = blocks[0].shape[axis]
+    out = []
+    for j, block in enumerate(blocks):
+        start = [0] * block.ndim
+        start[axis] = jnp.clip(index - j * C, 0, C - 1)
+        old = jax.lax.dynamic_slice(block, start, new.shape)
+        out.append(
+            jax.lax.dynamic_update_slice(
+                block, jnp.where(index // C == j, new.astype(block.dtype), old), start
+            )
+        )
+    return tuple(out)
+
+
+_BATCH_KV = ((0, 1), (0, 1))  # dot_general batch dims: (row or prompt, kv head)
+
+
+def _softmax_parts(s_xkQS, v_xkSH):
+    """Unnormalised softmax attention over one key range: (max [x,k,Q,1], sum [x,k,Q,1],
+    out [x,k,Q,H]), merged across ranges by ``_attend_group`` (log-sum-exp). ``v_xkSH`` is a
+    tuple of blocks splitting S (one product each: concatenating them would copy the cache)."""
+    m = jnp.max(s_xkQS, axis=-1, keepdims=True)
+    e = jnp.exp(s_xkQS - m)
+    o, start = 0.0, 0
+    for v in v_xkSH:
+        size = v.shape[2]
+        e_block = e[..., start : start + size].astype(v.dtype)
+        o = o + jax.lax.dot_general(
+            e_block, v, (((3,), (2,)), _BATCH_KV), preferred_element_type=jnp.float32
+        )
+        start += size
+    return m, jnp.sum(e, axis=-1, keepdims=True), o
+
+
+def _attend_group(q_BKRH, k_PKHT, v_PKTH, mask_PT, k_BKHC, v_BKCH, *, row_B, n: int, index):
+    """GQA attention of B decode rows over their prompt (shared per group) and their response.
+
+    Equals ``_attend`` over the row's whole sequence (prompt, then the index + 1 response slots
+    written, the current one included), up to float rounding: the two key ranges are softmaxed
+    separately and merged by log-sum-exp.
+
+    Prompt part: the rows are placed at their rollout rows (a [P * n] scatter, skipped when the
+    B rows are all of them in order, as before any row is dropped), so each prompt's keys are
+    read once for its n rows: one product per (prompt, kv head) with n * R query rows.
+    Response part: ``lax.switch`` on the written blocks, so unwritten blocks are not read.
+
+    Args:
+      q_BKRH: queries, R = N / K query heads per kv head.
+      k_PKHT, v_PKTH, mask_PT: the prompts (``GroupKVCache``), float in the compute dtype.
+      k_BKHC, v_BKCH: the NB response blocks of this layer.
+      row_B: the rollout row of each row; n: rows per prompt; index: the current slot.
+
+    Returns:
+      o_BKRH float32.
+    """
+    B, K, R, H = q_BKRH.shape
+    P = mask_PT.shape[0]
+    scale = H**-0.5
+    neg = jnp.finfo(jnp.float32).min
+    dims = (((3,), (2,)), _BATCH_KV)
+    identity = B == P * n  # rows are only ever dropped, so all P * n rows are in order
+    q_GKRH = q_BKRH if identity else jnp.zeros((P * n, K, R, H), q_BKRH.dtype).at[row_B].set(q_BKRH)
+    # [P*n, K, R, H] -> [P, K, n*R, H]: the n rows of a prompt are query rows of one product.
+    q_PKQH = q_GKRH.reshape(P, n, K, R, H).transpose(0, 2, 1, 3, 4).reshape(P, K, n * R, H)
+    s_PKQT = jax.lax.dot_general(q_PKQH, k_PKHT, dims, preferred_element_type=jnp.float32) * scale
+    s_PKQT = jnp.where(mask_PT[:, None, None, :] > 0, s_PKQT, neg)
+
+    def to_rows(x_PKQX):  # [P, K, n*R, X] -> [B, K, R, X]
+        X = x_PKQX.shape[-1]
+        x_GKRX = x_PKQX.reshape(P, K, n, R, X).transpose(0, 2, 1, 3, 4).reshape(P * n, K, R, X)
+        return x_GKRX if identity else x_GKRX[row_B]
+
+    m_p, l_p, o_p = (to_rows(x) for x in _softmax_parts(s_PKQT, (v_PKTH,)))
+
+    C = k_BKHC[0].shape[3]
+
+    def response(num_blocks):  # the first num_blocks blocks: slots [0, num_blocks * C)
+        def attend(q_BKRH, k_BKHC, v_BKCH, index):
+            s_BKRS = (
+                jnp.concatenate(
+                    [
+                        jax.lax.dot_general(q_BKRH, k, dims, preferred_element_type=jnp.float32)
+                        for k in k_BKHC[:num_blocks]
+                    ],
+                    axis=-1,
+                )
+                * scale
+            )
+            s_BKRS = jnp.where(jnp.arange(num_blocks * C) <= index, s_BKRS, neg)
+            return _softmax_parts(s_BKRS, v_BKCH[:num_blocks])
+
+        return attend
+
+    branches = [response(j + 1) for j in range(len(k_BKHC))]
+    m_r, l_r, o_r = jax.lax.switch(index // C, branches, q_BKRH, k_BKHC, v_BKCH, index)
+    m = jnp.maximum(m_p, m_r)
+    a_p, a_r = jnp.exp(m_p - m), jnp.exp(m_r - m)
+    return (o_p * a_p + o_r * a_r) / (l_p * a_p + l_r * a_r)
 
 
 def _rms_norm_fm(x, scale, eps: float, dtype, *, axis: int):

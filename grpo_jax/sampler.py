@@ -8,14 +8,19 @@ functions (`top_k_top_p_filter`, `categorical_inverse_cdf`, `select_tokens`, `ro
 How one call runs (a single XLA program per shape and static settings, no host round trip per
 token):
   1. The prompt batch [P,Tp] is left-padded to [P,Tb], Tb = bucket_length(Tp) (see there).
-  2. One `model.prefill` over the P prompts. Its KV cache and last-position logits are then
-     repeated n times (`model.repeat_cache`, copies adjacent), so each prompt is prefilled once
-     and its cache is shared by its n samples: the prefill matmuls run on P rows, never P*n.
+  2. One `model.prefill` over the P prompts. Its KV cache becomes the prompt part of a
+     `model.GroupKVCache` of P * n rows (`model.group_cache`): each prompt is prefilled once
+     (the prefill matmuls run on P rows, never P*n) and stored once, and its n rows attend to
+     it together, so a decode step reads each prompt's keys and values once, not n times. The
+     rows' response keys and values go to blocks of which a step reads only those written.
   3. The first token is drawn from the prefill logits; a `lax.while_loop` then alternates
      `model.decode_step` and token selection until max_new_tokens are drawn or every row has
-     emitted an EOS (early stop). The loop runs on the per-layer forms of the cache and the
-     weights (`model.LayerKVCache`, `model.DecodeParams`, built once per loop), so a decode step
-     copies neither (3x less time per step than the stacked forms for SmolLM2-135M on CPU).
+     emitted an EOS (early stop). The loop runs on per-layer buffers of the cache and the
+     weights (`model.GroupKVCache`, `model.DecodeParams`, built once per loop), so a decode
+     step copies neither (3x less time per step than stacked forms for SmolLM2-135M on CPU).
+  4. With compaction (the default) the loop runs in phases: whenever the live rows fit half
+     the slots, the finished rows' slots are dropped (`model.take_rows`), so they stop costing
+     decode steps.
 
 Sampling semantics (the same as HF `generate` and vLLM):
   * temperature == 0 is greedy (argmax); top-k / top-p are then irrelevant.
@@ -85,13 +90,12 @@ class SampleState:
 
     t: jax.Array  # int32 scalar: response position of the token drawn from `logits_SV`
     logits_SV: jax.Array  # float32: next-token logits of every slot
-    row_S: jax.Array  # int32: the rollout row a slot decodes
     keys_S: jax.Array  # typed keys: the row's key (fold_in(rng, row))
     done_S: jax.Array  # bool: the slot's row has emitted an EOS at a position < t
     ids_SR: jax.Array  # int32: the slot's response so far, pad_token_id where not generated
     mask_SR: jax.Array  # int32
     log_probs_SR: jax.Array  # float32
-    cache: model_lib.LayerKVCache  # the slots' rows, one buffer per layer
+    cache: model_lib.GroupKVCache  # the slots' rows (cache.row_B: the rollout row of a slot)
     # The [B, R] outputs of rows whose slots a compaction dropped (all rows, in row order).
     ids_BR: jax.Array
     mask_BR: jax.Array
@@ -103,8 +107,8 @@ def bucket_length(t: int, multiple: int = _DEFAULT_BUCKET_MULTIPLE) -> int:
 
     Bucketing rule: a prompt batch of width Tp is left-padded to Tb = ceil(Tp / multiple) *
     multiple columns (mask 0, id pad_token_id), so prompt batches of widths 1..64 share one
-    compiled program, 65..128 the next, and so on. The KV cache holds Tb + max_new_tokens - 1
-    slots.
+    compiled program, 65..128 the next, and so on. The KV cache holds Tb slots per prompt and
+    max_new_tokens - 1 response slots per row (`model.GroupKVCache`).
 
     Args:
       t: the prompt width Tp, >= 1.
@@ -464,15 +468,13 @@ def _start(st: _Static, params, prompt_ids_PT, prompt_mask_PT, rng) -> SampleSta
     """Prefill once per prompt, share the cache across the n samples, draw token 0."""
     num_prompts, prompt_len = prompt_ids_PT.shape
     batch = num_prompts * st.n
-    # The last generated token is never fed back, hence max_new_tokens - 1 decode slots.
-    cache = model_lib.init_cache(st.config, num_prompts, prompt_len + st.max_new_tokens - 1)
+    cache = model_lib.init_cache(st.config, num_prompts, prompt_len)
     logits_PV, cache = model_lib.prefill(st.config, params, prompt_ids_PT, prompt_mask_PT, cache)
-    # The decode loop runs on the per-layer form of the cache (model.LayerKVCache).
-    cache = model_lib.split_cache(model_lib.repeat_cache(cache, st.n))
+    # The last generated token is never fed back, hence max_new_tokens - 1 response slots.
+    cache = model_lib.group_cache(cache, n=st.n, response_slots=st.max_new_tokens - 1)
     state = SampleState(
         t=jnp.int32(0),
         logits_SV=jnp.repeat(logits_PV, st.n, axis=0).astype(jnp.float32),
-        row_S=jnp.arange(batch, dtype=jnp.int32),
         keys_S=row_keys(rng, batch),
         done_S=jnp.zeros((batch,), jnp.bool_),
         ids_SR=jnp.full((batch, st.max_new_tokens), st.pad_token_id, jnp.int32),
@@ -512,7 +514,7 @@ def _decode(st: _Static, params, state: SampleState, stop_at) -> SampleState:
         return (state.t < st.max_new_tokens) & (live > 0) & (live > stop_at)
 
     # The weights are laid out for the per-layer decode once, before the loop: every step then
-    # reads each weight and each layer's cache in place (model.DecodeParams, LayerKVCache).
+    # reads each weight and each layer's cache in place (model.DecodeParams, GroupKVCache).
     decode_params = model_lib.decode_params(st.config, params)
 
     def body(state: SampleState) -> SampleState:
@@ -530,34 +532,26 @@ def _compact(state: SampleState, *, size: int) -> SampleState:
     """Keeps `size` slots, the live ones first: finished rows stop costing decode steps."""
     keep_S = jnp.argsort(state.done_S, stable=True)[:size]
     state = _flush(state)  # every row's output so far, before slots are dropped
-    c = state.cache
-    cache = dataclasses.replace(
-        c,
-        k_BKHS=tuple(jnp.take(k, keep_S, axis=0) for k in c.k_BKHS),
-        v_BKSH=tuple(jnp.take(v, keep_S, axis=0) for v in c.v_BKSH),
-        mask_BS=c.mask_BS[keep_S],
-        pos_B=c.pos_B[keep_S],
-    )
     return dataclasses.replace(
         state,
         logits_SV=state.logits_SV[keep_S],
-        row_S=state.row_S[keep_S],
         keys_S=state.keys_S[keep_S],
         done_S=state.done_S[keep_S],
         ids_SR=state.ids_SR[keep_S],
         mask_SR=state.mask_SR[keep_S],
         log_probs_SR=state.log_probs_SR[keep_S],
-        cache=cache,
+        cache=model_lib.take_rows(state.cache, keep_S),
     )
 
 
 def _flush(state: SampleState) -> SampleState:
     """Writes every slot's outputs into its row of the [B, R] outputs."""
+    row_S = state.cache.row_B
     return dataclasses.replace(
         state,
-        ids_BR=state.ids_BR.at[state.row_S].set(state.ids_SR),
-        mask_BR=state.mask_BR.at[state.row_S].set(state.mask_SR),
-        log_probs_BR=state.log_probs_BR.at[state.row_S].set(state.log_probs_SR),
+        ids_BR=state.ids_BR.at[row_S].set(state.ids_SR),
+        mask_BR=state.mask_BR.at[row_S].set(state.mask_SR),
+        log_probs_BR=state.log_probs_BR.at[row_S].set(state.log_probs_SR),
     )
 
 

@@ -132,6 +132,51 @@ def test_repeat_cache_then_decode_matches_repeated_rows():
     np.testing.assert_allclose(np.asarray(logits_BV), np.asarray(full[:, -1]), atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "config",
+    [TINY, model.ModelConfig.tiny(arch="qwen3", qkv_bias=False, qk_norm=True, head_dim=16)],
+    ids=["qwen2", "qwen3"],
+)
+def test_group_cache_decode_equals_full_forward_across_blocks_and_dropped_rows(config):
+    """P = 2 left-padded prompts x n = 3 rows: each row decodes its own tokens over its prompt
+    (stored once) and response blocks of C = 3 slots (so steps cross block boundaries), and
+    after 4 steps rows 0, 2 and 5 are dropped (compaction order: 5, 2, 0). Every step's logits
+    equal the full forward pass over prompt + the row's tokens so far."""
+    params = _params(config)
+    P, n, steps = 2, 3, 9
+    prompt_PT = _tokens(11, (P, 5), config.vocab_size)
+    mask_PT = jnp.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], jnp.int32)
+    new_BR = _tokens(12, (P * n, steps), config.vocab_size)
+    ids_BT = jnp.concatenate([jnp.repeat(prompt_PT, n, axis=0), new_BR], axis=1)
+    mask_BT = jnp.concatenate(
+        [jnp.repeat(mask_PT, n, axis=0), jnp.ones((P * n, steps), jnp.int32)], axis=1
+    )
+    full_BTV = np.asarray(model.forward(config, params, ids_BT, mask_BT))
+
+    _, prompt_cache = model.prefill(
+        config, params, prompt_PT, mask_PT, model.init_cache(config, P, 5)
+    )
+    assert model.decode_blocks(9) == (1, 9) and model.decode_blocks(255) == (4, 64)
+    assert model.decode_blocks(1023) == (8, 128)
+    cache = model.group_cache(prompt_cache, n=n, response_slots=steps)
+    cache = dataclasses.replace(  # 3 blocks of 3 slots (the rule's blocks are 64 long)
+        cache,
+        k_BKHC=tuple((k[0][..., :3],) * 3 for k in cache.k_BKHC),
+        v_BKCH=tuple((v[0][:, :, :3],) * 3 for v in cache.v_BKCH),
+    )
+    np.testing.assert_array_equal(np.asarray(cache.pos_B), [3, 3, 3, 5, 5, 5])
+    rows = np.arange(P * n)
+    dparams = model.decode_params(config, params)
+    for r in range(steps):
+        if r == 4:
+            keep = jnp.array([4, 1, 3], jnp.int32)  # any order: rows name their prompts
+            cache, rows = model.take_rows(cache, keep), rows[np.asarray(keep)]
+        logits_BV, cache = model.decode_step(config, dparams, new_BR[rows, r], cache)
+        np.testing.assert_allclose(np.asarray(logits_BV), full_BTV[rows, 5 + r], atol=1e-5)
+    assert int(cache.index) == steps
+    np.testing.assert_array_equal(np.asarray(cache.row_B), [4, 1, 3])
+
+
 def test_no_retrace_across_batches_of_same_shape():
     params = _params()
 

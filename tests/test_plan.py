@@ -111,9 +111,10 @@ def test_sampler_memory_grows_with_prompts_and_kv_cache_is_analytic(planner_222)
     p = planner_222
     a, b = p.sample(4), p.sample(8)
     assert b.temp > a.temp
-    # KV cache: 2 (k, v) x L=2 x rows/device x slots x K/tensor x H x 4 bytes, with
-    # rows = 8 prompts * 2 / dp 4 = 4, slots = Tp 64 + T 8 - 1 = 71, K/tensor = 1, H = 8.
-    assert p.kv_cache_bytes(8) == 2 * 2 * 4 * 71 * 1 * 8 * 4
+    # KV cache (model.GroupKVCache): 2 (k, v) x L=2 x slots/device x K/tensor x H x 4 bytes,
+    # with 8 prompts x Tp 64 slots (each prompt once) + 8 x n=2 rows x 7 response slots
+    # (T 8 - 1: one block of 7), over dp 4: (512 + 112) / 4 = 156; K/tensor = 1, H = 8.
+    assert p.kv_cache_bytes(8) == 2 * 2 * 156 * 1 * 8 * 4
 
 
 def test_report_says_whether_it_fits(planner_222):
@@ -368,13 +369,15 @@ def test_advice_lowers_the_token_budget_of_packed_micro_batches():
 
 
 def test_advice_shrinks_the_step_batch_when_sampling_does_not_fit():
-    # 64 prompts x 2 of 64 + 64 tokens: sampling holds every rollout's KV cache and needs
-    # 3.95 MB, log-probs 2.74 MB, the update 1.74 MB. No micro-batch shrinks the KV cache.
+    # 64 prompts x 8 of 64 + 128 tokens: sampling holds every rollout's KV cache and needs
+    # 3.90 MB, log-probs 1.58 MB, the update 3.27 MB (one sequence a device per micro-batch).
+    # No micro-batch shrinks the KV cache.
     c = _config(**{
-        "data.train_batch_size": 64, "data.max_response_length": 64,
-        "rollout.log_prob_micro_batch_size_per_gpu": 8,
+        "data.train_batch_size": 64, "rollout.n": 8, "data.max_response_length": 128,
+        "rollout.log_prob_micro_batch_size_per_gpu": 1, "actor.ppo_micro_batch_size_per_gpu": 1,
+        "actor.ppo_mini_batch_size": 8,
     })  # fmt: skip
-    budget = 3_000_000
+    budget = 3_500_000
     fix = plan.advise(_over(c, budget), budget)
     assert dict(fix.overrides)["data.train_batch_size"] < 64 and fix.fits
     assert fix.peak == _refit(c, fix) <= budget
