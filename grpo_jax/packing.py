@@ -16,10 +16,12 @@ attention over ragged sequences; under XLA's static shapes the equivalent is pac
     so every sequence fits a row whole: the run's longest possible sequence
     (data.max_prompt_length + data.max_response_length) rounded up to `LEN_BUCKET`, fixed for
     the run.
-  * A micro-batch is `rows` rows, `rows * row_len` <= the token budget of all data devices
-    (`cap` rows); a step uses as many micro-batches as its tokens need, and `rows` is the
-    largest of cap, cap/2, cap/4, cap/8 that adds at most 25 % empty rows (else the one that
-    pads least), so a step with few tokens does not compute a whole budget of empty rows.
+  * A micro-batch holds at most `cap` rows, `cap * row_len` <= the token budget of all data
+    devices. A step's rows fill micro-batches of `cap` rows, and the rest go to one last
+    micro-batch of the smallest of cap, cap/2, cap/4, cap/8 (rounded up) rows that holds them,
+    so a step computes at most that rounding in empty rows (SmolLM2 / GSM8K 8 x 4, 11 rows
+    under a 5-row budget: 5 + 5 + 1 rows, where 3 x 5 computed 4 empty rows, 35 % of the
+    update's positions).
   * The model sees per-token positions that restart at 0 for every prompt and continue into
     its responses, segment ids (one per prompt and per response of a row, 0 for the padding
     at a row's end) and each token's prefix segment (its prompt's): a token attends causally
@@ -36,10 +38,10 @@ attention over ragged sequences; under XLA's static shapes the equivalent is pac
     Each slot names its (b, t) in the [B, T] response layout, so the losses, which work on
     [B, T], see exactly the unpadded values.
 
-Compiled shapes: row_len is fixed by the run, rows takes one of 4 values and slots one of
-`SLOT_STEPS`, and the micro-batch count does not matter (the update and the log-prob passes loop
-over micro-batches in Python), so each of the two passes compiles at most 4 x `SLOT_STEPS`
-variants in a whole run.
+Compiled shapes: row_len is fixed by the run, a micro-batch's rows take one of 4 values and its
+slots one of `SLOT_STEPS` for each, and the micro-batch count does not matter (the update and
+the log-prob passes loop over micro-batches in Python), so each of the two passes compiles at
+most 4 x `SLOT_STEPS` variants in a whole run.
 
 Shapes: B sequences, T response width, M micro-batches, R rows, L row length, G row groups,
 N slots per group.
@@ -56,73 +58,88 @@ SLOT_STEPS = 8
 
 
 @dataclasses.dataclass(frozen=True)
-class Packed:
-    """M micro-batches of R packed rows (host numpy; the leading axis is the micro-batch).
+class Micro:
+    """One packed micro-batch of R rows (host numpy).
 
     Attributes:
-      tokens_MRL: int32 token ids (pad 0 after a row's last sequence).
-      positions_MRL: int32, 0.. within each sequence.
-      segments_MRL: int32, 1.. per prompt and per response within its row, 0 on padding.
-      prefixes_MRL: int32, the segment a token's sequence continues: its prompt's segment (a
+      tokens_RL: int32 token ids (pad 0 after a row's last sequence).
+      positions_RL: int32, 0.. within each sequence.
+      segments_RL: int32, 1.. per prompt and per response within its row, 0 on padding.
+      prefixes_RL: int32, the segment a token's sequence continues: its prompt's segment (a
         prompt token's own), 0 on padding.
-      slot_pos_MGN: int32, the position in row group g (row within the group x L + position)
+      slot_pos_GN: int32, the position in row group g (row within the group x L + position)
         whose hidden state predicts the response token of slot n (0 on empty slots).
-      slot_label_MGN: int32, that response token (0 on empty slots).
-      slot_bt_MGN: int32, b * T + t of that token in the [B, T] layout; B * T on empty slots.
-      num_tokens_M: real tokens per micro-batch (for metrics and the budget).
+      slot_label_GN: int32, that response token (0 on empty slots).
+      slot_bt_GN: int32, b * T + t of that token in the [B, T] layout; B * T on empty slots.
+      num_tokens: real tokens in the micro-batch (for metrics and the budget).
     """
 
-    tokens_MRL: np.ndarray
-    positions_MRL: np.ndarray
-    segments_MRL: np.ndarray
-    prefixes_MRL: np.ndarray
-    slot_pos_MGN: np.ndarray
-    slot_label_MGN: np.ndarray
-    slot_bt_MGN: np.ndarray
-    num_tokens_M: np.ndarray
+    tokens_RL: np.ndarray
+    positions_RL: np.ndarray
+    segments_RL: np.ndarray
+    prefixes_RL: np.ndarray
+    slot_pos_GN: np.ndarray
+    slot_label_GN: np.ndarray
+    slot_bt_GN: np.ndarray
+    num_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    """A step's (or mini-batch's) M packed micro-batches; their row and slot counts differ."""
+
+    micros: tuple[Micro, ...]
 
     @property
     def num_micro(self) -> int:
-        return self.tokens_MRL.shape[0]
+        return len(self.micros)
+
+    @property
+    def num_tokens_M(self) -> np.ndarray:
+        return np.array([m.num_tokens for m in self.micros], np.int64)
 
     def micro(self, m: int) -> dict[str, np.ndarray]:
         """The arrays of micro-batch m, as the jitted functions take them."""
-        return {
-            "tokens_RL": self.tokens_MRL[m],
-            "positions_RL": self.positions_MRL[m],
-            "segments_RL": self.segments_MRL[m],
-            "prefixes_RL": self.prefixes_MRL[m],
-            "slot_pos_GN": self.slot_pos_MGN[m],
-            "slot_label_GN": self.slot_label_MGN[m],
-            "slot_bt_GN": self.slot_bt_MGN[m],
-        }
+        fields = dataclasses.asdict(self.micros[m])
+        del fields["num_tokens"]
+        return fields
 
 
 def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def row_length(max_prompt_length: int, max_response_length: int) -> int:
-    """The run's packed row length: its longest possible sequence, rounded up to LEN_BUCKET."""
-    return _round_up(max_prompt_length + max_response_length, LEN_BUCKET)
+def row_length(max_prompt_length: int, max_response_length: int, max_tokens: int = 0) -> int:
+    """The run's packed row length: at least its longest possible sequence, rounded up to
+    LEN_BUCKET, and of those up to twice as long, the one whose rows use the most of the
+    update's token budget `max_tokens` per device (the shortest on ties; 0: the shortest).
+
+    Why the budget: a micro-batch is whole rows, so rows that do not divide the budget leave
+    part of it unused, and longer rows hold a GRPO group's prompt and more of its responses
+    together. SmolLM2 / GSM8K (512 + 256 tokens, budget 4096): rows of 1024 instead of 768,
+    9 rows and 9,216 positions for the 8 x 4 rollout instead of 11 and 8,448 (15 and 11,520
+    before the last micro-batch was rounded alone). Attention costs at most twice as much per
+    token (row_len <= 2 x the shortest).
+    """
+    shortest = _round_up(max_prompt_length + max_response_length, LEN_BUCKET)
+    if max_tokens < shortest:
+        return shortest
+    candidates = range(shortest, 2 * shortest + 1, LEN_BUCKET)
+    return max(candidates, key=lambda n: (max_tokens // n * n, -n))
 
 
-MAX_ROW_WASTE = 0.25  # empty rows a micro-batch size may add, as a fraction of the step's rows
+def micro_rows(num_rows: int, cap: int, multiple: int) -> list[int]:
+    """Rows of each micro-batch: full micro-batches of `cap` rows, then one holding the rest,
+    of the smallest of ceil(cap / 2^k), k = 0..3 (multiples of `multiple`), that holds it.
 
-
-def _rows_per_micro(num_rows: int, cap: int, multiple: int) -> int:
-    """Rows per micro-batch: the largest of cap, cap/2, cap/4, cap/8 (multiples of `multiple`)
-    whose empty rows are at most MAX_ROW_WASTE of the step's rows, else the one padding least,
-    so a step with few tokens does not compute a whole budget of empty rows while the common
-    case keeps full-size micro-batches (fewer, larger matmuls; one compiled shape). At most four
-    values a run: bounded compiled shapes."""
-    options = sorted({max(multiple, cap // 2**k // multiple * multiple) for k in range(4)})
-
-    def padded(r):
-        return -(-num_rows // r) * r
-
-    fits = [r for r in options if padded(r) <= num_rows * (1 + MAX_ROW_WASTE)]
-    return max(fits) if fits else min(options, key=lambda r: (padded(r), -r))
+    Four values a run at most (bounded compiled shapes); the empty rows computed are those of
+    the last micro-batch's rounding only.
+    """
+    options = sorted({min(cap, _round_up(-(-cap // 2**k), multiple)) for k in range(4)})
+    full, rest = divmod(num_rows, cap)
+    if rest == 0:
+        return [cap] * full
+    return [cap] * full + [min(r for r in options if r >= rest)]
 
 
 def _units(p_len_B, r_len_B, prompt_key_B, row_len: int) -> list[list[int]]:
@@ -212,69 +229,72 @@ def pack(
         else:
             rows.append([int(i)])
             free.append(row_len - need)
-    rows_per_micro = _rows_per_micro(len(rows), cap, row_multiple)
-    num_micro = -(-len(rows) // rows_per_micro)
+    sizes = micro_rows(len(rows), cap, row_multiple)
     # Slots are pooled per group of consecutive rows (one group per data device).
     groups = row_multiple
-    group_rows = rows_per_micro // groups
-    group_len = group_rows * row_len
+    group_rows = [size // groups for size in sizes]
     # Rows go to (micro-batch, group) bins by longest-processing-time: the row with the most
-    # response tokens first, each into the bin with the fewest so far that has room, so the
-    # response tokens (the slots) and the tokens spread evenly over the micro-batches.
+    # response tokens first, each into the open bin with the fewest per row of its size so far,
+    # so the response tokens (the slots) and the tokens spread evenly over the micro-batches.
+    bin_rows = np.repeat(group_rows, groups)  # bin j = micro-batch j // groups, group j % groups
     resp_per_row = [sum(int(r_len_B[units[u]].sum()) for u in row) for row in rows]
-    resp_per_group = np.zeros(num_micro * groups, np.int64)
-    rows_in_group = np.zeros(num_micro * groups, np.int64)
-    place = [0] * len(rows)  # row i -> m * rows_per_micro + r
+    resp_per_bin = np.zeros(len(bin_rows), np.int64)
+    rows_in_bin = np.zeros(len(bin_rows), np.int64)
+    members: list[list[int]] = [[] for _ in bin_rows]  # bin -> rows, in order
     for i in np.argsort(-np.asarray(resp_per_row), kind="stable"):
-        open_bins = np.flatnonzero(rows_in_group < group_rows)
-        j = int(open_bins[np.argmin(resp_per_group[open_bins])])
-        place[i] = j * group_rows + int(rows_in_group[j])
-        rows_in_group[j] += 1
-        resp_per_group[j] += resp_per_row[i]
-    slots = min(group_len, _round_up(max(int(resp_per_group.max()), 1), -(-group_len // slot_steps)))
+        open_bins = np.flatnonzero(rows_in_bin < bin_rows)
+        j = int(open_bins[np.argmin(resp_per_bin[open_bins] / bin_rows[open_bins])])
+        members[j].append(int(i))
+        rows_in_bin[j] += 1
+        resp_per_bin[j] += resp_per_row[i]
 
-    shape = (num_micro, rows_per_micro)
-    tokens = np.zeros((*shape, row_len), np.int32)
-    positions = np.zeros((*shape, row_len), np.int32)
-    segments = np.zeros((*shape, row_len), np.int32)
-    prefixes = np.zeros((*shape, row_len), np.int32)
-    slot_shape = (num_micro, groups, slots)
-    slot_pos = np.zeros(slot_shape, np.int32)
-    slot_label = np.zeros(slot_shape, np.int32)
-    slot_bt = np.full(slot_shape, B * T, np.int32)
-    filled = np.zeros((num_micro, groups), np.int64)  # slots used per group
-    num_tokens = np.zeros(num_micro, np.int64)
-    for i, row in enumerate(rows):
-        m, r = divmod(place[i], rows_per_micro)
-        g, offset = r // group_rows, (r % group_rows) * row_len  # the row's group, its start
-        at = seg = 0
-        n = int(filled[m, g])
-        for u in row:
-            prompt = prompts[units[u][0]]
-            p_len = len(prompt)
-            seg += 1
-            prompt_seg, span = seg, slice(at, at + p_len)
-            tokens[m, r, span] = prompt
-            positions[m, r, span] = np.arange(p_len)
-            segments[m, r, span] = prefixes[m, r, span] = prompt_seg
-            last_prompt = at + p_len - 1
-            at += p_len
-            for b in units[u]:
-                k = int(r_len_B[b])
-                resp = response_ids_BT[b, :k]
-                seg += 1
-                span = slice(at, at + k)
-                tokens[m, r, span] = resp
-                positions[m, r, span] = p_len + np.arange(k)
-                segments[m, r, span] = seg
-                prefixes[m, r, span] = prompt_seg
-                # Response token t is predicted by the position before it: the prompt's last
-                # token for t = 0, then the response's own token t - 1.
-                slot_pos[m, g, n : n + k] = offset + np.r_[last_prompt, at + np.arange(k - 1)][:k]
-                slot_label[m, g, n : n + k] = resp
-                slot_bt[m, g, n : n + k] = b * T + np.arange(k)
-                at += k
-                n += k
-        filled[m, g] = n
-        num_tokens[m] += at
-    return Packed(tokens, positions, segments, prefixes, slot_pos, slot_label, slot_bt, num_tokens)
+    micros = []
+    for m, size in enumerate(sizes):
+        group_len = group_rows[m] * row_len
+        busiest = max(int(resp_per_bin[m * groups + g]) for g in range(groups))
+        slots = min(group_len, _round_up(max(busiest, 1), -(-group_len // slot_steps)))
+        tokens = np.zeros((size, row_len), np.int32)
+        positions = np.zeros((size, row_len), np.int32)
+        segments = np.zeros((size, row_len), np.int32)
+        prefixes = np.zeros((size, row_len), np.int32)
+        slot_pos = np.zeros((groups, slots), np.int32)
+        slot_label = np.zeros((groups, slots), np.int32)
+        slot_bt = np.full((groups, slots), B * T, np.int32)
+        num_tokens = 0
+        for g in range(groups):
+            n = 0  # slots used in group g
+            for k, i in enumerate(members[m * groups + g]):
+                r = g * group_rows[m] + k
+                offset = k * row_len  # the row's start in its group's positions
+                at = seg = 0
+                for u in rows[i]:
+                    prompt = prompts[units[u][0]]
+                    p_len = len(prompt)
+                    seg += 1
+                    prompt_seg, span = seg, slice(at, at + p_len)
+                    tokens[r, span] = prompt
+                    positions[r, span] = np.arange(p_len)
+                    segments[r, span] = prefixes[r, span] = prompt_seg
+                    last_prompt = at + p_len - 1
+                    at += p_len
+                    for b in units[u]:
+                        k_len = int(r_len_B[b])
+                        resp = response_ids_BT[b, :k_len]
+                        seg += 1
+                        span = slice(at, at + k_len)
+                        tokens[r, span] = resp
+                        positions[r, span] = p_len + np.arange(k_len)
+                        segments[r, span] = seg
+                        prefixes[r, span] = prompt_seg
+                        # Response token t is predicted by the position before it: the prompt's
+                        # last token for t = 0, then the response's own token t - 1.
+                        pred = np.r_[last_prompt, at + np.arange(k_len - 1)][:k_len]
+                        slot_pos[g, n : n + k_len] = offset + pred
+                        slot_label[g, n : n + k_len] = resp
+                        slot_bt[g, n : n + k_len] = b * T + np.arange(k_len)
+                        at += k_len
+                        n += k_len
+                num_tokens += at
+        micros.append(Micro(tokens, positions, segments, prefixes, slot_pos, slot_label, slot_bt,
+                            num_tokens))  # fmt: skip
+    return Packed(tuple(micros))

@@ -43,9 +43,9 @@ def params():
     return jax.tree.map(lambda x: x * 20.0 if x.ndim > 1 else x, p)
 
 
-def _visible(packed, m, r, i):
+def _visible(micro, r, i):
     """The row positions token i of row r attends to (what model.hidden_states_packed sees)."""
-    seg, pre = packed.segments_MRL[m, r], packed.prefixes_MRL[m, r]
+    seg, pre = micro.segments_RL[r], micro.prefixes_RL[r]
     j = np.arange(i + 1)
     return j[(seg[j] > 0) & ((seg[j] == seg[i]) | (seg[j] == pre[i]))]
 
@@ -62,34 +62,38 @@ def test_pack_places_every_token_once_within_budget(group):
         row_multiple=2,
         row_len=16,
     )
-    M, R, L = packed.tokens_MRL.shape
-    assert L % 16 == 0 and R % 2 == 0 and R * L <= 32 and M > 1
-    G, N = packed.slot_bt_MGN.shape[1:]
-    assert G == 2 and R % G == 0  # one slot pool per row group (data device)
-    # Pooled slots: no more slots than the busiest group's response tokens, to SLOT_STEPS.
-    quantum = -(-(R // G) * L // packing.SLOT_STEPS)
-    assert N - quantum < (packed.slot_bt_MGN < B * T).sum(-1).max() <= N
+    assert packed.num_micro > 1
     seen = np.zeros((B, T), int)
-    for m in range(M):
+    rows_used = 0
+    for micro in packed.micros:
+        R, L = micro.tokens_RL.shape
+        assert L == 16 and R % 2 == 0 and R * L <= 32
+        G, N = micro.slot_bt_GN.shape
+        assert G == 2 and R % G == 0  # one slot pool per row group (data device)
+        # Pooled slots: no more slots than the busiest group's response tokens, to SLOT_STEPS.
+        quantum = -(-(R // G) * L // packing.SLOT_STEPS)
+        assert N - quantum < (micro.slot_bt_GN < B * T).sum(-1).max() <= N
+        rows_used += int((micro.segments_RL > 0).any(1).sum())
         for g in range(G):
             for n in range(N):
-                bt = packed.slot_bt_MGN[m, g, n]
+                bt = micro.slot_bt_GN[g, n]
                 if bt == B * T:
                     continue
                 b, t = divmod(int(bt), T)
                 seen[b, t] += 1
                 # The slot's position, in a row of its own group, sees exactly sequence b up to
                 # response token t - 1, at its own positions, and its label is response token t.
-                row, i = divmod(int(packed.slot_pos_MGN[m, g, n]), L)
+                row, i = divmod(int(micro.slot_pos_GN[g, n]), L)
                 r = g * (R // G) + row
-                context = _visible(packed, m, r, i)
+                context = _visible(micro, r, i)
                 want = np.concatenate([prompt_ids[b][prompt_mask[b] == 1], resp_ids[b, :t]])
-                np.testing.assert_array_equal(packed.tokens_MRL[m, r, context], want)
-                np.testing.assert_array_equal(
-                    packed.positions_MRL[m, r, context], np.arange(len(want))
-                )
-                assert packed.slot_label_MGN[m, g, n] == resp_ids[b, t]
+                np.testing.assert_array_equal(micro.tokens_RL[r, context], want)
+                np.testing.assert_array_equal(micro.positions_RL[r, context], np.arange(len(want)))
+                assert micro.slot_label_GN[g, n] == resp_ids[b, t]
     np.testing.assert_array_equal(seen, resp_mask)  # every response token exactly once
+    # Empty rows only in the last micro-batch's rounding (micro_rows).
+    sizes = [micro.tokens_RL.shape[0] for micro in packed.micros]
+    assert sizes == packing.micro_rows(rows_used, 2, 2)
     # Each group's prompt is stored once per row it spans: fewer tokens than the sequences.
     unique = prompt_mask[::group].sum() + resp_mask.sum()
     total = prompt_mask.sum() + resp_mask.sum()
@@ -99,18 +103,23 @@ def test_pack_places_every_token_once_within_budget(group):
         packing.pack(prompt_ids, prompt_mask, resp_ids, resp_mask, max_tokens=8, row_len=16)
 
 
-def test_rows_per_micro_batch_bound_the_empty_rows():
-    # 20 rows under a 16-row budget: 3 x 8 rows, not 2 x 16 (12 empty rows computed).
-    assert packing._rows_per_micro(20, 16, 1) == 8
-    assert packing._rows_per_micro(32, 16, 1) == 16
-    assert packing._rows_per_micro(30, 16, 1) == 16  # 2 empty rows (7 %): full micro-batches
-    assert packing._rows_per_micro(13, 5, 1) == 5  # 15 rows for 13: within 25 %
-    assert packing._rows_per_micro(3, 16, 1) == 4  # none within 25 %: least padding, fewer calls
-    assert packing._rows_per_micro(5, 16, 2) % 2 == 0
+def test_micro_rows_fill_the_budget_and_round_only_the_last():
+    # 11 rows under a 5-row budget: 5 + 5 + 1, not 3 x 5 (4 empty rows computed).
+    assert packing.micro_rows(11, 5, 1) == [5, 5, 1]
+    assert packing.micro_rows(13, 5, 1) == [5, 5, 3]  # 3 = ceil(5 / 2)
+    assert packing.micro_rows(20, 16, 1) == [16, 4]
+    assert packing.micro_rows(32, 16, 1) == [16, 16]
+    assert packing.micro_rows(3, 16, 1) == [4]  # 16, 8, 4, 2: the smallest that holds 3
+    assert packing.micro_rows(5, 16, 2) == [8]
+    assert packing.micro_rows(3, 6, 2) == [4]  # ceil(6 / 2) = 3, rounded up to the multiple
     for rows in range(1, 64):
-        for cap in (1, 3, 5, 16):
-            r = packing._rows_per_micro(rows, cap, 1)
-            assert 1 <= r <= cap and -(-rows // r) * r - rows < max(rows * 0.25 + 1, r)
+        for cap, multiple in ((1, 1), (3, 1), (5, 1), (16, 1), (16, 4), (6, 2)):
+            sizes = packing.micro_rows(rows, cap, multiple)
+            assert all(s % multiple == 0 and 1 <= s <= cap for s in sizes)
+            assert sum(sizes) >= rows and sum(sizes[:-1]) < rows  # no empty micro-batch
+            assert sum(sizes) - rows <= max(sizes[-1] / 2, multiple)  # only the rounding
+            shapes = {packing.micro_rows(r, cap, multiple)[-1] for r in range(1, 200)}
+            assert len(shapes) <= 4  # bounded compiled shapes
 
 
 def _padded_batch(prompt_ids, prompt_mask, resp_ids, resp_mask, seed=0):
