@@ -51,6 +51,14 @@ def _prompts(tokenizer, count: int):
     return ids, mask
 
 
+def _answers(count: int) -> list[str]:
+    """The ground truths (final numbers) of the first `count` GSM8K train questions."""
+    from grpo_jax import dataset
+
+    rows = [json.loads(line) for _, line in zip(range(count), open(GSM8K))]
+    return [str(ex.ground_truth) for ex in dataset.parse_rows(rows, source=GSM8K, on_malformed="error")]
+
+
 def _load_prompts(path):
     """The parent's prompts (every side samples exactly the same token ids)."""
     import numpy as np
