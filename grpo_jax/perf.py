@@ -1,5 +1,5 @@
 """verl's performance metrics of a step: timing_per_token_ms/*, global_seqlen/*, perf/max_memory_*
-and perf/mfu/actor (model FLOP utilisation of the update, from XLA's FLOP count).
+and perf/mfu/actor (model FLOP utilisation of the update, verl's analytic FLOP count).
 
 verl 0.9.1 definitions (verl/trainer/ppo/metric_utils.py, verl/utils/seqlen_balancing.py,
 verl/workers/engine_workers.py):
@@ -15,16 +15,17 @@ verl/workers/engine_workers.py):
   when the backend reports memory stats: GPU and TPU do, CPU does not). `perf/cpu_memory_used_gb`
   is the process's peak resident memory (verl: the machine's used memory).
 * `perf/mfu/actor`: the update's FLOPs / (its seconds x devices x peak FLOP/s per device). The
-  FLOPs are XLA's count of the update programs lowered without gradient checkpointing, so
-  recomputation is not counted (model FLOPs, as verl's analytic FlopsCounter); padding inside
-  the compiled shapes is counted. The peak is trainer.device_peak_tflops, else a table of
-  accelerator bf16 dense peaks by device kind; without either the metric is not logged.
+  FLOPs are verl's analytic estimate (`estimate_flops`: verl/utils/flops_counter.py
+  `_estimate_qwen2_flops`, which verl uses for Qwen2, Qwen3 and Llama) of every sequence of
+  every mini-batch and epoch: valid tokens only, no recomputation, no padding. The peak is
+  trainer.device_peak_tflops, else a table of accelerator bf16 dense peaks by device kind;
+  without either the metric is not logged.
 """
 
 from __future__ import annotations
 
 import resource
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -93,26 +94,27 @@ def peak_flops_per_device(override_tflops: float = 0.0) -> float | None:
     return None if tflops is None else tflops * 1e12
 
 
-class FlopCounter:
-    """XLA's FLOP count of jitted programs, per argument shapes (lowered once, not compiled).
+def estimate_flops(config, seqlens) -> float:
+    """verl 0.9.1's FLOPs of one forward + backward over sequences of `seqlens` valid tokens.
 
-    `counted(name, fn, *args)` returns the FLOPs of fn(*args), caching by name and the
-    arguments' shapes and dtypes; `fn` is a jitted function (one without remat, for model
-    FLOPs). Lowering traces the program, so each new shape costs one trace.
+    verl/utils/flops_counter.py `_estimate_qwen2_flops` (Qwen2, Qwen3, Llama): 6 x the dense
+    parameters (the layers' projections, plus embedding and head counted as 2 x V x D) x the
+    tokens, plus 6 x sum(len^2) x N x H x L for the attention products (verl counts the full
+    square, not the causal half).
+
+    Args:
+      config: a model.ModelConfig (hidden_size, vocab_size, num_layers, num_heads, num_kv_heads,
+        head_dim, intermediate_size).
+      seqlens: each sequence's valid tokens (prompt + response).
     """
-
-    def __init__(self):
-        self._cache: dict = {}
-
-    def counted(self, name: str, fn: Callable, *args) -> float:
-        key = (name, tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x))))
-                           for x in jax.tree.leaves(args)))
-        if key not in self._cache:
-            cost = fn.lower(*args).cost_analysis()
-            if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
-                cost = cost[0] if cost else {}
-            self._cache[key] = float((cost or {}).get("flops", 0.0))
-        return self._cache[key]
+    c = config
+    q = c.num_heads * c.head_dim
+    kv = c.num_kv_heads * c.head_dim
+    layer = 3 * c.hidden_size * c.intermediate_size + c.hidden_size * (2 * q + 2 * kv)
+    dense = layer * c.num_layers + 2 * c.vocab_size * c.hidden_size
+    lengths = np.asarray(seqlens, np.float64)
+    attention = 6 * float(np.sum(lengths**2)) * c.head_dim * c.num_heads * c.num_layers
+    return 6 * dense * float(np.sum(lengths)) + attention
 
 
 def mfu(flops: float, seconds: float, *, devices: int, peak_flops: float | None) -> dict:

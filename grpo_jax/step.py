@@ -228,8 +228,6 @@ class Programs:
         advantages_BT (make_advantage).
       rollout_correction: (old_log_probs_BT, rollout_log_probs_BT, response_mask_BT) ->
         (weights_BT or None, response_mask_BT, metrics) of algorithm.rollout_correction.
-      flop_update / flop_packed_grads: update and packed_grads without gradient checkpointing,
-        never run: `flops` (perf.FlopCounter) lowers them for the update's model FLOPs.
       mini_rows / micro_rows / logprob_rows: sequences per mini-batch, padded micro-batch,
         padded log-prob micro-batch (global, over all data devices).
       update_tokens / logprob_tokens: the token budgets of a packed micro-batch (global).
@@ -248,9 +246,6 @@ class Programs:
     packed_log_probs_entropy: Callable
     advantage: Callable
     rollout_correction: Callable
-    flop_update: Callable
-    flop_packed_grads: Callable
-    flops: perf.FlopCounter
     mini_rows: int
     micro_rows: int
     logprob_rows: int
@@ -312,11 +307,6 @@ def make_programs(
 
     packed_grads = packed_grads_for(model_config, donate_argnums=1)
     apply = jax.jit(functools.partial(trainer.apply_gradients, tx=tx), donate_argnums=0)
-    # The same update without gradient checkpointing, only lowered: its XLA FLOP count is the
-    # model FLOPs of perf/mfu/actor (grpo_jax/perf.py).
-    flop_model = dataclasses.replace(model_config, remat=False)
-    flop_update = update_for(flop_model)
-    flop_packed_grads = packed_grads_for(flop_model)
 
     advantage = make_advantage(run)
     return Programs(
@@ -330,9 +320,6 @@ def make_programs(
         packed_log_probs=packed_log_probs_fn(False),
         packed_log_probs_entropy=packed_log_probs_fn(True),
         advantage=advantage,
-        flop_update=flop_update,
-        flop_packed_grads=flop_packed_grads,
-        flops=perf.FlopCounter(),
         rollout_correction=jax.jit(
             functools.partial(
                 rollout_correction_lib.compute_rollout_correction,
@@ -684,7 +671,7 @@ def update(
     is the frozen base (state.params, the gradients and the optimizer state: the adapters only).
     """
     base = () if base_params is None else (base_params,)
-    updates, flops = [], 0.0
+    updates = []
     mini = programs.mini_rows
     packs = {}
     lr = jnp.float32(lr)
@@ -692,9 +679,6 @@ def update(
         for i in range(run.mini_batches_per_step):
             if not run.actor.use_dynamic_bsz:
                 index = jnp.int32(i)
-                flops += programs.flops.counted(
-                    "update", programs.flop_update, state, batch, index, lr, *base
-                )
                 state, m = programs.update(state, batch, index, lr, *base)
                 updates.append(m)
                 continue
@@ -707,8 +691,6 @@ def update(
             summed = {}
             for m in range(packed.num_micro):
                 micro = _micro(packed, m, mesh)
-                flops += programs.flops.counted("packed_grads", programs.flop_packed_grads,
-                                                state.params, grads, micro, mini_batch, *base)
                 grads, metrics = programs.packed_grads(
                     state.params, grads, micro, mini_batch, *base
                 )
@@ -718,7 +700,11 @@ def update(
     updates = jax.device_get(updates)
     record = {k: float(np.mean([u[k] for u in updates])) for k in updates[0]}
     record["actor/update_skipped"] = sum(float(u["actor/update_skipped"]) for u in updates)
-    record["perf/actor_flops"] = flops
+    # verl's model FLOPs of every sequence, once per epoch (perf.estimate_flops)
+    seqlens = host.prompt_mask_BP.sum(1) + host.response_mask_BT.sum(1)
+    record["perf/actor_flops"] = run.actor.ppo_epochs * perf.estimate_flops(
+        programs.model_config, seqlens
+    )
     return state, record
 
 
