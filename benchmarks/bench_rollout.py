@@ -9,9 +9,11 @@ lengths sampling really produces. Each side runs in its own process, rounds alte
 Reported per side: wall seconds per call (median, min, max), generated tokens (up to and
 including EOS) per second, the mean response length, and for grpo_jax the decode steps, the
 achieved GB/s and GFLOP/s of its decode against this machine's limits (../shared/design/
-benchmarking.md: 28-33 GB/s, 175-190 GFLOP/s fp32), from an analytic count: every decode step
-reads the weights once plus the live slots' KV cache, and does 2 x params FLOPs per live slot
-plus attention; the prefill is counted separately.
+benchmarking.md: 28-33 GB/s, 175-190 GFLOP/s fp32), from an analytic count of what a decode
+step must read and compute: the weights once, each prompt's KV cache once (its n rows share it,
+model.GroupKVCache) and each live row's response KV so far; 2 x params FLOPs per live row plus
+attention over its whole context. The whole call's time is used, prefill included, so the rates
+are lower bounds.
 
     python benchmarks/bench_rollout.py                         # 8 x 4 x 256 vs HF and vLLM
     python benchmarks/bench_rollout.py --no-vllm --rounds 1
@@ -92,7 +94,10 @@ def _worker_jax(args) -> dict:
     calls = [call(1 + r) for r in range(args.repeats)]
     times = [t for t, _ in calls]
     lengths = [lens for _, lens in calls]
-    work = [_decode_work(cfg, ids.shape[1], lens, args.n * args.prompts) for lens in lengths]
+    work = [
+        _decode_work(cfg, ids.shape[1], lens, args.n * args.prompts, args.prompts)
+        for lens in lengths
+    ]
     return {
         "times": times,
         "tokens": [int(lens.sum()) for lens in lengths],
@@ -103,9 +108,10 @@ def _worker_jax(args) -> dict:
     }
 
 
-def _decode_work(cfg, prompt_width, lengths, rows) -> dict:
-    """Analytic bytes and FLOPs of the decode: weights once per step + live KV; 2 x params per
-    live row + attention over the cache (prefill excluded)."""
+def _decode_work(cfg, prompt_width, lengths, rows, prompts) -> dict:
+    """Analytic bytes and FLOPs of the decode (prefill excluded): per step the weights once,
+    the prompts' KV once per group and the live rows' response KV; 2 x params per live row +
+    attention over its prompt and response."""
     import numpy as np
 
     params = cfg.num_layers * (
@@ -116,7 +122,10 @@ def _decode_work(cfg, prompt_width, lengths, rows) -> dict:
     live = np.array([(lengths > t).sum() for t in range(steps)])  # rows still decoding
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4  # bytes, f32
     ctx = prompt_width + np.arange(steps)
-    bytes_ = steps * params * 4 + float(np.sum(live * ctx * kv_per_token))
+    longest_P = lengths.reshape(prompts, -1).max(1)
+    live_groups = np.array([(longest_P > t).sum() for t in range(steps)])
+    kv = live_groups * prompt_width + live * np.arange(steps)  # token KV read per step
+    bytes_ = steps * params * 4 + float(np.sum(kv * kv_per_token))
     attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim  # FLOPs per (row, context token)
     flops = float(np.sum(live * (2 * params + attn * ctx)))
     return {"bytes": bytes_, "flops": flops, "steps": steps, "rows": rows}
