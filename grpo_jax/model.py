@@ -1465,16 +1465,18 @@ def _attend_group(q_BKRH, k_PKHT, v_PKTH, mask_PT, k_BKHC, v_BKCH, *, row_B, n: 
     neg = jnp.finfo(jnp.float32).min
     dims = (((3,), (2,)), _BATCH_KV)
     identity = B == P * n  # rows are only ever dropped, so all P * n rows are in order
-    q_GKRH = q_BKRH if identity else jnp.zeros((P * n, K, R, H), q_BKRH.dtype).at[row_B].set(q_BKRH)
+    q_PnKRH = (
+        q_BKRH if identity else jnp.zeros((P * n, K, R, H), q_BKRH.dtype).at[row_B].set(q_BKRH)
+    )
     # [P*n, K, R, H] -> [P, K, n*R, H]: the n rows of a prompt are query rows of one product.
-    q_PKQH = q_GKRH.reshape(P, n, K, R, H).transpose(0, 2, 1, 3, 4).reshape(P, K, n * R, H)
+    q_PKQH = q_PnKRH.reshape(P, n, K, R, H).transpose(0, 2, 1, 3, 4).reshape(P, K, n * R, H)
     s_PKQT = jax.lax.dot_general(q_PKQH, k_PKHT, dims, preferred_element_type=jnp.float32) * scale
     s_PKQT = jnp.where(mask_PT[:, None, None, :] > 0, s_PKQT, neg)
 
     def to_rows(x_PKQX):  # [P, K, n*R, X] -> [B, K, R, X]
         X = x_PKQX.shape[-1]
-        x_GKRX = x_PKQX.reshape(P, K, n, R, X).transpose(0, 2, 1, 3, 4).reshape(P * n, K, R, X)
-        return x_GKRX if identity else x_GKRX[row_B]
+        x_PnKRX = x_PKQX.reshape(P, K, n, R, X).transpose(0, 2, 1, 3, 4).reshape(P * n, K, R, X)
+        return x_PnKRX if identity else x_PnKRX[row_B]
 
     m_p, l_p, o_p = (to_rows(x) for x in _softmax_parts(s_PKQT, (v_PKTH,)))
 
