@@ -52,8 +52,8 @@ No scorer has a timeout of its own: the caller runs scorers in worker processes 
   in any thread and the caller's worker timeout bounds it. Any exception scores 0, as in verl.
   The `math-verify` package is imported lazily. Its LaTeX parser (latex2sympy2_extended) ships
   one grammar build per antlr4 runtime and they differ (under 4.13 "14\\%" parses, under 4.9 it
-  does not); verl's install has antlr4 4.9.3 (hydra-core pins it), so install
-  `math-verify[antlr4_9_3]` for verl's scores.
+  does not); verl's install has antlr4 4.9.3 (hydra-core pins it), so
+  requirements.txt pins `antlr4-python3-runtime==4.9.3` for verl's scores.
 
 * `default_compute_score` is verl's dispatch by `data_source` (`verl.utils.reward_score.
   default_compute_score`) for the sources above, with verl's return conversion (a dict is
