@@ -51,6 +51,7 @@ from grpo_jax import (
     distributed,
     loading,
     metrics,
+    perf,
     rewards,
     sharding,
     step,
@@ -585,7 +586,7 @@ def _steps(
     elsewhere = getattr(ctx.engine, "mesh", None) not in (None, ctx.mesh)
     try:
         for i in range(start, steps):
-            t_step = time.perf_counter()
+            t_step, compiled = time.perf_counter(), perf.compile_seconds()
             done = i + 1
             timing = {}
             version = int(jax.device_get(loop.state.step))
@@ -629,6 +630,7 @@ def _steps(
             row["training/epoch"] = position.epoch
             row["training/global_step"] = i + 1
             timing["timing_s/step"] = time.perf_counter() - t_step  # verl: validation excluded
+            timing["timing_s/compile"] = perf.compile_seconds() - compiled
             tests = t.test_freq > 0 and (done % t.test_freq == 0 or done == steps)
             if evaluate is not None and tests:
                 if ahead is not None:

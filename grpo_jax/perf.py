@@ -14,6 +14,9 @@ verl/workers/engine_workers.py):
   (torch.cuda there; here the largest `peak_bytes_in_use` / `bytes_limit` over local devices,
   when the backend reports memory stats: GPU and TPU do, CPU does not). `perf/cpu_memory_used_gb`
   is the process's peak resident memory (verl: the machine's used memory).
+* `timing_s/compile` (grpo_jax's, not verl's): the seconds the step spent tracing, lowering and
+  compiling (`compile_seconds`), included in `timing_s/step`; a new prompt-length bucket or
+  packed micro-batch shape compiles once in a run.
 * `perf/mfu/actor`: the update's FLOPs / (its seconds x devices x peak FLOP/s per device). The
   FLOPs are verl's analytic estimate (`estimate_flops`: verl/utils/flops_counter.py
   `_estimate_qwen2_flops`, which verl uses for Qwen2, Qwen3 and Llama) of every sequence of
@@ -25,6 +28,7 @@ verl/workers/engine_workers.py):
 from __future__ import annotations
 
 import resource
+import threading
 from collections.abc import Mapping
 
 import jax
@@ -84,6 +88,33 @@ def memory() -> dict[str, float]:
             s.get("bytes_reserved", s.get("bytes_limit", 0)) for s in stats
         ) / gib
     return out
+
+
+# jax.monitoring events whose durations are compilation (trace, lowering, XLA compile).
+_COMPILE_EVENTS = frozenset({
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+})  # fmt: skip
+_compile = {"seconds": 0.0, "listening": False}
+_compile_lock = threading.Lock()
+
+
+def _on_duration(event: str, seconds: float, **_) -> None:
+    if event in _COMPILE_EVENTS:
+        with _compile_lock:
+            _compile["seconds"] += seconds
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent tracing, lowering and compiling jitted programs (any
+    thread) since the first call, from jax.monitoring's compile events: a step's difference is
+    its `timing_s/compile`, the part of its time that a longer run does not pay again."""
+    with _compile_lock:
+        if not _compile["listening"]:
+            jax.monitoring.register_event_duration_secs_listener(_on_duration)
+            _compile["listening"] = True
+        return _compile["seconds"]
 
 
 def peak_flops_per_device(override_tflops: float = 0.0) -> float | None:

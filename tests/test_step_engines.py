@@ -109,6 +109,19 @@ def test_estimate_flops_is_verls_formula(verl):
     assert perf.peak_flops_per_device(0.18) == pytest.approx(0.18e12)
 
 
+def test_compile_seconds_count_new_programs_only():
+    @jax.jit
+    def fn(x):
+        return jnp.sin(x) * 3.0 + 1.0
+
+    before = perf.compile_seconds()
+    fn(jnp.ones((7, 5))).block_until_ready()  # a shape no other test compiles
+    compiled = perf.compile_seconds()
+    assert compiled > before
+    fn(jnp.zeros((7, 5))).block_until_ready()  # the same program: no compile
+    assert perf.compile_seconds() == compiled
+
+
 def test_memory_metrics_report_process_peak():
     got = perf.memory()
     assert got["perf/cpu_memory_used_gb"] > 0.05  # this process holds jax at least
