@@ -239,7 +239,8 @@ class ModelSpec:
     enable_gradient_checkpointing: bool = False  # remat each layer in the update (verl name)
     # What a rematerialised layer keeps (model.REMAT_POLICIES): "nothing_saveable" (its input
     # only), "dots_with_no_batch_dims_saveable" (the projections; attention is recomputed),
-    # "dots_saveable" (every matmul output).
+    # "dots_except_mlp_in_saveable" (those but the MLP's gate/up), "dots_saveable" (every
+    # matmul output).
     gradient_checkpointing_policy: str = "nothing_saveable"
     # LoRA (grpo_jax/lora.py; verl's actor_rollout_ref.model.*): rank r of the adapters trained
     # on the frozen base; 0 = full fine-tuning. The reference is then the base, adapters off.
@@ -261,7 +262,12 @@ class ModelSpec:
         c.choice(
             "gradient_checkpointing_policy",
             self.gradient_checkpointing_policy,
-            ("nothing_saveable", "dots_with_no_batch_dims_saveable", "dots_saveable"),
+            (
+                "nothing_saveable",
+                "dots_with_no_batch_dims_saveable",
+                "dots_except_mlp_in_saveable",
+                "dots_saveable",
+            ),
         )
         c.need(self.lora_rank >= 0, "lora_rank", self.lora_rank, "must be >= 0 (0 = no LoRA)")
         c.need(self.lora_alpha > 0, "lora_alpha", self.lora_alpha, "must be > 0")

@@ -1,7 +1,10 @@
 """Tests of grpo_jax.model: behaviour (causality, padding, KV cache, tracing) and HF parity."""
 
+import contextlib
 import dataclasses
+import io
 import math
+import re
 
 import chex
 import jax
@@ -9,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference
+from jax.ad_checkpoint import print_saved_residuals
 
 from grpo_jax import model
 
@@ -223,8 +227,30 @@ def test_remat_and_bf16_param_options():
         return jnp.mean(model.forward(config, p, ids_BT, mask_BT) ** 2)
 
     g_plain = jax.grad(lambda p: loss(TINY, p))(params)
-    g_remat = jax.grad(lambda p: loss(model.ModelConfig.tiny(remat=True), p))(params)
-    chex.assert_trees_all_close(g_plain, g_remat, atol=1e-6)
+    saved = {}
+    for policy in model.REMAT_POLICIES:
+        config = model.ModelConfig.tiny(remat=True, remat_policy=policy)
+        g_remat = jax.grad(lambda p, config=config: loss(config, p))(params)
+        chex.assert_trees_all_close(g_plain, g_remat, atol=1e-6)
+        # What the backward keeps: jax prints the residuals' shapes ("f32[2,10,64] output of
+        # ..."); the layer scan stacks them as [L, B*T, ...].
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            print_saved_residuals(lambda p, config=config: loss(config, p), params)
+        saved[policy] = re.findall(r"^f32\[([\d,]+)\] output of", printed.getvalue(), re.M)
+    L, F, D, BT = TINY.num_layers, TINY.intermediate_size, TINY.hidden_size, 2 * 5
+    mlp_in, hidden = f"{L},{BT},{F}", f"{L},{BT},{D}"
+    # The MLP's gate and up outputs [L, B*T, F] are kept by the dot policies but the new one,
+    # which keeps the other projections (q, k, v, o and down: 5 hidden-size outputs and more).
+    assert saved["dots_saveable"].count(mlp_in) == 2
+    assert saved["dots_with_no_batch_dims_saveable"].count(mlp_in) == 2
+    assert saved["dots_except_mlp_in_saveable"].count(mlp_in) == 0
+    assert saved["nothing_saveable"].count(mlp_in) == 0
+    assert (
+        saved["dots_except_mlp_in_saveable"].count(hidden)
+        == saved["dots_with_no_batch_dims_saveable"].count(hidden)
+        > saved["nothing_saveable"].count(hidden)
+    )
     bf16 = model.ModelConfig.tiny(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(model.abstract_params(bf16)))
     p16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
