@@ -12,8 +12,9 @@ Design:
   * The decoder layers are stacked on a leading ``L`` axis and run with ``jax.lax.scan`` (one layer
     is compiled once, whatever the depth). Optional per-layer rematerialisation wraps the scan body
     in ``jax.checkpoint``. Decode loops (the sampler) use a per-layer form instead: the cache as
-    ``LayerKVCache`` and the weights as ``DecodeParams``, layers unrolled, so that a decode step
-    copies neither the cache nor the weights (see there).
+    ``GroupKVCache`` (per-layer buffers, each prompt stored once per group) and the weights as
+    ``DecodeParams``, layers unrolled, so that a decode step copies neither the cache nor the
+    weights (see there).
   * Every parameter carries logical axis names (``vocab``, ``embed``, ``heads``, ``kv_heads``,
     ``head_dim``, ``mlp``; the stacked layer axis is ``None``) as ``nnx.with_partitioning``
     metadata; ``logical_axes(config)`` exposes them as a pytree of ``PartitionSpec``.
@@ -1257,8 +1258,8 @@ class DecodeParams:
     projection is one matmul ``W_OI @ x_IB`` with the kernel stored as [out, in]: at decode
     shapes (a few dozen rows) XLA:CPU runs that 1.3-1.6x faster than ``x_BI @ W_IO`` (measured on
     SmolLM2-135M's projections, 32 rows). The layers are separate buffers, so a decode loop reads
-    every weight in place (slices of the stacked params are copied each step, see
-    ``LayerKVCache``). Building it copies the layer weights once.
+    every weight in place (slices of the stacked params are copied each step, as a scan over
+    stacked cache layers would copy the cache; see ``GroupKVCache``). Building it copies the layer weights once.
 
     Attributes:
       embed_VD: the token embedding (config.dtype cast at lookup, as ``Decoder``).
@@ -1292,7 +1293,7 @@ _DECODE_PROJ = (
 def decode_params(config: ModelConfig, params) -> DecodeParams:
     """The weights of ``params`` (base, plus LoRA adapters if attached) as ``DecodeParams``.
 
-    Build it once, outside a decode loop, and pass it to ``decode_step`` with a ``LayerKVCache``.
+    Build it once, outside a decode loop, and pass it to ``decode_step`` with a ``GroupKVCache``.
     """
     c = config
     adapters = params.get(ADAPTERS)
