@@ -22,17 +22,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Runs in the fresh interpreter: the snippet, then the same call with 3 steps (a resume).
 DRIVER = """
-import dataclasses, json, sys
+import dataclasses, gc, json, sys
 namespace = {}
 exec(compile(open(sys.argv[1]).read(), "README.md", "exec"), namespace)
-run, result = namespace["run"], namespace["result"]
+run, first = namespace["run"], [r["step"] for r in namespace["result"].history]
+del namespace["result"]  # its train state (params + Adam moments): the resume restores its own
+gc.collect()
 more = dataclasses.replace(run, trainer=dataclasses.replace(run.trainer, total_training_steps=3))
 again = namespace["loop"].train(
     more, model_config=namespace["model_config"], params=namespace["params"],
     tokenizer=namespace["tokenizer"], train_data=namespace["prompts"],
     reward_fn=namespace["reward"],
 )
-print(json.dumps({"first": [r["step"] for r in result.history], "last": result.history[-1],
+print(json.dumps({"first": first, "last": again.history[-1],
                   "again": [r["step"] for r in again.history], "updates": int(again.state.step)}))
 """
 
