@@ -96,7 +96,7 @@ _COMPILE_EVENTS = frozenset({
     "/jax/core/compile/jaxpr_to_mlir_module_duration",
     "/jax/core/compile/backend_compile_duration",
 })  # fmt: skip
-_compile = {"seconds": 0.0, "listening": False}
+_compile = {"seconds": 0.0}
 _compile_lock = threading.Lock()
 
 
@@ -106,14 +106,15 @@ def _on_duration(event: str, seconds: float, **_) -> None:
             _compile["seconds"] += seconds
 
 
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+
 def compile_seconds() -> float:
     """Seconds this process has spent tracing, lowering and compiling jitted programs (any
-    thread) since the first call, from jax.monitoring's compile events: a step's difference is
-    its `timing_s/compile`, the part of its time that a longer run does not pay again."""
+    thread) since this module was imported, from jax.monitoring's compile events: a step's
+    difference is its `timing_s/compile`, the part of its time that a longer run does not pay
+    again."""
     with _compile_lock:
-        if not _compile["listening"]:
-            jax.monitoring.register_event_duration_secs_listener(_on_duration)
-            _compile["listening"] = True
         return _compile["seconds"]
 
 

@@ -590,7 +590,8 @@ def test_math_verify_parity_generated(verl):
     theirs = verl.run(reference.fn("importlib.metadata:version")(antlr)).value
     ours = importlib.metadata.version(antlr)
     assert ours == theirs, (
-        f"{antlr} {ours} here but {theirs} in verl's venv: pip install 'antlr4-python3-runtime==4.9.3' (requirements.txt)"
+        f"{antlr} {ours} here but {theirs} in verl's venv: "
+        "pip install 'antlr4-python3-runtime==4.9.3' (requirements.txt)"
     )
     cases = _math_cases(7, N_MATH_VERIFY)
     fn = reference.fn(RS + "math_verify:compute_score")
