@@ -7,6 +7,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numerics
 import numpy as np
 import pytest
 
@@ -318,4 +319,8 @@ def test_packed_loop_step_equals_the_padded_one(tmp_path):
     assert got["actor/micro_batches"] > 1
     for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/ppo_kl",
                 "actor/grad_norm", "actor/entropy", "actor/pg_clipfrac"):
-        np.testing.assert_allclose(got[key], padded[key], rtol=1e-4, atol=1e-6, err_msg=key)
+        # Sums over tokens of O(1) terms in another order (tests/numerics.py): rounding at the
+        # scale max(|value|, 1), measured below 1 ulp; a normaliser one token off moves pg_loss
+        # by 2,500 ulps, a dropped token by more.
+        numerics.assert_close(got[key], padded[key], ulps=64,
+                              scale=max(abs(padded[key]), 1.0), err_msg=key)  # fmt: skip

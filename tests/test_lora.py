@@ -10,16 +10,34 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numerics
 import numpy as np
 import optax
 import pytest
 import reference
 
-from grpo_jax import config, demo_task, hf_export, loading, lora, loop, model, packing, sampler
-from grpo_jax import sharding, trainer
+from grpo_jax import (
+    config,
+    demo_task,
+    hf_export,
+    loading,
+    loop,
+    lora,
+    model,
+    packing,
+    sampler,
+    sharding,
+    trainer,
+)
 
 BASE = model.ModelConfig.tiny()
 CFG = lora.configure(BASE, rank=4, alpha=8, target_modules="all-linear")
+# The same gradients or logits computed in another order (packed, sharded, merged, the chain rule
+# through the merged weights; torch's kernels for HF_ULPS), in ulps of each tensor's scale
+# (tests/numerics.py). A dropped token or a wrong LoRA scale moves them by 1e4 ulps and more.
+GRAD_ULPS = 1024
+FORWARD_ULPS = 128
+HF_ULPS = 512
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +106,7 @@ def test_merged_forward_equals_unmerged(base, adapters):
     merged_params = lora.merge(CFG, lora.attach(base, adapters))
     merged = model.forward(CFG, merged_params, ids, mask)
     assert np.abs(unmerged - model.forward(CFG, base, ids, mask)).max() > 0.1  # adapters matter
-    np.testing.assert_allclose(unmerged, merged, rtol=0, atol=1e-5)
+    numerics.assert_close(unmerged, merged, ulps=FORWARD_ULPS)
     # merge folds scale * A @ B into the kernel and touches nothing else
     q = adapters["layers"]["attn"]["q_proj"]
     want = base["layers"]["attn"]["q_proj"]["kernel"] + 2.0 * jnp.einsum(
@@ -110,7 +128,7 @@ def test_cached_decode_with_adapters_equals_the_merged_sampler(base, adapters):
     merged = sampler.sample(CFG, lora.merge(CFG, lora.attach(base, adapters)), ids, mask,
                             jax.random.key(0), **kw)  # fmt: skip
     np.testing.assert_array_equal(unmerged.response_ids, merged.response_ids)
-    np.testing.assert_allclose(unmerged.log_probs, merged.log_probs, rtol=0, atol=1e-5)
+    numerics.assert_close(unmerged.log_probs, merged.log_probs, ulps=FORWARD_ULPS)
 
 
 def test_targets_choose_the_projections(base):
@@ -168,19 +186,24 @@ def _batch(rng=0, *, B=8, Tp=3, T=5):
 _SGD = optax.identity()
 
 
+# p1 = p0 - lr g: with lr = 2^10 the recovered (p0 - p1) / lr carries eps |p0| / lr, far below an
+# ulp of g, and the division is exact (tests/test_train_step.py).
+SGD_LR = 2.0**10
+
+
 @functools.partial(jax.jit, static_argnames=("model_config", "micro"))
 def _sgd_step(state, batch, base, *, model_config, micro):
     return trainer.train_step(
-        state, batch, jnp.int32(0), jnp.float32(1.0), base, model_config=model_config,
+        state, batch, jnp.int32(0), jnp.float32(SGD_LR), base, model_config=model_config,
         loss_config=trainer.LossConfig(), tx=_SGD, mini_batch_size=8, micro_batch_size=micro,
     )  # fmt: skip
 
 
 def _grads(params, batch, base=None, *, model_config=CFG, micro=4):
-    """Gradient recovered from one SGD step (lr 1, identity optimizer): g = p0 - p1."""
+    """Gradient recovered from one SGD step (identity optimizer): g = (p0 - p1) / SGD_LR."""
     new, _ = _sgd_step(trainer.init_state(params, _SGD), batch, base, model_config=model_config,
                        micro=micro)  # fmt: skip
-    return jax.tree.map(lambda a, b: a - b, params, new.params)
+    return jax.tree.map(lambda a, b: (a - b) / SGD_LR, params, new.params)
 
 
 def test_gradients_reach_only_the_adapters_and_follow_the_merged_chain_rule(base, adapters):
@@ -199,10 +222,10 @@ def test_gradients_reach_only_the_adapters_and_follow_the_merged_chain_rule(base
         G = g_full["layers"][group][name]["kernel"].reshape(L, a[0, ..., 0].size, -1)
         want_a = s * jnp.einsum("LIO,LRO->LIR", G, b.reshape(L, r, -1))
         want_b = s * jnp.einsum("LIR,LIO->LRO", a.reshape(L, -1, r), G)
-        np.testing.assert_allclose(g["lora_a"].reshape(want_a.shape), want_a, rtol=2e-4,
-                                   atol=1e-6)  # fmt: skip
-        np.testing.assert_allclose(g["lora_b"].reshape(want_b.shape), want_b, rtol=2e-4,
-                                   atol=1e-6)  # fmt: skip
+        numerics.assert_close(g["lora_a"].reshape(want_a.shape), want_a, ulps=GRAD_ULPS,
+                              err_msg=f"{name}.lora_a")  # fmt: skip
+        numerics.assert_close(g["lora_b"].reshape(want_b.shape), want_b, ulps=GRAD_ULPS,
+                              err_msg=f"{name}.lora_b")  # fmt: skip
         assert np.abs(want_a).max() > 1e-4 and np.abs(want_b).max() > 1e-4
 
 
@@ -233,8 +256,7 @@ def test_packed_micro_batches_give_the_padded_adapter_gradient(base, adapters):
         micro = trainer.PackedMicro(**{k: jnp.asarray(v) for k, v in packed.micro(m).items()})
         grads, _ = step(adapters, grads, micro, batch, base)
     assert packed.num_micro > 1
-    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+    numerics.assert_trees_close(grads, want, ulps=GRAD_ULPS, err_msg="grad")
 
 
 def test_optimizer_state_holds_the_adapters_only(adapters):
@@ -269,8 +291,7 @@ def test_sharded_lora_step_matches_single_device(base, adapters):
             lambda x: jax.device_put(x, sharding.batch_sharding(mesh, x.ndim)), batch
         ), jax.device_put(base, sharding.param_shardings(CFG, mesh)),
     )  # fmt: skip
-    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    numerics.assert_trees_close(got, want, ulps=GRAD_ULPS, err_msg="grad")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -371,7 +392,7 @@ def test_peft_export_loads_in_peft_with_our_logits(tmp_path, base, adapters):
     with torch.no_grad():
         for hf in (peft_model, hf_merged.eval()):
             got = hf(input_ids=t_ids, attention_mask=t_mask).logits.numpy()
-            np.testing.assert_allclose(got[valid], want[valid], rtol=0, atol=1e-4)
+            numerics.assert_close(got[valid], want[valid], ulps=HF_ULPS)
     names = hf_export.adapter_tensors(CFG, adapters)
     assert names[0].name.startswith("base_model.model.model.layers.0.")
     assert {t.name for t in names} >= {

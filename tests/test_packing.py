@@ -10,6 +10,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numerics
 import numpy as np
 import optax
 import pytest
@@ -18,6 +19,13 @@ from grpo_jax import loss, model, packing, trainer
 
 CFG = model.ModelConfig.tiny()
 B, P, T = 8, 7, 6
+# Packed vs padded gradients of the x20-weight tiny model (tests/numerics.py): measured up to
+# ~1,900 ulps of each tensor's scale over AVX-512, AVX2 and SSE4.2 code, one or two threads and
+# YNNPACK dots (the saturated softmaxes amplify rounding); a normaliser one token off moves them
+# by 4.7e5 ulps and a dropped token by 5e6 (scripts/inject_bugs.py).
+GRAD_ULPS = 8192
+LOGP_ULPS = 256
+METRIC_ULPS = 512
 
 
 def _rollout(seed=0, group=1):
@@ -159,8 +167,9 @@ def test_packed_log_probs_equal_the_padded_forward(params, group):
         )
     valid = resp_mask.astype(bool)
     assert np.abs(np.asarray(want)[valid]).max() > 1.0  # not flat: the check has teeth
-    np.testing.assert_allclose(np.asarray(lp)[valid], np.asarray(want)[valid], atol=2e-5)
-    np.testing.assert_allclose(np.asarray(ent)[valid], np.asarray(want_ent)[valid], atol=2e-5)
+    # Another row layout and chunking: rounding at the scale of the largest |log p| or entropy.
+    numerics.assert_close(np.asarray(lp)[valid], np.asarray(want)[valid], ulps=LOGP_ULPS)
+    numerics.assert_close(np.asarray(ent)[valid], np.asarray(want_ent)[valid], ulps=LOGP_ULPS)
     assert np.all(np.asarray(lp)[~valid] == 0)
 
 
@@ -221,8 +230,9 @@ def test_packed_update_equals_the_unpadded_one_in_every_agg_mode(params, agg, gr
         for k, v in metrics.items():
             got_m[k] = got_m.get(k, 0.0) + float(v)
     assert packed.num_micro > 1
-    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_g), strict=True):
-        np.testing.assert_allclose(a, b, atol=2e-6, rtol=2e-4)
+    # Packing changes every reduction order of the forward and backward pass (row layout,
+    # micro-batch sums); the x20 weights make the softmaxes sharp, so rounding is amplified.
+    numerics.assert_trees_close(grads, want_g, ulps=GRAD_ULPS, err_msg="grad")
     assert float(want_m["actor/pg_clipfrac"]) > 0  # the clip branch is exercised
     for key in (
         "actor/pg_loss",
@@ -233,6 +243,7 @@ def test_packed_update_equals_the_unpadded_one_in_every_agg_mode(params, agg, gr
         "actor/ppo_kl",
         "actor/pg_clipfrac_lower",
     ):
-        np.testing.assert_allclose(
-            got_m[key], float(want_m[key]), rtol=1e-5, atol=1e-6, err_msg=key
-        )
+        # Sums over tokens of O(1) or larger terms: rounding at the scale max(|value|, 1).
+        want = float(want_m[key])
+        numerics.assert_close(got_m[key], want, ulps=METRIC_ULPS, scale=max(abs(want), 1.0),
+                              err_msg=key)  # fmt: skip
