@@ -6,9 +6,15 @@ Also the reference implementations (tests/reference.py): the session's verl work
 
 import collections
 import os
+import platform
 import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Added to any XLA_FLAGS the run sets (the CPU variants of scripts/test_cpu_variants.sh), unless
+# it names a device count itself.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -79,8 +85,39 @@ def pytest_collection_modifyitems(items):
             item.user_properties.append(("reference", name))
 
 
+# The instruction sets that change XLA:CPU's kernels and reduction orders (tests/numerics.py).
+_ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16",
+              "amx_tile")  # fmt: skip
+
+
+def machine_line() -> str:
+    """The CPU the suite ran on, its vector ISA and the XLA flags: tolerances must hold on any."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    isa = " ".join(x for x in _ISA_FLAGS if x in flags) or "unknown"
+    xla = os.environ.get("XLA_FLAGS", "")
+    return f"CPU: {model}, {os.cpu_count()} cores, ISA: {isa}; XLA_FLAGS={xla!r}"
+
+
 def pytest_terminal_summary(terminalreporter):
-    """One line per reference: how many of its tests passed, failed or were skipped."""
+    """One line per reference: how many of its tests passed, failed or were skipped; then the
+    machine the suite ran on."""
+    terminalreporter.section("reference implementations and machine")
+    _reference_lines(terminalreporter)
+    terminalreporter.write_line(machine_line())
+
+
+def _reference_lines(terminalreporter):
     outcomes = collections.defaultdict(collections.Counter)
     for kind in ("passed", "failed", "skipped", "error"):
         for report in terminalreporter.stats.get(kind, []):
@@ -88,9 +125,6 @@ def pytest_terminal_summary(terminalreporter):
             # One count per test: its call, or the phase that decided it (setup skip or error).
             if name and (report.when == "call" or kind in ("skipped", "error")):
                 outcomes[name][kind] += 1
-    if not outcomes:
-        return
-    terminalreporter.section("reference implementations")
     for name in sorted(outcomes):
         counts = ", ".join(f"{n} {kind}" for kind, n in sorted(outcomes[name].items()))
         version = reference.VERSIONS.get(name, "not run")
