@@ -81,8 +81,11 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from grpo_jax import config as config_lib
-from grpo_jax import loop, lora, packing, sampler, sharding, step, trainer
 from grpo_jax import model as model_lib
+from grpo_jax import sampler, sharding
+from grpo_jax.models import lora
+from grpo_jax.trainer import actor as actor_lib
+from grpo_jax.trainer import loop, packing, step
 
 GIB = 2**30
 
@@ -349,8 +352,8 @@ class Planner:
             self.params = lora.attach(self.base, adapters)  # the policy: base + adapters
         else:
             trained, trained_sh, self.params = abstract, self.param_sh, self.base
-        abstract_state = jax.eval_shape(functools.partial(trainer.init_state, tx=tx), trained)
-        state_sh = trainer.TrainState(
+        abstract_state = jax.eval_shape(functools.partial(actor_lib.init_state, tx=tx), trained)
+        state_sh = actor_lib.TrainState(
             sharding.replicated(mesh),
             trained_sh,
             sharding.tx_state_shardings(tx, trained, trained_sh, mesh),
@@ -420,10 +423,10 @@ class Planner:
     def _arr(self, shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.batch_sharding(self.mesh, 2))
 
-    def _batch(self, rows: int) -> trainer.TrainBatch:
+    def _batch(self, rows: int) -> actor_lib.TrainBatch:
         w, arr = self.w, self._arr
         s, t = w.prompt_len + w.response_len, w.response_len
-        return trainer.TrainBatch(
+        return actor_lib.TrainBatch(
             input_ids_BS=arr((rows, s), jnp.int32),
             attention_mask_BS=arr((rows, s), jnp.int32),
             response_ids_BT=arr((rows, t), jnp.int32),
@@ -444,13 +447,13 @@ class Planner:
             )
         return rows
 
-    def _micro(self, tokens_per_device: int) -> trainer.PackedMicro:
+    def _micro(self, tokens_per_device: int) -> actor_lib.PackedMicro:
         # The largest micro-batch packing makes: every row full, every slot a response token
         # (as `rows` slot groups of one row each: a group holds at most its rows x row_len
         # response tokens, so this bounds packing's pooled slots).
         rows, row_len = self.packed_rows(tokens_per_device), self.w.row_len
         tokens = self._arr((rows, row_len), jnp.int32)
-        return trainer.PackedMicro(*(tokens,) * 7)
+        return actor_lib.PackedMicro(*(tokens,) * 7)
 
     def train(self, micro_per_device: int) -> PhaseMemory:
         """One ``train_step`` (state donated) on the step's batch, one mini-batch of it."""

@@ -1,6 +1,6 @@
 r"""GRPO training CLI: `python train.py --config=configs/gsm8k.py[:variant] [--config.X=v]`.
 
-A thin layer over the library (grpo_jax/loop.py runs the loop, grpo_jax/step.py one step):
+A thin layer over the library (grpo_jax/trainer/loop.py runs the loop, grpo_jax/trainer/step.py one step):
 flags, the ml_collections config turned into grpo_jax.config dataclasses and validated before
 any model, data or device work, jax.distributed start-up, loading the tokenizer, model and data
 named by the config, then `loop.train`, and at the end the HF export (workdir/hf; with LoRA the
@@ -18,9 +18,12 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from grpo_jax import config as config_lib
-from grpo_jax import dataset, distributed, hf_export, loading, loop, metrics, plot, rewards
-from grpo_jax import sharding
+from grpo_jax import distributed, loading, sharding
 from grpo_jax import model as model_lib
+from grpo_jax.data import readers
+from grpo_jax.models import hf
+from grpo_jax.rewards import functions as reward_fns
+from grpo_jax.trainer import loop, metrics, plot
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (configs/*.py[:arg]).", lock_config=True
@@ -48,7 +51,7 @@ def check_config(c: ml_collections.ConfigDict) -> config_lib.RunConfig:
         except config_lib.ConfigError as e:
             problems += e.problems
     try:
-        rewards.from_config(run.reward, run.custom_reward_function)
+        loading.reward_fn(run.reward, run.custom_reward_function)
     except ValueError as e:
         problems.append(f"reward.fn: {e}")
     if problems:
@@ -113,8 +116,8 @@ def main(argv):
     with sharding.use_mesh(mesh, rules):
         run.check_mesh(mesh.shape["data"] * mesh.shape["fsdp"])
         tokenizer = loading.tokenizer(run.model)
-        train_examples = dataset.load_examples(run.data, "train")
-        val_examples = dataset.load_examples(run.data, "val")
+        train_examples = loading.examples(run.data, "train")
+        val_examples = loading.examples(run.data, "val")
         max_positions = run.data.max_prompt_length + run.data.max_response_length + 64
         model_config, params = loading.model(
             run.model, tokenizer, mesh, rules, max_positions=max_positions
@@ -135,7 +138,7 @@ def main(argv):
     if run.checkpoint.export_hf:
         hf_dir = os.path.join(workdir, "hf")
         if result.base_params is not None:
-            hf_export.save_adapter(
+            hf.save_adapter(
                 result.model_config, result.state.params, os.path.join(workdir, "hf_adapter"),
                 base_model_name_or_path=run.model.path or "",
             )  # fmt: skip

@@ -30,7 +30,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from grpo_jax import config, data, dataset, demo_task, loading, model, sampler  # noqa: E402
+from grpo_jax import config, loading, model, sampler  # noqa: E402
+from grpo_jax.data import demo_task, readers
+from grpo_jax.data import prompts as prompts_lib
 
 GSM8K = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k")
 
@@ -38,11 +40,11 @@ GSM8K = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "g
 def _sequences(args, cfg, params, tok):
     spec = config.DataConfig(source="files", path=os.path.join(GSM8K, "train.jsonl"),
                              val_path=os.path.join(GSM8K, "test.jsonl"))
-    examples = dataset.load_examples(spec, "train")[: args.prompts]
-    prompts = data.encode(tok, examples, max_prompt_length=512, filter_overlong_prompts=False,
+    examples = loading.examples(spec, "train")[: args.prompts]
+    prompts = prompts_lib.encode(tok, examples, max_prompt_length=512, filter_overlong_prompts=False,
                           truncation="left")
     eos, pad = loading.special_ids(tok, cfg)
-    pb = data.make_batch(prompts, list(range(args.prompts)), pad_token_id=pad)
+    pb = prompts_lib.make_batch(prompts, list(range(args.prompts)), pad_token_id=pad)
     r = sampler.sample(cfg, params, pb.prompt_ids_PT, pb.prompt_mask_PT, jax.random.key(0),
                        n=args.n, max_new_tokens=args.max_new_tokens, temperature=1.0,
                        eos_token_ids=eos, pad_token_id=pad)

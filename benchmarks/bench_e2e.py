@@ -68,12 +68,13 @@ def _hf_export(gguf: str, cache: str) -> str:
     out = os.path.join(cache, "smollm2-135m-instruct-hf")
     if os.path.exists(os.path.join(out, "model.safetensors")):
         return out
-    from grpo_jax import gguf_checkpoint, model
+    from grpo_jax import model
+    from grpo_jax.models import gguf as gguf_lib
 
     cfg, params = model.load_gguf(gguf)
     tmp = out + ".partial"
     model.save_hf_checkpoint(cfg, params, tmp)
-    gguf_checkpoint.load_tokenizer(gguf).save_pretrained(tmp)
+    gguf_lib.load_tokenizer(gguf).save_pretrained(tmp)
     os.replace(tmp, out)
     return out
 
@@ -213,7 +214,7 @@ def main():
     if not os.path.exists(os.path.join(GSM8K, "train.jsonl")):
         raise SystemExit(f"needs the GSM8K jsonl in {GSM8K}")
     sys.path.insert(0, REPO)
-    from grpo_jax import demo_task
+    from grpo_jax.data import demo_task
 
     gguf = args.model or demo_task.smollm2_gguf()
     cache = os.environ.get("GRPO_JAX_CACHE", os.path.expanduser("~/.cache/grpo_jax"))

@@ -38,7 +38,9 @@ def main():
     args = p.parse_args()
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from grpo_jax import demo_task, lora, model, sampler
+    from grpo_jax import model, sampler
+    from grpo_jax.data import demo_task
+    from grpo_jax.models import lora
 
     config, base = model.load_gguf(demo_task.smollm2_gguf())
     config = lora.configure(config, rank=args.rank, alpha=args.alpha, target_modules="all-linear")

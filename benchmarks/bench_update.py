@@ -141,23 +141,17 @@ def main():
     from ml_collections import config_dict
 
     from configs import gsm8k
-    from grpo_jax import (
-        advantage,
-        demo_task,
-        gguf_checkpoint,
-        loop,
-        model,
-        reward_score,
-        sampler,
-        step,
-        trainer,
-    )
+    from grpo_jax import advantage, model, sampler
     from grpo_jax import config as config_lib
+    from grpo_jax.data import demo_task
+    from grpo_jax.models import gguf as gguf_lib
+    from grpo_jax.rewards import scorers
+    from grpo_jax.trainer import actor, loop, step
 
     peak_start = _matmul_gflops(jax, jnp)
     gguf = demo_task.smollm2_gguf()
     cfg, params = model.load_gguf(gguf)
-    tok = gguf_checkpoint.load_tokenizer(gguf)
+    tok = gguf_lib.load_tokenizer(gguf)
     arrays = _rollout(args, cfg, params, tok)
 
     flags = [] if args.no_packing else list(bench_e2e.PACKED_FLAGS)
@@ -184,7 +178,7 @@ def main():
     )  # fmt: skip
     tx, _ = loop.make_optimizer(run, 10)
     programs = step.make_programs(run, model_config, tx, dp=1)
-    state = jax.jit(lambda p: trainer.init_state(p, tx))(params)
+    state = jax.jit(lambda p: actor.init_state(p, tx))(params)
     ref_params = jax.tree.map(jnp.copy, params)
 
     P = arrays["prompt_ids"].shape[0] // args.n
@@ -198,7 +192,7 @@ def main():
                             arrays["response_mask"])  # fmt: skip
     texts = step.decode(tok, arrays["response_ids"], arrays["response_mask"])
     answers = np.repeat(arrays["answers"], args.n)
-    scores = np.float32([reward_score.gsm8k_score(t, a) for t, a in zip(texts, answers)])
+    scores = np.float32([scorers.gsm8k_score(t, a) for t, a in zip(texts, answers)])
     token_scores = step.token_level_scores(jnp.asarray(scores), rollout.response_mask)
     adv_BT, _ = advantage.compute_grpo_outcome_advantage(
         token_scores, rollout.response_mask.astype(jnp.float32), rollout.group_ids

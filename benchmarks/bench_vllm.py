@@ -22,7 +22,8 @@ import time
 import jax
 import numpy as np
 
-from grpo_jax import model, sampler, vllm_sidecar
+from grpo_jax import model, sampler
+from grpo_jax.rollout import vllm_sidecar
 
 
 def _stats(xs):

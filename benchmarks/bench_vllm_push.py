@@ -22,7 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax import hf_export, model, vllm_sidecar
+from grpo_jax import model
+from grpo_jax.models import hf
+from grpo_jax.rollout import vllm_sidecar
 
 
 def _stats(xs):
@@ -52,7 +54,7 @@ def main():
 
     with tempfile.TemporaryDirectory() as workdir:
         t = time.perf_counter()
-        hf_export.save(config, versions[0], os.path.join(workdir, "export"), untie_embeddings=True)
+        hf.save(config, versions[0], os.path.join(workdir, "export"), untie_embeddings=True)
         out["export_s"] = round(time.perf_counter() - t, 3)
         out["export_mb"] = round(
             sum(e.stat().st_size for e in os.scandir(os.path.join(workdir, "export"))) / 2**20, 1

@@ -9,7 +9,7 @@ Phases are timed by wrapping GRPOTrainer's own methods: `_generate` (the rollout
 `_get_per_token_logps_and_entropies` called without gradients (the reference model's log-probs;
 no old log-probs are computed with one optimizer step per generation), and the rest of the step
 (the policy's forward and backward and the optimizer: the update). The reward is verl's GSM8K
-scorer from grpo_jax/reward_score.py (pure Python), called in TRL's batched signature.
+scorer from grpo_jax/rewards/scorers.py (pure Python), called in TRL's batched signature.
 """
 
 import argparse
@@ -46,7 +46,7 @@ def main():
     import trl
 
     sys.path.insert(0, REPO)
-    from grpo_jax import reward_score  # pure Python: no JAX in this venv
+    from grpo_jax.rewards import scorers  # pure Python: no JAX in this venv
 
     rows = []
     with open(args.data) as f:
@@ -54,14 +54,14 @@ def main():
             row = json.loads(line)
             rows.append({
                 "prompt": [{"role": "user", "content": row["question"] + INSTRUCTION}],
-                "ground_truth": reward_score.gsm8k_ground_truth(row["answer"]),
+                "ground_truth": scorers.gsm8k_ground_truth(row["answer"]),
             })  # fmt: skip
             if len(rows) == args.prompts * (args.steps + 1):
                 break
     train = datasets.Dataset.from_list(rows)
 
     def gsm8k_reward(prompts, completions, ground_truth, **kwargs):
-        return [reward_score.gsm8k_score(c[0]["content"], g)
+        return [scorers.gsm8k_score(c[0]["content"], g)
                 for c, g in zip(completions, ground_truth, strict=True)]  # fmt: skip
 
     batch = args.prompts * args.n

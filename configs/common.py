@@ -12,8 +12,9 @@ import ml_collections
 from ml_collections import config_dict
 
 from grpo_jax import config as config_lib
+from grpo_jax.data import readers
 
-VERL_GSM8K_INSTRUCTION = config_lib.VERL_GSM8K_INSTRUCTION
+VERL_GSM8K_INSTRUCTION = readers.VERL_GSM8K_INSTRUCTION
 
 
 def _autotype(value: str, default):
@@ -85,7 +86,7 @@ def use_builtin_task(c: ml_collections.ConfigDict) -> None:
     c.model.source = "random"
     c.model.tokenizer = "char"
     c.model.path = None
-    c.reward.fn = "grpo_jax.rewards:gsm8k_score"  # verl's strict "####" scorer
+    c.reward.fn = "grpo_jax.rewards.functions:gsm8k_score"  # verl's strict "####" scorer
 
 
 def make_smoke(c: ml_collections.ConfigDict) -> None:

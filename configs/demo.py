@@ -8,7 +8,7 @@ installed without its dependencies):
   python train.py --config=configs/demo.py:tiny   # random 2-layer model, char tokenizer (CI)
 
 Task: "a+b" with a, b in [0, 20] plus the instruction ' What is the sum? Write the final answer
-after "####".', inside SmolLM2's chat template (grpo_jax/demo_task.py, verl-layout rows, 48
+after "####".', inside SmolLM2's chat template (grpo_jax/data/demo_task.py, verl-layout rows, 48
 held-out sums for validation). Reward: demo_task.sum_reward, verl's GSM8K scorer with
 method="flexible" (the last number equals the sum: "acc") plus 0.1 for a "#### <number>" line,
 so the run rewards both the sums and writing "####" (the model never writes it unprompted, so a
@@ -32,7 +32,7 @@ tokenizer learns a 25-question addition table after a 70-step supervised warm-up
 """
 
 from configs import common
-from grpo_jax import demo_task
+from grpo_jax.data import demo_task
 
 
 def get_config(arg=None):
@@ -55,7 +55,7 @@ def get_config(arg=None):
     except FileNotFoundError as e:  # named in model.path's error when the run starts
         c.model.path = f"<{e}>"
     c.model.dtype = "float32"
-    c.reward.fn = "grpo_jax.demo_task:sum_reward"
+    c.reward.fn = "grpo_jax.data.demo_task:sum_reward"
     c.rollout.n = 8
     c.actor.ppo_mini_batch_size = 8
     c.actor.ppo_micro_batch_size_per_gpu = 16

@@ -18,7 +18,7 @@ run_qwen2_5-3b_gsm8k_grpo_lora.sh uses rank 64 / lr 3e-6 for 3B), 64 prompts per
 mini-batch (one update per step, on-policy), entropy_coeff 0.001, 1 epoch. verl's
 ppo_micro_batch_size=64 (global, 2 GPUs) is 32 sequences per device here.
 
-What LoRA changes (grpo_jax/lora.py): only the adapters train and only they have Adam state;
+What LoRA changes (grpo_jax/models/lora.py): only the adapters train and only they have Adam state;
 the base stays frozen and is also the KL reference (adapters switched off, no copy). The native
 sampler samples from the merged weights; with rollout.name="vllm", rollout.vllm.lora_sync picks
 "merged" pushes or "adapter" (PEFT files + vLLM's runtime LoRA loading; verl syncs adapters).

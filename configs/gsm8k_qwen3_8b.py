@@ -45,7 +45,7 @@ Knobs of the script that grpo_jax does not have:
     stays resident, so on its GPUs JAX has only 1 - gpu_memory_utilization of the memory (cap
     it with XLA_PYTHON_CLIENT_MEM_FRACTION=0.4; plan.py budgets with it). Like verl's 8 / TP =
     4 replicas, rollout.vllm.num_servers = 4 servers of TP 2 GPUs each (server i on GPUs 2i and
-    2i + 1, grpo_jax/vllm_pool.py) split every batch's prompts.
+    2i + 1, grpo_jax/rollout/vllm_pool.py) split every batch's prompts.
 """
 
 import os

@@ -744,8 +744,14 @@ _REGISTERED_ADV_ESTIMATORS = registry.Registry("advantage estimator", ADV_ESTIMA
 
 
 def adv_estimator_names():
-    """Every name ``compute_advantage`` accepts now: ``ADV_ESTIMATORS``, then registered ones."""
+    """Every name ``compute_advantage`` accepts now: ``ADV_ESTIMATORS``, then registered ones
+    (and any "module:function", imported when used)."""
     return _REGISTERED_ADV_ESTIMATORS.names()
+
+
+def check_adv_estimator(field: str, name) -> None:
+    """Raises ValueError('field=name ...') unless ``compute_advantage`` accepts ``name``."""
+    _REGISTERED_ADV_ESTIMATORS.check(field, name)
 
 
 def register_adv_est(name):
@@ -824,8 +830,8 @@ def compute_advantage(
             fn = remax
         case "gdpo":
             fn = gdpo
-        case _ if adv_estimator in _REGISTERED_ADV_ESTIMATORS:
-            fn = _REGISTERED_ADV_ESTIMATORS[adv_estimator]
+        case _ if adv_estimator in _REGISTERED_ADV_ESTIMATORS or ":" in adv_estimator:
+            fn = _REGISTERED_ADV_ESTIMATORS[adv_estimator]  # "module:function": imported here
         case _:
             valid = ", ".join(adv_estimator_names())
             why = _NOT_IMPLEMENTED.get(adv_estimator)

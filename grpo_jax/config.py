@@ -30,6 +30,14 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from grpo_jax import advantage, loss, registry, sampler
+from grpo_jax import rollout_correction as rc
+from grpo_jax.data import prompts, readers
+from grpo_jax.models import lora
+from grpo_jax.rewards import functions as reward_fns
+from grpo_jax.rollout import vllm_pool, vllm_sidecar
+from grpo_jax.trainer import actor as actor_lib
+
 
 class ConfigError(ValueError):
     """An invalid config; `problems` lists each one as 'dotted.field=value: why'."""
@@ -78,27 +86,16 @@ def _positive(checks: _Checks, obj, *names: str) -> None:
         checks.need(getattr(obj, name) >= 1, name, getattr(obj, name), "must be >= 1")
 
 
-def split_list(value: str | Sequence[str] | None) -> tuple[str, ...]:
-    """'a,b' / ['a', 'b'] / None -> ('a', 'b') / ('a', 'b') / (); blanks dropped."""
-    if value is None:
-        return ()
-    items = value.split(",") if isinstance(value, str) else value
-    return tuple(s.strip() for s in items if str(s).strip())
-
-
 # ---------------------------------------------------------------------------------------------
 # data
 
 
 DATA_SOURCES = ("files", "jsonl", "hf", "tfds", "arithmetic")
-TRUNCATION_MODES = ("error", "left", "right")
-ON_MALFORMED_MODES = ("skip", "error")
-VERL_GSM8K_INSTRUCTION = ' Let\'s think step by step and output the final answer after "####".'
 
 
 @dataclasses.dataclass(frozen=True)
 class ArithmeticConfig:
-    """The built-in arithmetic task (data.source="arithmetic"; grpo_jax/demo_task.py)."""
+    """The built-in arithmetic task (data.source="arithmetic"; grpo_jax/data/demo_task.py)."""
 
     num_train: int = 2000  # training questions
     num_val: int = 200  # held-out questions
@@ -118,7 +115,7 @@ class ArithmeticConfig:
 class DataConfig:
     """Section `data`: where prompts come from, their format, batch sizes and lengths.
 
-    Sources (grpo_jax/dataset.py): "files" (parquet / jsonl / json files in verl's layout, raw
+    Sources (grpo_jax/data/readers.py): "files" (parquet / jsonl / json files in verl's layout, raw
     GSM8K jsonl, or any layout with a `prompt_key` column; "jsonl" is the same), "hf" (anything
     `datasets.load_dataset` loads: a hub id when online, or a local dataset dir or script),
     "tfds" (a tensorflow-datasets builder, read through array_record without TensorFlow) and
@@ -136,7 +133,7 @@ class DataConfig:
     prompt_key: str = "prompt"  # column with chat messages (verl) or a plain prompt string (TRL)
     reward_fn_key: str = "data_source"  # column that selects the scorer (verl)
     ground_truth_key: str = "reward_model.ground_truth"  # dotted path of the ground truth
-    prompt_suffix: str = VERL_GSM8K_INSTRUCTION  # appended to raw GSM8K questions only
+    prompt_suffix: str = readers.VERL_GSM8K_INSTRUCTION  # appended to raw GSM8K questions only
     train_batch_size: int = 1024  # prompts per step
     # Prompts per generation batch of DAPO's dynamic sampling (algorithm.filter_groups); None =
     # train_batch_size.
@@ -156,8 +153,8 @@ class DataConfig:
     def __post_init__(self):
         c = _Checks("data")
         c.choice("source", self.source, DATA_SOURCES)
-        c.choice("truncation", self.truncation, TRUNCATION_MODES)
-        c.choice("on_malformed", self.on_malformed, ON_MALFORMED_MODES)
+        c.choice("truncation", self.truncation, prompts.TRUNCATION_MODES)
+        c.choice("on_malformed", self.on_malformed, readers.ON_MALFORMED_MODES)
         _positive(c, self, "train_batch_size", "val_batch_size", "max_prompt_length")
         _positive(c, self, "max_response_length", "prompt_length_bucket")
         c.need(
@@ -189,11 +186,11 @@ class DataConfig:
 
     @property
     def paths(self) -> tuple[str, ...]:
-        return split_list(self.path)
+        return registry.split_list(self.path)
 
     @property
     def val_paths(self) -> tuple[str, ...]:
-        return split_list(self.val_path)
+        return registry.split_list(self.val_path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,7 +239,7 @@ class ModelSpec:
     # "dots_except_mlp_in_saveable" (those but the MLP's gate/up), "dots_saveable" (every
     # matmul output).
     gradient_checkpointing_policy: str = "nothing_saveable"
-    # LoRA (grpo_jax/lora.py; verl's actor_rollout_ref.model.*): rank r of the adapters trained
+    # LoRA (grpo_jax/models/lora.py; verl's actor_rollout_ref.model.*): rank r of the adapters trained
     # on the frozen base; 0 = full fine-tuning. The reference is then the base, adapters off.
     lora_rank: int = 0
     lora_alpha: float = 16.0  # the adapters' scale is lora_alpha / lora_rank
@@ -252,7 +249,6 @@ class ModelSpec:
     tiny: TinyModelConfig = TinyModelConfig()
 
     def __post_init__(self):
-        from grpo_jax import lora
 
         c = _Checks("model")
         c.choice("source", self.source, ("hf", "random"))
@@ -292,7 +288,6 @@ class ModelSpec:
 # actor
 
 
-LR_SCHEDULES = ("constant", "cosine")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,7 +312,7 @@ class OptimConfig:
             "must be two values in [0, 1)",
         )
         c.need(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
-        c.choice("lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULES)
+        c.choice("lr_scheduler_type", self.lr_scheduler_type, actor_lib.LR_SCHEDULES)
         for name in ("lr_warmup_steps_ratio", "min_lr_ratio"):
             c.need(0 <= getattr(self, name) <= 1, name, getattr(self, name), "must be in [0, 1]")
         c.done()
@@ -334,7 +329,7 @@ class PolicyLossConfig:
     """Section `actor.policy_loss` (verl's PolicyLossConfig): the loss and its own settings."""
 
     # loss.POLICY_LOSS_MODES, a name given to loss.register_policy_loss, or "module:function"
-    # (imported and registered under that name).
+    # (imported when the loss is first computed).
     loss_mode: str = "vanilla"
     clip_cov_ratio: float = 0.0002  # clip_cov: share of tokens whose gradient is detached
     clip_cov_lb: float = 1.0  # clip_cov: covariance window
@@ -344,30 +339,12 @@ class PolicyLossConfig:
     dro_beta: float | None = None  # dro: the quadratic penalty's beta (required for dro)
 
     def __post_init__(self):
-        from grpo_jax import loss
 
         c = _Checks("actor.policy_loss")
-        if ":" in self.loss_mode:
-            c.call(_import_extension, "loss_mode", self.loss_mode, "policy loss")
-        else:
-            c.call(loss.check_choice, "loss_mode", self.loss_mode, loss.policy_loss_mode_names())
+        c.call(loss.check_policy_loss_mode, "loss_mode", self.loss_mode)
         c.need(self.loss_mode != "dro" or (self.dro_beta or 0) > 0, "dro_beta", self.dro_beta,
                "must be > 0 for loss_mode='dro'")
         c.done()
-
-
-def _import_extension(field: str, spec: str, what: str):
-    """A user's estimator or loss named "module:function": imported and registered under that
-    name (advantage.register_adv_est / loss.register_policy_loss), so the run can select it."""
-    from grpo_jax import advantage, loss, rewards
-
-    try:
-        fn = rewards.import_callable(spec, what=what)
-        register = loss.register_policy_loss if what == "policy loss" else advantage.register_adv_est
-        register(spec)(fn)
-    except ValueError as e:
-        raise ValueError(f"{field}: {e}") from None
-    return fn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,7 +358,7 @@ class ActorConfig:
     ppo_mini_batch_size: int = 256  # prompts per optimizer step (x rollout.n sequences)
     ppo_micro_batch_size_per_gpu: int = 8  # sequences per device per accumulation step
     use_dynamic_bsz: bool = False  # pack sequences into token-budget micro-batches instead
-    ppo_max_token_len_per_gpu: int = 16384  # that budget, tokens per device (grpo_jax/packing.py)
+    ppo_max_token_len_per_gpu: int = 16384  # that budget, tokens per device (grpo_jax/trainer/packing.py)
     ppo_epochs: int = 1  # passes over the batch (mu)
     clip_ratio: float = 0.2  # epsilon; verl's ActorConfig sets low/high explicitly (below)
     clip_ratio_low: float = 0.2  # epsilon_low (verl default 0.2, not clip_ratio)
@@ -414,14 +391,13 @@ class ActorConfig:
         )
         for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
             c.need(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
-        from grpo_jax import trainer  # the actor loss's own rules (modes, dual clip, KL type)
-
-        from grpo_jax import loss
 
         kwargs = self._loss_kwargs()
-        if kwargs["policy_loss_mode"] not in loss.policy_loss_mode_names():
+        try:
+            loss.check_policy_loss_mode("loss_mode", kwargs["policy_loss_mode"])
+        except ValueError:
             kwargs["policy_loss_mode"] = "vanilla"  # section actor.policy_loss reported it
-        c.call(trainer.check_loss_settings, **kwargs)
+        c.call(actor_lib.check_loss_settings, **kwargs)
         c.done()
 
     def _loss_kwargs(self) -> dict:
@@ -434,14 +410,13 @@ class ActorConfig:
 
     def loss_config(self, *, temperature: float):
         """The update's static `trainer.LossConfig` (plus the rollout temperature)."""
-        from grpo_jax import trainer
 
         pl = self.policy_loss
         extra = {"clip_cov_ratio": pl.clip_cov_ratio, "clip_cov_lb": pl.clip_cov_lb,
                  "clip_cov_ub": pl.clip_cov_ub, "kl_cov_ratio": pl.kl_cov_ratio,
                  "ppo_kl_coef": pl.ppo_kl_coef, "tau_pos": self.tau_pos, "tau_neg": self.tau_neg,
                  "dro_beta": pl.dro_beta}
-        return trainer.LossConfig(
+        return actor_lib.LossConfig(
             **self._loss_kwargs(),
             policy_loss_kwargs=tuple(sorted(extra.items())),
             clip_ratio=self.clip_ratio,
@@ -471,7 +446,6 @@ class ValKwargs:
     n: int = 1  # samples per validation prompt (mean@n, best@n, maj@n)
 
     def __post_init__(self):
-        from grpo_jax import sampler
 
         c = _Checks("rollout.val_kwargs")
         _positive(c, self, "n")
@@ -500,7 +474,7 @@ class VLLMSettings:
     # attach to running servers instead: "http://10.0.0.5:8000", or several, comma-separated
     url: str = ""
     # servers started (python) or attached (url), each fed every weight push; the prompts of a
-    # batch are split between them (grpo_jax/vllm_pool.py)
+    # batch are split between them (grpo_jax/rollout/vllm_pool.py)
     num_servers: int = 1
     host: str = "127.0.0.1"  # interface a started server listens on
     port: int = 0  # port of a started server; 0 = pick a free one
@@ -526,10 +500,9 @@ class VLLMSettings:
     def sidecar_config(self, *, tensor_parallel_size: int = 1):
         """The vllm_sidecar.VLLMConfig (raises ValueError naming a bad value); the tensor
         parallelism comes from rollout.tensor_model_parallel_size (verl's name)."""
-        from grpo_jax import vllm_sidecar  # only the vllm path needs it
 
         env = []
-        for item in split_list(self.env):
+        for item in registry.split_list(self.env):
             name, sep, value = item.partition("=")
             if not sep:
                 raise ValueError(f"env={self.env!r}: entry {item!r} must be NAME=VALUE")
@@ -547,11 +520,10 @@ class VLLMSettings:
 
     @property
     def urls(self) -> list[str]:
-        return split_list(self.url)
+        return registry.split_list(self.url)
 
     def sidecar_configs(self, *, tensor_parallel_size: int = 1) -> list:
         """One vllm_sidecar.VLLMConfig per server (num_servers, or each url)."""
-        from grpo_jax import vllm_pool
 
         one = self.sidecar_config(tensor_parallel_size=tensor_parallel_size)
         return vllm_pool.server_configs(one, self.num_servers, self.urls)
@@ -580,7 +552,6 @@ class RolloutConfig:
     vllm: VLLMSettings = VLLMSettings()
 
     def __post_init__(self):
-        from grpo_jax import sampler
 
         c = _Checks("rollout")
         c.choice("name", self.name, ("jax", "vllm"))
@@ -592,7 +563,6 @@ class RolloutConfig:
                "is for the native sampler (name='jax'); the vLLM server has its own devices")
         # Training divides the log-probs by the temperature, so the log-prob rule (> 0) applies
         # here; it implies the sampler's (>= 0), whose top-p and top-k rules come next.
-        from grpo_jax import loss
 
         ok = c.call(loss.check_temperature, self.temperature) is not None
         c.call(
@@ -694,7 +664,6 @@ class RolloutCorrectionConfig:
     loss_type: str = "ppo_clip"  # the bypass_mode loss's: "ppo_clip" | "reinforce"
 
     def __post_init__(self):
-        from grpo_jax import rollout_correction as rc
 
         c = _Checks("algorithm.rollout_correction")
         if self.rollout_is is not None:
@@ -737,14 +706,9 @@ class AlgorithmConfig:
     rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
 
     def __post_init__(self):
-        from grpo_jax import advantage, loss
 
         c = _Checks("algorithm")
-        if ":" in self.adv_estimator:
-            c.call(_import_extension, "adv_estimator", self.adv_estimator, "advantage estimator")
-        else:
-            c.call(loss.check_choice, "adv_estimator", self.adv_estimator,
-                   advantage.adv_estimator_names())
+        c.call(advantage.check_adv_estimator, "adv_estimator", self.adv_estimator)
         c.call(
             loss.check_choice,
             "kl_penalty",
@@ -757,7 +721,7 @@ class AlgorithmConfig:
             c.need(False, "gdpo_reward_weights", self.gdpo_reward_weights,
                    "must be comma-separated floats")
         else:
-            keys = split_list(self.gdpo_reward_keys)
+            keys = registry.split_list(self.gdpo_reward_keys)
             c.need(not weights or len(weights) == len(keys), "gdpo_reward_weights",
                    self.gdpo_reward_weights,
                    f"has {len(weights)} weights for {len(keys)} gdpo_reward_keys")
@@ -765,7 +729,7 @@ class AlgorithmConfig:
 
     @property
     def gdpo_weight_values(self) -> tuple[float, ...]:
-        return tuple(float(w) for w in split_list(self.gdpo_reward_weights))
+        return tuple(float(w) for w in registry.split_list(self.gdpo_reward_weights))
 
     @property
     def uses_groups(self) -> bool:
@@ -773,7 +737,6 @@ class AlgorithmConfig:
         return self.adv_estimator not in ("reinforce_plus_plus", "remax")
 
 
-ON_ERROR_MODES = ("raise", "zero")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -799,7 +762,7 @@ class OverlongBufferConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
-    """Section `reward`: the reward functions, how they are combined and run (grpo_jax/rewards.py).
+    """Section `reward`: the reward functions, how they are combined and run (grpo_jax/rewards/functions.py).
 
     A function is named "module:function" and may have any of three signatures, told apart by
     its parameter names: verl's `compute_score(data_source, solution_str, ground_truth,
@@ -807,7 +770,7 @@ class RewardConfig:
     list[float]`, or `fn(solution_str, ground_truth) -> float`.
     """
 
-    fn: str = "grpo_jax.reward_score:default_compute_score"  # comma-separated specs
+    fn: str = "grpo_jax.rewards.scorers:default_compute_score"  # comma-separated specs
     weights: str = ""  # comma-separated weights, "" = all 1.0
     on_error: str = "raise"  # "raise" (stop, naming function + sample) | "zero" (score 0, counted)
     num_workers: int = 2  # scorer processes; 0 = score in the trainer (no timeout)
@@ -816,7 +779,7 @@ class RewardConfig:
 
     def __post_init__(self):
         c = _Checks("reward")
-        c.choice("on_error", self.on_error, ON_ERROR_MODES)
+        c.choice("on_error", self.on_error, reward_fns.ON_ERROR_MODES)
         c.need(bool(self.specs), "fn", self.fn, "is empty: give at least one 'module:function'")
         c.need(self.num_workers >= 0, "num_workers", self.num_workers, "must be >= 0")
         c.need(self.timeout_s > 0, "timeout_s", self.timeout_s, "must be > 0")
@@ -835,11 +798,11 @@ class RewardConfig:
 
     @property
     def specs(self) -> tuple[str, ...]:
-        return split_list(self.fn)
+        return registry.split_list(self.fn)
 
     @property
     def weight_values(self) -> tuple[float, ...]:
-        given = split_list(self.weights)
+        given = registry.split_list(self.weights)
         return tuple(float(w) for w in given) if given else (1.0,) * len(self.specs)
 
 
@@ -888,7 +851,7 @@ class TrainerConfig:
     # validation samples logged per validation (workdir/val_generations.jsonl and the log)
     log_val_generations: int = 0
     tensorboard: bool = True  # also log to workdir/tensorboard
-    # Peak TFLOP/s per device for perf/mfu/actor; 0 = grpo_jax.perf's table of accelerators
+    # Peak TFLOP/s per device for perf/mfu/actor; 0 = grpo_jax.trainer.perf's table of accelerators
     # (bf16 dense), and no MFU on devices it does not list (CPU).
     device_peak_tflops: float = 0.0
     # Asynchronous rollouts (one step off-policy): the next step's batch is sampled, with the

@@ -196,9 +196,9 @@ def share():
     process."""
     if jax.process_count() == 1:
         return None
-    from grpo_jax import data
+    from grpo_jax.data import prompts
 
-    return data.Share(jax.process_index(), jax.process_count(), gather_rows)
+    return prompts.Share(jax.process_index(), jax.process_count(), gather_rows)
 
 
 def process_rows(global_rows: int) -> tuple[int, int]:

@@ -1,8 +1,11 @@
-"""The model and tokenizer of a `config.ModelSpec`: an HF checkpoint, a GGUF file or a random model.
+"""What a config names, loaded: the model and tokenizer (`config.ModelSpec`: an HF checkpoint, a
+GGUF file or a random model), the prompts (`config.DataConfig`) and the reward
+(`config.RewardConfig`).
 
-Used by train.py, and by library users who want the same loading: `tokenizer(spec)`, then
-`model(spec, tokenizer, mesh, rules)`, which places every parameter in its sharding as it is
-read (grpo_jax.model.load), and `special_ids` for the EOS and pad ids both engines use.
+Used by train.py and the loop, and by library users who want the same loading: `tokenizer(spec)`,
+then `model(spec, tokenizer, mesh, rules)`, which places every parameter in its sharding as it is
+read (grpo_jax.model.load); `special_ids` for the EOS and pad ids both engines use;
+`examples(data, "train")` for a split's prompts; `reward_fn(reward, custom)` for the scorer.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax import config as config_lib
-from grpo_jax import demo_task, sharding
 from grpo_jax import model as model_lib
+from grpo_jax import sharding
+from grpo_jax.data import demo_task, prompts, readers
+from grpo_jax.rewards import functions as reward_fns
 
 
 def tokenizer(spec: config_lib.ModelSpec):
@@ -23,9 +28,9 @@ def tokenizer(spec: config_lib.ModelSpec):
     if spec.tokenizer == "char":
         return demo_task.char_tokenizer()
     if spec.path.endswith(".gguf"):
-        from grpo_jax import gguf_checkpoint
+        from grpo_jax.models import gguf
 
-        return gguf_checkpoint.load_tokenizer(spec.path)
+        return gguf.load_tokenizer(spec.path)
     import transformers
 
     return transformers.AutoTokenizer.from_pretrained(spec.path)
@@ -88,3 +93,50 @@ def special_ids(tok, cfg: model_lib.ModelConfig) -> tuple[tuple[int, ...], int]:
         raise ValueError("neither the model config nor the tokenizer defines an EOS token")
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     return eos, pad
+
+
+def layout(cfg: config_lib.DataConfig) -> readers.Layout:
+    """Which columns of a row hold what (data.prompt_key, reward_fn_key, ground_truth_key)."""
+    return readers.Layout(
+        cfg.prompt_key, cfg.reward_fn_key, cfg.ground_truth_key, cfg.prompt_suffix
+    )
+
+
+def examples(cfg: config_lib.DataConfig, split: str) -> list[prompts.Example]:
+    """The examples of `split` ("train" or "val") from the configured source."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    cfg.check_source()
+    kw = {"on_malformed": cfg.on_malformed, "layout": layout(cfg)}
+    hub_split = cfg.train_split if split == "train" else cfg.val_split
+    if cfg.source in ("files", "jsonl"):
+        rows = readers.read_files(cfg.paths if split == "train" else cfg.val_paths, **kw)
+    elif cfg.source == "hf":
+        rows = readers.read_hf(cfg.paths[0], split=hub_split, name=cfg.hf_name, **kw)
+    elif cfg.source == "tfds":
+        rows = readers.read_tfds(cfg.tfds_name, split=hub_split, data_dir=cfg.tfds_data_dir, **kw)
+    else:
+        ar = cfg.arithmetic
+        train_rows, val_rows = demo_task.arithmetic_rows(
+            ar.num_train,
+            ar.num_val,
+            max_operand=ar.max_operand,
+            modulus=ar.modulus,
+            seed=ar.seed,
+            instruction=cfg.prompt_suffix,
+        )
+        raw = train_rows if split == "train" else val_rows
+        rows = readers.parse_rows(raw, source=f"arithmetic/{split}", **kw)
+    if split == "val" and cfg.val_max_samples > 0:
+        rows = rows[: cfg.val_max_samples]
+    return rows
+
+
+def reward_fn(
+    cfg: config_lib.RewardConfig,
+    custom: config_lib.CustomRewardFunction = config_lib.CustomRewardFunction(),
+) -> reward_fns.RewardFn:
+    """The run's reward: verl's custom_reward_function when its path is set, else reward.fn."""
+    if custom.path:
+        return reward_fns.from_file(custom.path, custom.name, on_error=cfg.on_error)
+    return reward_fns.make_reward_fn(cfg.fn, cfg.weights, on_error=cfg.on_error)

@@ -20,7 +20,7 @@ This module owns everything between per-token log-probs and the scalar actor los
   arXiv 2507.20673), ``sapo`` (soft gate, arXiv 2511.20347), ``dppo_tv`` / ``dppo_kl``
   (binary trust regions, arXiv 2602.04879) and ``dro`` (quadratic log-ratio penalty), all listed
   in ``POLICY_LOSS_MODES``; ``register_policy_loss`` adds user losses under new names. verl's
-  ``bypass_mode`` loss is ``rollout_correction.compute_policy_loss_bypass_mode``.
+  ``bypass_mode`` loss is ``compute_policy_loss_bypass_mode`` (below).
 * ``logprobs_from_logits``, ``entropy_from_logits`` (direct, for small vocabularies and tests),
   and the memory-aware ``logprobs_and_entropy_chunked`` (from logits) and
   ``logprobs_and_entropy_from_hidden`` (from final hidden states and an unembedding callable):
@@ -65,7 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax import registry
+from grpo_jax import registry, rollout_correction
 
 AGG_MODES = (
     "token-mean",
@@ -599,15 +599,18 @@ def _dro_token_losses(old_BT, lp_BT, adv_BT, mask_BT, *, dro_beta):
 
 
 # Policy losses added with register_policy_loss, by name. Only the decorator writes here.
-_REGISTERED_POLICY_LOSSES = registry.Registry("policy loss", POLICY_LOSS_MODES)
+_REGISTERED_POLICY_LOSSES = registry.Registry("policy loss", (*POLICY_LOSS_MODES, "bypass_mode"))
 
 
 def policy_loss_mode_names():
-    """Every mode ``compute_policy_loss`` accepts now: ``POLICY_LOSS_MODES``, then registered
-    ones (``bypass_mode`` among them, registered by grpo_jax.rollout_correction)."""
-    from grpo_jax import rollout_correction  # noqa: F401  (registers "bypass_mode")
-
+    """Every mode name ``compute_policy_loss`` accepts now: ``POLICY_LOSS_MODES``,
+    ``bypass_mode``, then registered ones (and any "module:function", imported when used)."""
     return _REGISTERED_POLICY_LOSSES.names()
+
+
+def check_policy_loss_mode(field: str, mode) -> None:
+    """Raises ValueError('field=mode ...') unless ``compute_policy_loss`` accepts ``mode``."""
+    _REGISTERED_POLICY_LOSSES.check(field, mode)
 
 
 def register_policy_loss(name):
@@ -704,8 +707,8 @@ def compute_policy_loss(
       be > 0 (ValueError, as verl). Metric ``actor/ppo_kl``.
     * a name added with ``register_policy_loss``: that function, with every keyword here.
 
-    * ``bypass_mode``: verl's bypass loss, ``rollout_correction.compute_policy_loss_bypass_mode``
-      (registered by that module), given its settings as ``rollout_correction=...``.
+    * ``bypass_mode``: verl's bypass loss, ``compute_policy_loss_bypass_mode``, given its
+      settings as ``rollout_correction=...``.
     L is multiplied by ``rollout_is_weights`` when given (except geo_mean, above), then
     aggregated with ``agg_loss``.
 
@@ -737,7 +740,7 @@ def compute_policy_loss(
         subsets above; empty for gpg). Metrics are masked means over valid tokens with
         denominator (sum of mask + 1e-8).
     """
-    check_choice("policy_loss_mode", policy_loss_mode, policy_loss_mode_names())
+    check_policy_loss_mode("policy_loss_mode", policy_loss_mode)
     check_choice("loss_agg_mode", loss_agg_mode, AGG_MODES)
     clip_low = clip_ratio if clip_ratio_low is None else clip_ratio_low
     clip_high = clip_ratio if clip_ratio_high is None else clip_ratio_high
@@ -747,6 +750,12 @@ def compute_policy_loss(
         "global_batch_size": global_batch_size,
         "loss_scale_factor": loss_scale_factor,
     }
+    if policy_loss_mode == "bypass_mode":
+        return _bypass_mode_policy_loss(
+            old_log_prob, log_prob, advantages, response_mask, loss_agg_mode=loss_agg_mode,
+            clip_ratio=clip_ratio, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+            clip_ratio_c=clip_ratio_c, **global_batch_info, **kwargs,
+        )  # fmt: skip
     if policy_loss_mode not in POLICY_LOSS_MODES:
         return _REGISTERED_POLICY_LOSSES[policy_loss_mode](
             old_log_prob,
@@ -840,6 +849,220 @@ def compute_policy_loss(
         loss_BT = loss_BT * weights_BT
     pg_loss = agg_loss(loss_BT, mask_BT, loss_agg_mode, **global_batch_info)
     return pg_loss, metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# BYPASS MODE (verl's rollout-correction losses: old_log_prob is the rollout engine's)
+# ----------------------------------------------------------------------------------------------
+
+
+def compute_policy_loss_reinforce(
+    rollout_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    *,
+    loss_agg_mode="seq-mean-token-sum",
+    rollout_is_weights=None,
+    dp_size=1,
+    batch_num_tokens=None,
+    global_batch_size=None,
+    loss_scale_factor=None,
+):
+    """REINFORCE with optional IS weights: L = -A log_prob w, no ratio and no clip.
+
+    Args:
+        rollout_log_prob: [B, T] rollout log-probs (only for the ``actor/ppo_kl`` metric).
+        log_prob: [B, T] current log-probs (differentiated).
+        advantages: [B, T] advantages.
+        response_mask: [B, T] 0/1 mask (rejection already applied).
+        loss_agg_mode: see ``agg_loss`` (verl's default for this function).
+        rollout_is_weights: optional [B, T] weights (treated as constants).
+        dp_size, batch_num_tokens, global_batch_size, loss_scale_factor: see ``agg_loss``.
+
+    Returns:
+        (pg_loss, {"actor/ppo_kl": masked mean of rollout_log_prob - log_prob}).
+    """
+    mask_BT = response_mask.astype(jnp.float32)
+    rollout_BT, lp_BT, adv_BT = (
+        jnp.where(mask_BT != 0, x.astype(jnp.float32), 0.0)
+        for x in (rollout_log_prob, log_prob, advantages)
+    )
+    loss_BT = -adv_BT * lp_BT
+    if rollout_is_weights is not None:
+        loss_BT = loss_BT * jnp.where(mask_BT != 0, rollout_is_weights.astype(jnp.float32), 0.0)
+    pg_loss = agg_loss(
+        loss_BT,
+        mask_BT,
+        loss_agg_mode,
+        dp_size=dp_size,
+        batch_num_tokens=batch_num_tokens,
+        global_batch_size=global_batch_size,
+        loss_scale_factor=loss_scale_factor,
+    )
+    ppo_kl = _masked_mean(-(lp_BT - rollout_BT), mask_BT)
+    return pg_loss, {"actor/ppo_kl": ppo_kl}
+
+
+def compute_policy_loss_bypass_mode(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    *,
+    loss_agg_mode="token-mean",
+    loss_type="ppo_clip",
+    rollout_is=None,
+    rollout_is_threshold=2.0,
+    rollout_is_batch_normalize=False,
+    rollout_rs=None,
+    rollout_rs_threshold=None,
+    clip_ratio=0.2,
+    clip_ratio_low=None,
+    clip_ratio_high=None,
+    clip_ratio_c=3.0,
+    dp_size=1,
+    batch_num_tokens=None,
+    global_batch_size=None,
+    loss_scale_factor=None,
+):
+    """verl's ``bypass_mode`` policy loss: old_log_prob is the rollout engine's log-prob.
+
+    IS weights and the rejection mask are computed from sg(log_prob) (the current policy)
+    against ``old_log_prob`` with the ``rollout_correction`` settings, then:
+
+    * ``loss_type="ppo_clip"``: ``compute_policy_loss`` vanilla on the rejection-masked
+      response (the ratio pi / pi_rollout already is the IS correction; weights not applied).
+    * ``loss_type="reinforce"``: ``compute_policy_loss_reinforce`` with the weights.
+
+    verl ignores the trainer's ``rollout_is_weights`` here (it recomputes them), so this
+    function does not take them. ``compute_policy_loss(policy_loss_mode="bypass_mode",
+    rollout_correction=<settings>)`` selects it by name.
+
+    Args:
+        old_log_prob: [B, T] rollout log-probs (bypass: old = rollout).
+        log_prob: [B, T] current log-probs (differentiated).
+        advantages: [B, T] advantages.
+        response_mask: [B, T] 0/1 response mask, with at least one valid token.
+        loss_agg_mode: see ``agg_loss``.
+        loss_type: "ppo_clip" or "reinforce" (config ``algorithm.rollout_correction.loss_type``).
+        rollout_is, rollout_is_threshold, rollout_is_batch_normalize, rollout_rs,
+            rollout_rs_threshold: see ``compute_rollout_correction``.
+        clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c: vanilla PPO settings.
+        dp_size, batch_num_tokens, global_batch_size, loss_scale_factor: see ``agg_loss``.
+
+    Returns:
+        (pg_loss, metrics): the chosen loss's metrics plus the ``rollout_corr/*`` metrics of the
+        current policy against the rollout.
+    """
+    if loss_type not in rollout_correction.LOSS_TYPES:
+        raise ValueError(
+            f"Invalid loss_type {loss_type!r}; valid: {', '.join(rollout_correction.LOSS_TYPES)}"
+        )
+    weights_BT, mask_BT, corr_metrics = rollout_correction.correction_and_rejection(
+        jax.lax.stop_gradient(log_prob),
+        old_log_prob,
+        response_mask,
+        rollout_is=rollout_is,
+        rollout_is_threshold=rollout_is_threshold,
+        rollout_is_batch_normalize=rollout_is_batch_normalize,
+        rollout_rs=rollout_rs,
+        rollout_rs_threshold=rollout_rs_threshold,
+    )
+    global_batch_info = {
+        "dp_size": dp_size,
+        "batch_num_tokens": batch_num_tokens,
+        "global_batch_size": global_batch_size,
+        "loss_scale_factor": loss_scale_factor,
+    }
+    if loss_type == "reinforce":
+        pg_loss, metrics = compute_policy_loss_reinforce(
+            old_log_prob,
+            log_prob,
+            advantages,
+            mask_BT,
+            loss_agg_mode=loss_agg_mode,
+            rollout_is_weights=weights_BT,
+            **global_batch_info,
+        )
+    else:
+        pg_loss, metrics = compute_policy_loss(
+            old_log_prob,
+            log_prob,
+            advantages,
+            mask_BT,
+            loss_agg_mode=loss_agg_mode,
+            clip_ratio=clip_ratio,
+            clip_ratio_low=clip_ratio_low,
+            clip_ratio_high=clip_ratio_high,
+            clip_ratio_c=clip_ratio_c,
+            policy_loss_mode="vanilla",
+            **global_batch_info,
+        )
+    return pg_loss, {**metrics, **corr_metrics}
+
+
+def _bypass_mode_policy_loss(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    *,
+    loss_agg_mode,
+    rollout_correction=None,
+    clip_ratio=0.2,
+    clip_ratio_low=None,
+    clip_ratio_high=None,
+    clip_ratio_c=3.0,
+    dp_size=1,
+    batch_num_tokens=None,
+    global_batch_size=None,
+    loss_scale_factor=None,
+    **unused,
+):
+    """``policy_loss_mode="bypass_mode"``: ``compute_policy_loss_bypass_mode`` by name (what
+    ``compute_policy_loss`` calls for that mode).
+
+    ``rollout_correction`` holds the ``algorithm.rollout_correction`` settings it reads
+    (``rollout_is``, ``rollout_is_threshold``, ``rollout_is_batch_normalize``, ``rollout_rs``,
+    ``rollout_rs_threshold``, ``loss_type``) as a dict or a tuple of (name, value) pairs, the way
+    verl hands the loss ``policy_loss.rollout_correction``. The trainer's ``rollout_is_weights``
+    and the other losses' settings in ``unused`` are ignored, as in verl.
+    """
+    del unused
+    if rollout_correction is None:
+        raise ValueError(
+            "policy_loss_mode='bypass_mode' needs rollout_correction=<the "
+            "algorithm.rollout_correction settings> (grpo_jax's config passes them when "
+            "algorithm.rollout_correction.bypass_mode=True)"
+        )
+    settings = dict(rollout_correction)
+    return compute_policy_loss_bypass_mode(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode=loss_agg_mode,
+        clip_ratio=clip_ratio,
+        clip_ratio_low=clip_ratio_low,
+        clip_ratio_high=clip_ratio_high,
+        clip_ratio_c=clip_ratio_c,
+        dp_size=dp_size,
+        batch_num_tokens=batch_num_tokens,
+        global_batch_size=global_batch_size,
+        loss_scale_factor=loss_scale_factor,
+        **{k: settings[k] for k in _BYPASS_SETTINGS if k in settings},
+    )
+
+
+_BYPASS_SETTINGS = (
+    "loss_type",
+    "rollout_is",
+    "rollout_is_threshold",
+    "rollout_is_batch_normalize",
+    "rollout_rs",
+    "rollout_rs_threshold",
+)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -57,8 +57,6 @@ import math
 import jax
 import jax.numpy as jnp
 
-from grpo_jax import loss
-
 SAFETY_BOUND = 20.0  # |log rho| clamp before exp: e^20 ~ 4.9e8
 ROLLOUT_IS_LEVELS = ("token", "sequence")
 ROLLOUT_RS_OPTIONS = (
@@ -557,7 +555,7 @@ def compute_rollout_probs_diff_metrics(old_log_prob, rollout_log_prob, response_
 # ----------------------------------------------------------------------------------------------
 
 
-def _correction_and_rejection(
+def correction_and_rejection(
     old_log_prob,
     rollout_log_prob,
     response_mask,
@@ -659,7 +657,7 @@ def compute_rollout_correction(
         )
     if bypass_mode:
         return None, response_mask, {}
-    weights_BT, mask_BT, metrics = _correction_and_rejection(
+    weights_BT, mask_BT, metrics = correction_and_rejection(
         old_log_prob,
         rollout_log_prob,
         response_mask,
@@ -678,209 +676,3 @@ def compute_rollout_correction(
 # ----------------------------------------------------------------------------------------------
 # BYPASS-MODE POLICY LOSS
 # ----------------------------------------------------------------------------------------------
-
-
-def compute_policy_loss_reinforce(
-    rollout_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
-    *,
-    loss_agg_mode="seq-mean-token-sum",
-    rollout_is_weights=None,
-    dp_size=1,
-    batch_num_tokens=None,
-    global_batch_size=None,
-    loss_scale_factor=None,
-):
-    """REINFORCE with optional IS weights: L = -A log_prob w, no ratio and no clip.
-
-    Args:
-        rollout_log_prob: [B, T] rollout log-probs (only for the ``actor/ppo_kl`` metric).
-        log_prob: [B, T] current log-probs (differentiated).
-        advantages: [B, T] advantages.
-        response_mask: [B, T] 0/1 mask (rejection already applied).
-        loss_agg_mode: see ``loss.agg_loss`` (verl's default for this function).
-        rollout_is_weights: optional [B, T] weights (treated as constants).
-        dp_size, batch_num_tokens, global_batch_size, loss_scale_factor: see ``loss.agg_loss``.
-
-    Returns:
-        (pg_loss, {"actor/ppo_kl": masked mean of rollout_log_prob - log_prob}).
-    """
-    mask_BT, (rollout_BT, lp_BT, adv_BT) = _prepare(
-        response_mask, rollout_log_prob, log_prob, advantages
-    )
-    loss_BT = -adv_BT * lp_BT
-    if rollout_is_weights is not None:
-        loss_BT = loss_BT * jnp.where(mask_BT != 0, rollout_is_weights.astype(jnp.float32), 0.0)
-    pg_loss = loss.agg_loss(
-        loss_BT,
-        mask_BT,
-        loss_agg_mode,
-        dp_size=dp_size,
-        batch_num_tokens=batch_num_tokens,
-        global_batch_size=global_batch_size,
-        loss_scale_factor=loss_scale_factor,
-    )
-    ppo_kl = jax.lax.stop_gradient(_masked_mean(-(lp_BT - rollout_BT), mask_BT))
-    return pg_loss, {"actor/ppo_kl": ppo_kl}
-
-
-def compute_policy_loss_bypass_mode(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
-    *,
-    loss_agg_mode="token-mean",
-    loss_type="ppo_clip",
-    rollout_is=None,
-    rollout_is_threshold=2.0,
-    rollout_is_batch_normalize=False,
-    rollout_rs=None,
-    rollout_rs_threshold=None,
-    clip_ratio=0.2,
-    clip_ratio_low=None,
-    clip_ratio_high=None,
-    clip_ratio_c=3.0,
-    dp_size=1,
-    batch_num_tokens=None,
-    global_batch_size=None,
-    loss_scale_factor=None,
-):
-    """verl's ``bypass_mode`` policy loss: old_log_prob is the rollout engine's log-prob.
-
-    IS weights and the rejection mask are computed from sg(log_prob) (the current policy)
-    against ``old_log_prob`` with the ``rollout_correction`` settings, then:
-
-    * ``loss_type="ppo_clip"``: ``loss.compute_policy_loss`` vanilla on the rejection-masked
-      response (the ratio pi / pi_rollout already is the IS correction; weights not applied).
-    * ``loss_type="reinforce"``: ``compute_policy_loss_reinforce`` with the weights.
-
-    verl ignores the trainer's ``rollout_is_weights`` here (it recomputes them), so this
-    function does not take them. To select it by name through ``compute_policy_loss`` /
-    ``actor_loss``, register a wrapper with ``loss.register_policy_loss("bypass_mode")`` that
-    takes ``**kwargs`` and passes the fields it needs.
-
-    Args:
-        old_log_prob: [B, T] rollout log-probs (bypass: old = rollout).
-        log_prob: [B, T] current log-probs (differentiated).
-        advantages: [B, T] advantages.
-        response_mask: [B, T] 0/1 response mask, with at least one valid token.
-        loss_agg_mode: see ``loss.agg_loss``.
-        loss_type: "ppo_clip" or "reinforce" (config ``algorithm.rollout_correction.loss_type``).
-        rollout_is, rollout_is_threshold, rollout_is_batch_normalize, rollout_rs,
-            rollout_rs_threshold: see ``compute_rollout_correction``.
-        clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c: vanilla PPO settings.
-        dp_size, batch_num_tokens, global_batch_size, loss_scale_factor: see ``loss.agg_loss``.
-
-    Returns:
-        (pg_loss, metrics): the chosen loss's metrics plus the ``rollout_corr/*`` metrics of the
-        current policy against the rollout.
-    """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"Invalid loss_type {loss_type!r}; valid: {', '.join(LOSS_TYPES)}")
-    weights_BT, mask_BT, corr_metrics = _correction_and_rejection(
-        jax.lax.stop_gradient(log_prob),
-        old_log_prob,
-        response_mask,
-        rollout_is=rollout_is,
-        rollout_is_threshold=rollout_is_threshold,
-        rollout_is_batch_normalize=rollout_is_batch_normalize,
-        rollout_rs=rollout_rs,
-        rollout_rs_threshold=rollout_rs_threshold,
-    )
-    global_batch_info = {
-        "dp_size": dp_size,
-        "batch_num_tokens": batch_num_tokens,
-        "global_batch_size": global_batch_size,
-        "loss_scale_factor": loss_scale_factor,
-    }
-    if loss_type == "reinforce":
-        pg_loss, metrics = compute_policy_loss_reinforce(
-            old_log_prob,
-            log_prob,
-            advantages,
-            mask_BT,
-            loss_agg_mode=loss_agg_mode,
-            rollout_is_weights=weights_BT,
-            **global_batch_info,
-        )
-    else:
-        pg_loss, metrics = loss.compute_policy_loss(
-            old_log_prob,
-            log_prob,
-            advantages,
-            mask_BT,
-            loss_agg_mode=loss_agg_mode,
-            clip_ratio=clip_ratio,
-            clip_ratio_low=clip_ratio_low,
-            clip_ratio_high=clip_ratio_high,
-            clip_ratio_c=clip_ratio_c,
-            policy_loss_mode="vanilla",
-            **global_batch_info,
-        )
-    return pg_loss, {**metrics, **corr_metrics}
-
-
-@loss.register_policy_loss("bypass_mode")
-def bypass_mode_policy_loss(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
-    *,
-    loss_agg_mode,
-    rollout_correction=None,
-    clip_ratio=0.2,
-    clip_ratio_low=None,
-    clip_ratio_high=None,
-    clip_ratio_c=3.0,
-    dp_size=1,
-    batch_num_tokens=None,
-    global_batch_size=None,
-    loss_scale_factor=None,
-    **unused,
-):
-    """``policy_loss_mode="bypass_mode"``: ``compute_policy_loss_bypass_mode`` by name.
-
-    ``rollout_correction`` holds the ``algorithm.rollout_correction`` settings it reads
-    (``rollout_is``, ``rollout_is_threshold``, ``rollout_is_batch_normalize``, ``rollout_rs``,
-    ``rollout_rs_threshold``, ``loss_type``) as a dict or a tuple of (name, value) pairs, the way
-    verl hands the loss ``policy_loss.rollout_correction``. The trainer's ``rollout_is_weights``
-    and the other losses' settings in ``unused`` are ignored, as in verl.
-    """
-    del unused
-    if rollout_correction is None:
-        raise ValueError(
-            "policy_loss_mode='bypass_mode' needs rollout_correction=<the "
-            "algorithm.rollout_correction settings> (grpo_jax's config passes them when "
-            "algorithm.rollout_correction.bypass_mode=True)"
-        )
-    settings = dict(rollout_correction)
-    return compute_policy_loss_bypass_mode(
-        old_log_prob,
-        log_prob,
-        advantages,
-        response_mask,
-        loss_agg_mode=loss_agg_mode,
-        clip_ratio=clip_ratio,
-        clip_ratio_low=clip_ratio_low,
-        clip_ratio_high=clip_ratio_high,
-        clip_ratio_c=clip_ratio_c,
-        dp_size=dp_size,
-        batch_num_tokens=batch_num_tokens,
-        global_batch_size=global_batch_size,
-        loss_scale_factor=loss_scale_factor,
-        **{k: settings[k] for k in _BYPASS_SETTINGS if k in settings},
-    )
-
-
-_BYPASS_SETTINGS = (
-    "loss_type",
-    "rollout_is",
-    "rollout_is_threshold",
-    "rollout_is_batch_normalize",
-    "rollout_rs",
-    "rollout_rs_threshold",
-)

@@ -218,7 +218,7 @@ def param_shardings(config: Any, mesh: Mesh, rules: Rules = LOGICAL_RULES) -> An
 
 
 def adapter_shardings(config: Any, mesh: Mesh, rules: Rules = LOGICAL_RULES) -> Any:
-    """Shardings for the LoRA adapters of ``config`` (grpo_jax/lora.py): each A / B is split like
+    """Shardings for the LoRA adapters of ``config`` (grpo_jax/models/lora.py): each A / B is split like
     its kernel on the input / output axes, the rank axis replicated; checked against shapes."""
     from grpo_jax import model  # lazy: keeps this module importable without flax
 

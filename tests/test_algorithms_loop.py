@@ -11,7 +11,9 @@ import numerics
 import numpy as np
 import pytest
 
-from grpo_jax import advantage, config, demo_task, loading, loop, sharding, step
+from grpo_jax import advantage, config, loading, loss, sharding
+from grpo_jax.data import demo_task
+from grpo_jax.trainer import loop, step
 
 # ---------------------------------------------------------------------------------------------
 # Pure pieces
@@ -96,7 +98,6 @@ def half_advantage(token_level_rewards, response_mask, group_ids, *, num_groups=
 
 def reinforce_loss(old_log_prob, log_prob, advantages, response_mask, *, loss_agg_mode, **kw):
     """A user policy loss: plain REINFORCE, -A log pi, token-mean."""
-    from grpo_jax import loss
 
     value = loss.agg_loss(-advantages * log_prob, response_mask, loss_agg_mode,
                           batch_num_tokens=kw["batch_num_tokens"],
@@ -104,7 +105,9 @@ def reinforce_loss(old_log_prob, log_prob, advantages, response_mask, *, loss_ag
     return value, {"actor/user_loss_called": jnp.float32(1.0)}
 
 
-def test_config_registers_module_function_extensions():
+def test_config_names_module_function_extensions_and_they_run():
+    # A config checks that "module:function" imports but registers nothing; the estimator and
+    # the loss are imported by name where they are first used.
     spec_adv = f"{__name__}:half_advantage"
     spec_loss = f"{__name__}:reinforce_loss"
     run = config.RunConfig(
@@ -114,7 +117,12 @@ def test_config_registers_module_function_extensions():
             ppo_mini_batch_size=2, policy_loss=config.PolicyLossConfig(loss_mode=spec_loss)
         ),
     )
-    assert spec_adv in advantage.adv_estimator_names()
+    assert spec_adv not in advantage.adv_estimator_names()
+    value, _ = loss.compute_policy_loss(
+        jnp.zeros((1, 2)), jnp.full((1, 2), -1.0), jnp.ones((1, 2)), jnp.ones((1, 2)),
+        loss_agg_mode="token-mean", policy_loss_mode=spec_loss,
+    )  # fmt: skip
+    assert np.isfinite(float(value)) and spec_loss in loss.policy_loss_mode_names()
     rewards_BT = jnp.array([[0, 1.0], [0, 0.0], [1.0, 0], [0, 0]])
     mask = jnp.ones((4, 2))
     ids = jnp.array([0, 0, 1, 1])

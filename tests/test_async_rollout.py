@@ -1,4 +1,4 @@
-"""Asynchronous rollouts (trainer.async_rollout, grpo_jax/async_rollout.py): the next batch is
+"""Asynchronous rollouts (trainer.async_rollout, grpo_jax/rollout/async_rollout.py): the next batch is
 sampled by the engine's own copy of the params while the trainer updates, one step off-policy,
 never across a checkpoint. Exact resume under SIGKILL is in tests/test_faults.py; the vLLM
 sidecar in async mode is in tests/test_vllm.py."""
@@ -10,7 +10,10 @@ import jax
 import numpy as np
 import pytest
 
-from grpo_jax import async_rollout, config, demo_task, loading, loop, sharding
+from grpo_jax import config, loading, sharding
+from grpo_jax.data import demo_task
+from grpo_jax.rollout import async_rollout
+from grpo_jax.trainer import loop
 
 
 def test_check_staleness_refuses_beyond_the_bound():
@@ -130,7 +133,7 @@ def test_async_batches_are_off_policy_and_corrected(tmp_path):
 def test_sampling_overlaps_the_update(tmp_path, monkeypatch):
     """The next batch is sampled while the trainer computes log-probs and updates: the
     background sample runs during step 1's train stage."""
-    from grpo_jax import step
+    from grpo_jax.trainer import step
 
     events = []
     real_sample, real_update = step.NativeEngine.sample, step.train_stage
@@ -186,7 +189,7 @@ def test_train_mesh_leaves_the_samplers_devices_out():
 def test_split_mesh_samples_on_its_own_devices(tmp_path, monkeypatch):
     """rollout.num_devices: the sampler's copy of the params lives on devices the trainer's
     mesh does not use, and the batch moves to the trainer's mesh for the update."""
-    from grpo_jax import step
+    from grpo_jax.trainer import step
 
     seen = []
     real = step.NativeEngine.sample
@@ -252,7 +255,8 @@ def test_resume_of_an_async_run_is_exact(tmp_path):
 def test_lora_async_samples_with_a_merged_copy(tmp_path, monkeypatch):
     """LoRA: the engine holds base + adapters merged (no adapters), the trainer's adapters
     train; the batch sampled ahead used the adapters of the step before."""
-    from grpo_jax import lora, step
+    from grpo_jax.models import lora
+    from grpo_jax.trainer import step
 
     held = []
     real = step.NativeEngine._hold

@@ -26,7 +26,10 @@ import pytest
 
 import train
 from configs import demo
-from grpo_jax import advantage, config, data, dataset, demo_task, loading, loss, metrics
+from grpo_jax import advantage, config, loading, loss
+from grpo_jax.data import demo_task, prompts, readers
+from grpo_jax.rewards import functions as reward_fns
+from grpo_jax.trainer import actor, metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -50,8 +53,8 @@ def _set(c, dotted: str, value) -> None:
 # Enum-like fields and their allowed values (from the library's own tuples).
 CHOICES = {
     "data.source": config.DATA_SOURCES,
-    "data.truncation": config.TRUNCATION_MODES,
-    "data.on_malformed": config.ON_MALFORMED_MODES,
+    "data.truncation": prompts.TRUNCATION_MODES,
+    "data.on_malformed": readers.ON_MALFORMED_MODES,
     "mesh.distributed": ("auto", "on", "off"),
     "model.source": ("hf", "random"),
     "model.tokenizer": ("hf", "char"),
@@ -60,13 +63,13 @@ CHOICES = {
     "actor.loss_agg_mode": loss.AGG_MODES,
     "actor.kl_loss_type": loss.KL_TYPES,
     "actor.policy_loss.loss_mode": loss.POLICY_LOSS_MODES,
-    "actor.optim.lr_scheduler_type": config.LR_SCHEDULES,
+    "actor.optim.lr_scheduler_type": actor.LR_SCHEDULES,
     "rollout.name": ("jax", "vllm"),
     "algorithm.adv_estimator": advantage.ADV_ESTIMATORS,
     "algorithm.kl_penalty": tuple(k for k in loss.KL_TYPES if not k.startswith("full")),
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "algorithm.rollout_correction.loss_type": ("ppo_clip", "reinforce"),
-    "reward.on_error": config.ON_ERROR_MODES,
+    "reward.on_error": reward_fns.ON_ERROR_MODES,
     "trainer.resume_mode": ("auto", "disable"),
 }
 
@@ -159,7 +162,7 @@ INVALID = [
     ("reward.timeout_s", 0.0, ["reward.timeout_s=0.0", "> 0"]),
     ("reward.fn", "no_colon", ["reward.fn", "'module:function'"]),
     ("reward.fn", "no_such_module_xyz:f", ["reward.fn", "cannot import module"]),
-    ("reward.fn", "grpo_jax.rewards:no_such_fn", ["reward.fn", "has no 'no_such_fn'"]),
+    ("reward.fn", "grpo_jax.rewards.functions:no_such_fn", ["reward.fn", "has no 'no_such_fn'"]),
     ("reward.weights", "1.0,x", ["reward.weights", "comma-separated floats"]),
     ("reward.weights", "1.0,2.0", ["reward.weights", "has 2 weights for 1 functions"]),
 ]
@@ -324,8 +327,8 @@ def _jsonl_config(path: str, **overrides):
 def _encode(run):
     """The train prompts the way loop.train tokenises them."""
     tok = loading.tokenizer(run.model)
-    examples = dataset.load_examples(run.data, "train")
-    return tok, data.encode(
+    examples = loading.examples(run.data, "train")
+    return tok, prompts.encode(
         tok,
         examples,
         max_prompt_length=run.data.max_prompt_length,
@@ -338,7 +341,7 @@ def test_malformed_rows_skipped_counted_with_line_numbers(tmp_path, caplog):
     path = _jsonl(tmp_path, [line for line, _ in ROWS])
     c = _jsonl_config(path, **{"data.on_malformed": "skip"})
     with caplog.at_level("WARNING"):
-        examples = dataset.load_examples(c.data, "train")
+        examples = loading.examples(c.data, "train")
     good_lines = [i + 1 for i, (_, why) in enumerate(ROWS) if why is None]
     bad = [(i + 1, why) for i, (_, why) in enumerate(ROWS) if why is not None]
     assert [ex.line for ex in examples] == good_lines
@@ -354,7 +357,7 @@ def test_malformed_rows_rejected_with_line_numbers(tmp_path):
     path = _jsonl(tmp_path, [line for line, _ in ROWS])
     c = _jsonl_config(path, **{"data.on_malformed": "error"})
     with pytest.raises(ValueError) as err:
-        dataset.load_examples(c.data, "train")
+        loading.examples(c.data, "train")
     msg = str(err.value)
     bad_lines = [i + 1 for i, (_, why) in enumerate(ROWS) if why is not None]
     assert f"{len(bad_lines)} malformed row(s)" in msg and "data.on_malformed='skip'" in msg
@@ -431,7 +434,7 @@ def test_overlong_prompts_truncated(tmp_path, side):
     tok, ps = _encode(c)
     assert len(ps) == 4 and ps.num_filtered == 0
     full = [
-        tok(data.chat_prompt(tok, q, suffix=""), add_special_tokens=False)["input_ids"]
+        tok(prompts.chat_prompt(tok, q, suffix=""), add_special_tokens=False)["input_ids"]
         for q in QUESTIONS
     ]
     assert [len(f) for f in full] == [5, 6, 7, 8]
@@ -476,7 +479,7 @@ REWARD_RUN = (
     "--config.checkpoint.export_hf=False",
     "--config.model.tiny.hidden_size=32",
     "--config.model.tiny.intermediate_size=64",
-    "--config.reward.fn=grpo_jax.rewards:gsm8k_score,test_faults:failing_reward",
+    "--config.reward.fn=grpo_jax.rewards.functions:gsm8k_score,test_faults:failing_reward",
 )
 
 

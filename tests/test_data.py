@@ -6,12 +6,12 @@ Reading files, HF datasets and tfds into Examples is tested in tests/test_datase
 import numpy as np
 import pytest
 
-from grpo_jax import data, demo_task
+from grpo_jax.data import demo_task, prompts
 
 
 def _examples(questions):
     return [
-        data.Example(({"role": "user", "content": q},), str(i), line=i + 1)
+        prompts.Example(({"role": "user", "content": q},), str(i), line=i + 1)
         for i, q in enumerate(questions)
     ]
 
@@ -19,9 +19,9 @@ def _examples(questions):
 def test_prompt_is_verl_instruction_in_chat_template():
     tok = demo_task.char_tokenizer()
     suffix = ' Let\'s think step by step and output the final answer after "####".'
-    text = data.chat_prompt(tok, "2+3?", suffix=suffix)
+    text = prompts.chat_prompt(tok, "2+3?", suffix=suffix)
     assert text == "<|user|>2+3?" + suffix + "<|assistant|>"
-    ps = data.encode(
+    ps = prompts.encode(
         tok,
         _examples(["2+3?" + suffix]),
         max_prompt_length=512,
@@ -32,8 +32,8 @@ def test_prompt_is_verl_instruction_in_chat_template():
     assert len(ps.prompt_ids[0]) == 1 + 4 + len(suffix) + 1
     assert tok.decode(ps.prompt_ids[0], skip_special_tokens=True) == "2+3?" + suffix
     # A plain-string prompt (TRL's standard format) is used as it is, without the template.
-    plain = data.Example("2+3=")
-    ps = data.encode(
+    plain = prompts.Example("2+3=")
+    ps = prompts.encode(
         tok, [plain], max_prompt_length=8, filter_overlong_prompts=False, truncation="error"
     )
     assert tok.decode(ps.prompt_ids[0], skip_special_tokens=False) == "2+3="
@@ -43,30 +43,30 @@ def test_overlong_filter_and_truncation():
     tok = demo_task.char_tokenizer()
     exs = _examples(["ab", "abcdef"])  # 4 and 8 tokens with the two role markers
     kw = dict(max_prompt_length=5)
-    ps = data.encode(tok, exs, filter_overlong_prompts=True, truncation="error", **kw)
+    ps = prompts.encode(tok, exs, filter_overlong_prompts=True, truncation="error", **kw)
     assert len(ps) == 1 and ps.num_filtered == 1 and ps.examples[0].prompt[0]["content"] == "ab"
     with pytest.raises(ValueError, match="line 2 has 8 tokens > data.max_prompt_length=5"):
-        data.encode(tok, exs, filter_overlong_prompts=False, truncation="error", **kw)
-    left = data.encode(tok, exs, filter_overlong_prompts=False, truncation="left", **kw)
-    right = data.encode(tok, exs, filter_overlong_prompts=False, truncation="right", **kw)
+        prompts.encode(tok, exs, filter_overlong_prompts=False, truncation="error", **kw)
+    left = prompts.encode(tok, exs, filter_overlong_prompts=False, truncation="left", **kw)
+    right = prompts.encode(tok, exs, filter_overlong_prompts=False, truncation="right", **kw)
     assert tok.decode(left.prompt_ids[1], skip_special_tokens=False) == "cdef<|assistant|>"
     assert tok.decode(right.prompt_ids[1], skip_special_tokens=False) == "<|user|>abcd"
     with pytest.raises(ValueError, match=r"error.*left.*right.*'middle'"):
-        data.encode(tok, exs, filter_overlong_prompts=False, truncation="middle", **kw)
+        prompts.encode(tok, exs, filter_overlong_prompts=False, truncation="middle", **kw)
 
 
 def test_make_batch_left_pads():
-    ps = data.PromptSet(tuple(_examples(["a", "b"])), ((7, 8, 9), (5,)), 0)
-    b = data.make_batch(ps, [1, 0], pad_token_id=0)
+    ps = prompts.PromptSet(tuple(_examples(["a", "b"])), ((7, 8, 9), (5,)), 0)
+    b = prompts.make_batch(ps, [1, 0], pad_token_id=0)
     np.testing.assert_array_equal(b.prompt_ids_PT, [[0, 0, 5], [7, 8, 9]])
     np.testing.assert_array_equal(b.prompt_mask_PT, [[0, 0, 1], [1, 1, 1]])
     assert b.ground_truths == ("1", "0")
 
 
-def _run(n, bs, steps, pos=data.Position(), seed=3):
+def _run(n, bs, steps, pos=prompts.Position(), seed=3):
     out = []
     for _ in range(steps):
-        idx, pos = data.next_indices(n, pos, bs, seed=seed, shuffle=True)
+        idx, pos = prompts.next_indices(n, pos, bs, seed=seed, shuffle=True)
         out.append(idx.tolist())
     return out, pos
 
@@ -74,17 +74,17 @@ def _run(n, bs, steps, pos=data.Position(), seed=3):
 def test_order_epochs_drop_last_and_exact_resume():
     # n=10, bs=4: 2 full batches per epoch, the last 2 prompts of each epoch's order dropped.
     batches, pos = _run(10, 4, 5)
-    assert pos == data.Position(epoch=2, index=4)
-    ep0 = data.epoch_order(10, epoch=0, seed=3, shuffle=True)
-    ep1 = data.epoch_order(10, epoch=1, seed=3, shuffle=True)
+    assert pos == prompts.Position(epoch=2, index=4)
+    ep0 = prompts.epoch_order(10, epoch=0, seed=3, shuffle=True)
+    ep1 = prompts.epoch_order(10, epoch=1, seed=3, shuffle=True)
     assert sorted(ep0.tolist()) == list(range(10))
     assert batches[0] + batches[1] == ep0[:8].tolist()
     assert batches[2] + batches[3] == ep1[:8].tolist()
     assert ep0.tolist() != ep1.tolist()  # reshuffled each epoch
     # Resuming from a saved position reproduces the uninterrupted sequence exactly.
     first, mid = _run(10, 4, 3)
-    rest, _ = _run(10, 4, 2, pos=data.Position(mid.epoch, mid.index))
+    rest, _ = _run(10, 4, 2, pos=prompts.Position(mid.epoch, mid.index))
     assert first + rest == batches
-    assert data.epoch_order(5, epoch=4, seed=0, shuffle=False).tolist() == [0, 1, 2, 3, 4]
+    assert prompts.epoch_order(5, epoch=4, seed=0, shuffle=False).tolist() == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="train_batch_size=11 exceeds the 10"):
-        data.steps_per_epoch(10, 11)
+        prompts.steps_per_epoch(10, 11)

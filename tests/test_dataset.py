@@ -1,4 +1,4 @@
-"""Reading prompt datasets (grpo_jax/dataset.py): every source and layout, and bad rows.
+"""Reading prompt datasets (grpo_jax/data/readers.py): every source and layout, and bad rows.
 
 The verl-layout parquet is built the way verl's examples/data_preprocess/gsm8k.py builds it
 (HF `datasets` map over the raw rows, then `to_parquet`); that script is not in verl's wheel or
@@ -11,10 +11,12 @@ import os
 
 import pytest
 
-from grpo_jax import config, dataset, demo_task, reward_score
+from grpo_jax import config, loading
+from grpo_jax.data import demo_task, readers
+from grpo_jax.rewards import scorers
 
 GSM8K_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k")
-INSTRUCTION = config.VERL_GSM8K_INSTRUCTION
+INSTRUCTION = readers.VERL_GSM8K_INSTRUCTION
 
 
 def _write_jsonl(path, rows):
@@ -52,7 +54,7 @@ def test_malformed_rows_skipped_with_line_numbers(tmp_path, caplog):
             json.dumps({"text": "no prompt here"}),
         ],
     )
-    exs = dataset.read_jsonl(path, on_malformed="skip")
+    exs = readers.read_jsonl(path, on_malformed="skip")
     assert [(e.line, e.ground_truth) for e in exs] == [(1, "5"), (6, "1234")]
     assert "6 malformed row(s)" in caplog.text
     for line in (
@@ -69,13 +71,13 @@ def test_malformed_rows_skipped_with_line_numbers(tmp_path, caplog):
 def test_malformed_rows_rejected(tmp_path):
     path = _write_jsonl(tmp_path / "d.jsonl", [GOOD, json.dumps({"question": "q", "answer": "x"})])
     with pytest.raises(ValueError, match=r"1 malformed row\(s\): line 2"):
-        dataset.read_jsonl(path, on_malformed="error")
+        readers.read_jsonl(path, on_malformed="error")
     with pytest.raises(ValueError, match=r"skip.*error.*'drop'"):
-        dataset.read_jsonl(path, on_malformed="drop")
+        readers.read_jsonl(path, on_malformed="drop")
 
 
 def test_raw_gsm8k_row_becomes_verls_row():
-    (ex,) = dataset.parse_rows(_raw_rows(1, 1000), source="t", on_malformed="error")
+    (ex,) = readers.parse_rows(_raw_rows(1, 1000), source="t", on_malformed="error")
     # verl's preprocessing: question + " " + instruction, one user turn; commas dropped.
     assert ex.prompt == (
         {"role": "user", "content": _raw_rows(1, 1000)[0]["question"] + INSTRUCTION},
@@ -96,7 +98,7 @@ def _verl_gsm8k_parquet(raw_rows, path, split):
             "ability": "math",
             "reward_model": {
                 "style": "rule",
-                "ground_truth": reward_score.gsm8k_ground_truth(answer_raw),
+                "ground_truth": scorers.gsm8k_ground_truth(answer_raw),
             },
             "extra_info": {
                 "split": split,
@@ -123,8 +125,8 @@ def test_verl_parquet_equals_the_raw_jsonl_path(tmp_path):
     raw = _real_or_synthetic(40)
     parquet = _verl_gsm8k_parquet(raw, tmp_path / "test.parquet", "test")
     jsonl = _write_jsonl(tmp_path / "test.jsonl", raw)
-    from_verl = dataset.read_files([parquet], on_malformed="error")
-    from_raw = dataset.read_files([jsonl], on_malformed="error")
+    from_verl = readers.read_files([parquet], on_malformed="error")
+    from_raw = readers.read_files([jsonl], on_malformed="error")
     assert len(from_verl) == len(from_raw) == 40
     for a, b in zip(from_verl, from_raw, strict=True):
         assert (a.prompt, a.ground_truth, a.data_source, a.answer) == (
@@ -146,7 +148,7 @@ def test_several_files_are_concatenated_and_keep_their_sources(tmp_path):
             for i in range(2)
         ],
     )
-    exs = dataset.read_files([gsm, other], on_malformed="error")
+    exs = readers.read_files([gsm, other], on_malformed="error")
     assert [e.data_source for e in exs] == ["openai/gsm8k"] * 3 + ["echo"] * 2
     assert exs[3].prompt == "Say 0." and exs[4].ground_truth == "1"
 
@@ -163,14 +165,14 @@ def test_trl_layout_and_column_mapping(tmp_path):
             "level": 3,
         }
     ]
-    layout = dataset.Layout(
+    layout = readers.Layout(
         prompt_key="question_msgs", reward_fn_key="src", ground_truth_key="solution"
     )
-    (ex,) = dataset.parse_rows(rows, source="t", on_malformed="error", layout=layout)
+    (ex,) = readers.parse_rows(rows, source="t", on_malformed="error", layout=layout)
     assert [m["role"] for m in ex.prompt] == ["system", "user"]
     assert (ex.ground_truth, ex.data_source, ex.columns["level"]) == ("2", "toy", 3)
     # No ground truth at the configured path: None (TRL-style rewards read their own columns).
-    (ex,) = dataset.parse_rows([{"prompt": "hi"}], source="t", on_malformed="error")
+    (ex,) = readers.parse_rows([{"prompt": "hi"}], source="t", on_malformed="error")
     assert (ex.ground_truth, ex.data_source) == (None, "unknown")
 
 
@@ -187,8 +189,8 @@ def test_hf_datasets_local_dir_with_configs(tmp_path):
         "    path: main/train-*\n  - split: test\n    path: main/test-*\n---\n"
     )
     cfg = config.DataConfig(source="hf", path=str(root), hf_name="main")
-    train = dataset.load_examples(cfg, "train")
-    val = dataset.load_examples(cfg, "val")
+    train = loading.examples(cfg, "train")
+    val = loading.examples(cfg, "val")
     assert len(train) == 6 and len(val) == 2 and val[0].ground_truth == "52"
 
 
@@ -222,8 +224,8 @@ def test_tfds_source_reads_a_prepared_dataset_without_tensorflow(tmp_path):
         files[f"{name}.jsonl"] = _write_jsonl(tmp_path / f"{name}.jsonl", rows)
     _prepare_tfds_offline(tmp_path / "tfds", files)
     cfg = config.DataConfig(source="tfds", tfds_data_dir=str(tmp_path / "tfds"))
-    train, val = dataset.load_examples(cfg, "train"), dataset.load_examples(cfg, "val")
-    want = dataset.read_jsonl(files["test.jsonl"], on_malformed="error")
+    train, val = loading.examples(cfg, "train"), loading.examples(cfg, "val")
+    want = readers.read_jsonl(files["test.jsonl"], on_malformed="error")
     assert len(train) == 5
     assert sorted(e.ground_truth for e in val) == sorted(e.ground_truth for e in want)
     assert {e.data_source for e in val} == {"openai/gsm8k"}
@@ -231,7 +233,7 @@ def test_tfds_source_reads_a_prepared_dataset_without_tensorflow(tmp_path):
 
 def test_arithmetic_rows_parse_and_are_disjoint():
     train, val = demo_task.arithmetic_rows(300, 50, max_operand=29, seed=0, instruction=" Sum?")
-    exs = dataset.parse_rows(train, source="demo", on_malformed="error")
+    exs = readers.parse_rows(train, source="demo", on_malformed="error")
     for e in exs:
         question = e.prompt[0]["content"].removesuffix(" Sum?")
         a, b = map(int, question.split("+"))
@@ -251,7 +253,7 @@ def test_real_gsm8k_splits_parse_completely():
         val_path=os.path.join(GSM8K_DIR, "test.jsonl"),
         on_malformed="error",
     )
-    train, val = dataset.load_examples(cfg, "train"), dataset.load_examples(cfg, "val")
+    train, val = loading.examples(cfg, "train"), loading.examples(cfg, "val")
     assert (len(train), len(val)) == (7473, 1319)
     # 14 test ground truths carry a thousands comma that verl's preprocessing removes.
     assert all("," not in e.ground_truth for e in train + val)

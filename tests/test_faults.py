@@ -46,7 +46,7 @@ import numpy as np
 import pytest
 from safetensors import numpy as safetensors_np
 
-from grpo_jax import checkpoint, metrics, trainer
+from grpo_jax.trainer import actor, checkpoint, metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -216,7 +216,7 @@ def _resumed_from(log: str) -> int | None:
 # final but before its metrics row is written. Too short a window to hit with a timed signal.
 EXIT_AFTER_SAVE = """
 import os, runpy, sys
-from grpo_jax import checkpoint
+from grpo_jax.trainer import checkpoint
 real_save = checkpoint.save
 def save(*args, **kwargs):
     real_save(*args, **kwargs)
@@ -362,7 +362,7 @@ ASYNC_OVERRIDES = ("--config.trainer.async_rollout=True", "--config.trainer.save
 
 def test_exact_resume_of_async_rollouts_after_sigkills(tmp_path, jax_cache):
     """trainer.async_rollout: batch t+1 is sampled during update t, but never across a
-    checkpoint (grpo_jax/async_rollout.py). SIGKILL inside step 2 (no checkpoint yet) and inside
+    checkpoint (grpo_jax/rollout/async_rollout.py). SIGKILL inside step 2 (no checkpoint yet) and inside
     step 4 (with step 4's batch sampled during step 3's update); the restarted run must equal
     an uninterrupted async run bitwise, with no sample lost or used twice."""
     ref = str(tmp_path / "reference")
@@ -500,11 +500,11 @@ def test_corrupt_latest_checkpoint_end_to_end(reference, tmp_path, jax_cache):
 @pytest.mark.parametrize("bad", ["nan_grad", "inf_grad", "nan_loss"])
 def test_nonfinite_update_is_skipped(bad):
     """apply_gradients leaves params and optimizer state bitwise unchanged and flags the skip."""
-    tx = trainer.make_optimizer(grad_clip=1.0, betas=(0.9, 0.999), weight_decay=0.01)
+    tx = actor.make_optimizer(grad_clip=1.0, betas=(0.9, 0.999), weight_decay=0.01)
     params = {"w": jnp.arange(6, dtype=jnp.float32).reshape(2, 3)}
-    state = trainer.init_state(params, tx)
+    state = actor.init_state(params, tx)
     good = {"w": jnp.full((2, 3), 0.5, jnp.float32)}
-    state, m = trainer.apply_gradients(state, good, jnp.float32(1.0), jnp.float32(0.1), tx)
+    state, m = actor.apply_gradients(state, good, jnp.float32(1.0), jnp.float32(0.1), tx)
     assert float(m["actor/update_skipped"]) == 0.0
     grads, loss_value = good, jnp.float32(1.0)
     if bad == "nan_grad":
@@ -513,7 +513,7 @@ def test_nonfinite_update_is_skipped(bad):
         grads = {"w": good["w"].at[1, 2].set(jnp.inf)}
     else:
         loss_value = jnp.float32(jnp.nan)
-    new, m = trainer.apply_gradients(state, grads, loss_value, jnp.float32(0.1), tx)
+    new, m = actor.apply_gradients(state, grads, loss_value, jnp.float32(0.1), tx)
     assert float(m["actor/update_skipped"]) == 1.0
     for a, b in zip(
         jax.tree.leaves((new.params, new.opt_state)),

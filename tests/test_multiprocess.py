@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 import workers
 
-from grpo_jax import config, data, demo_task, distributed, loading, loop, sharding
+from grpo_jax import config, distributed, loading, sharding
+from grpo_jax.data import demo_task, prompts
+from grpo_jax.trainer import loop
 
 
 def calls_counting_tokenizer():
@@ -33,27 +35,27 @@ def calls_counting_tokenizer():
 def test_encode_in_shares_equals_encode_whole():
     """Each share tokenises only its rows, yet knows every kept prompt's length; reading a
     prompt of another share tokenises it then, with the same truncation."""
-    examples = [data.Example(prompt="ab" * (3 * k % 40 + 1), line=k + 1) for k in range(23)]
+    examples = [prompts.Example(prompt="ab" * (3 * k % 40 + 1), line=k + 1) for k in range(23)]
     kw = dict(max_prompt_length=60, filter_overlong_prompts=False, truncation="left")
-    whole = data.encode(demo_task.char_tokenizer(), examples, **kw)
+    whole = prompts.encode(demo_task.char_tokenizer(), examples, **kw)
 
     def local_lengths(p):
-        ids = data._tokenize(demo_task.char_tokenizer(), examples[p::2])
+        ids = prompts._tokenize(demo_task.char_tokenizer(), examples[p::2])
         out = np.full(12, -1, np.int64)
         out[: len(ids)] = [len(i) for i in ids]
         return out
 
     for p in range(2):
         tok, seen = calls_counting_tokenizer()
-        share = data.Share(p, 2, lambda local: np.concatenate([local_lengths(0),
+        share = prompts.Share(p, 2, lambda local: np.concatenate([local_lengths(0),
                                                                local_lengths(1)]))
-        part = data.encode(tok, examples, **kw, share=share)
+        part = prompts.encode(tok, examples, **kw, share=share)
         assert len(seen) == len(examples[p::2])  # only its share
         assert part.lengths == whole.lengths and part.examples == whole.examples
         assert [part.prompt_ids[i] for i in range(len(part))] == list(whole.prompt_ids)
         assert max(whole.lengths) == 60  # some prompts were truncated
-        batch = data.make_batch(part, [3, 4, 5, 6], pad_token_id=0, rows=(2, 4))
-        full = data.make_batch(whole, [3, 4, 5, 6], pad_token_id=0)
+        batch = prompts.make_batch(part, [3, 4, 5, 6], pad_token_id=0, rows=(2, 4))
+        full = prompts.make_batch(whole, [3, 4, 5, 6], pad_token_id=0)
         np.testing.assert_array_equal(batch.prompt_ids_PT, full.prompt_ids_PT[2:4])
         assert batch.examples == full.examples and batch.rows == (2, 4)
 

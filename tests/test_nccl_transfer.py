@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from grpo_jax import hf_export, model, nccl_transfer, sharding
+from grpo_jax import model, sharding
+from grpo_jax.models import hf
+from grpo_jax.rollout import nccl_transfer
 
 
 def test_unavailable_on_cpu_names_the_backend():
@@ -38,7 +40,7 @@ def test_worker_init_info_is_vllms_torch_free_rendezvous():
 
 def test_update_info_lists_the_export_tensors_in_order():
     config = model.ModelConfig.tiny(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
-    tensors = hf_export.hf_tensors(
+    tensors = hf.hf_tensors(
         config, model.abstract_params(config), untie_embeddings=True
     )  # shapes only: nothing is gathered
     info = nccl_transfer.update_info(tensors)
@@ -46,7 +48,7 @@ def test_update_info_lists_the_export_tensors_in_order():
     assert info["names"] == [t.name for t in tensors]
     assert set(info["dtype_names"]) == {"bfloat16"}
     assert info["shapes"][0] == [128, 32]  # lm_head [V, D], from the tied embedding
-    bad = [hf_export.HFTensor("x", "p", None, "same", (2,), np.dtype(np.complex64))]
+    bad = [hf.HFTensor("x", "p", None, "same", (2,), np.dtype(np.complex64))]
     with pytest.raises(ValueError, match="'x' has dtype complex64"):
         nccl_transfer.update_info(bad)
 

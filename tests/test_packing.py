@@ -1,4 +1,4 @@
-"""Packed token-budget micro-batches (grpo_jax/packing.py) compute exactly the unpadded numbers.
+"""Packed token-budget micro-batches (grpo_jax/trainer/packing.py) compute exactly the unpadded numbers.
 
 The reference is the padded computation on one micro-batch (trainer.train_step with the whole
 mini-batch as its micro-batch; padding never contributes there either): the packed loss,
@@ -15,7 +15,8 @@ import numpy as np
 import optax
 import pytest
 
-from grpo_jax import loss, model, packing, trainer
+from grpo_jax import loss, model
+from grpo_jax.trainer import actor, packing
 
 CFG = model.ModelConfig.tiny()
 B, P, T = 8, 7, 6
@@ -134,7 +135,7 @@ def _padded_batch(prompt_ids, prompt_mask, resp_ids, resp_mask, seed=0):
     r = np.random.default_rng(seed + 10)
     adv = (r.normal(size=(B, 1)) * resp_mask).astype(np.float32)
     ref = (-2.0 + r.normal(size=(B, T)) * resp_mask).astype(np.float32)
-    return trainer.TrainBatch(
+    return actor.TrainBatch(
         input_ids_BS=jnp.asarray(np.concatenate([prompt_ids, resp_ids], 1)),
         attention_mask_BS=jnp.asarray(np.concatenate([prompt_mask, resp_mask], 1)),
         response_ids_BT=jnp.asarray(resp_ids),
@@ -148,7 +149,7 @@ def _padded_batch(prompt_ids, prompt_mask, resp_ids, resp_mask, seed=0):
 def test_packed_log_probs_equal_the_padded_forward(params, group):
     prompt_ids, prompt_mask, resp_ids, resp_mask = _rollout(2, group)
     batch = _padded_batch(prompt_ids, prompt_mask, resp_ids, resp_mask)
-    want, want_ent = trainer.compute_log_probs(
+    want, want_ent = actor.compute_log_probs(
         CFG,
         params,
         batch,
@@ -161,8 +162,8 @@ def test_packed_log_probs_equal_the_padded_forward(params, group):
     assert packed.num_micro > 1  # the budget really splits the batch
     lp = ent = jnp.zeros((B, T))
     for m in range(packed.num_micro):
-        micro = trainer.PackedMicro(**{k: jnp.asarray(v) for k, v in packed.micro(m).items()})
-        lp, ent = trainer.packed_log_probs_into(
+        micro = actor.PackedMicro(**{k: jnp.asarray(v) for k, v in packed.micro(m).items()})
+        lp, ent = actor.packed_log_probs_into(
             CFG, params, micro, lp, ent, temperature=0.7, chunk_size=16, calculate_entropy=True
         )
     valid = resp_mask.astype(bool)
@@ -175,10 +176,10 @@ def test_packed_log_probs_equal_the_padded_forward(params, group):
 
 def _grads_and_metrics_padded(params, batch, lc):
     """The unpadded reference: one micro-batch, gradient through one SGD step."""
-    state = trainer.init_state(params, _SGD)
+    state = actor.init_state(params, _SGD)
     new, metrics = jax.jit(
         functools.partial(
-            trainer.train_step,
+            actor.train_step,
             model_config=CFG,
             loss_config=lc,
             tx=_SGD,
@@ -199,7 +200,7 @@ def test_packed_update_equals_the_unpadded_one_in_every_agg_mode(params, agg, gr
     prompt_ids, prompt_mask, resp_ids, resp_mask = _rollout(3, group)
     batch = _padded_batch(prompt_ids, prompt_mask, resp_ids, resp_mask)
     # Off-policy old log-probs (ratios away from 1, so the clip is live), KL loss and entropy.
-    old, _ = trainer.compute_log_probs(
+    old, _ = actor.compute_log_probs(
         CFG,
         params,
         batch,
@@ -210,7 +211,7 @@ def test_packed_update_equals_the_unpadded_one_in_every_agg_mode(params, agg, gr
     )
     old = old + 0.3 * jnp.asarray(np.random.default_rng(4).normal(size=(B, T)), jnp.float32)
     batch = batch.replace(old_log_probs_BT=old * batch.response_mask_BT)
-    lc = trainer.LossConfig(
+    lc = actor.LossConfig(
         loss_agg_mode=agg,
         use_kl_loss=True,
         kl_loss_coef=0.1,
@@ -221,11 +222,11 @@ def test_packed_update_equals_the_unpadded_one_in_every_agg_mode(params, agg, gr
     want_g, want_m = _grads_and_metrics_padded(params, batch, lc)
 
     packed = packing.pack(prompt_ids, prompt_mask, resp_ids, resp_mask, max_tokens=32, row_len=16)
-    step = jax.jit(functools.partial(trainer.packed_micro_grads, model_config=CFG, loss_config=lc))
+    step = jax.jit(functools.partial(actor.packed_micro_grads, model_config=CFG, loss_config=lc))
     grads = jax.tree.map(jnp.zeros_like, params)
     got_m = {}
     for m in range(packed.num_micro):
-        micro = trainer.PackedMicro(**{k: jnp.asarray(v) for k, v in packed.micro(m).items()})
+        micro = actor.PackedMicro(**{k: jnp.asarray(v) for k, v in packed.micro(m).items()})
         grads, metrics = step(params, grads, micro, batch)
         for k, v in metrics.items():
             got_m[k] = got_m.get(k, 0.0) + float(v)

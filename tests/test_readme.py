@@ -16,7 +16,8 @@ import sys
 import pytest
 import reference
 
-from grpo_jax import demo_task, metrics
+from grpo_jax.data import demo_task
+from grpo_jax.trainer import metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -20,7 +20,7 @@ import sys
 import pytest
 import reference
 
-from grpo_jax import reward_score
+from grpo_jax.rewards import scorers
 
 RS = "verl.utils.reward_score."
 
@@ -64,21 +64,21 @@ RS = "verl.utils.reward_score."
     ],
 )
 def test_math_score_hand_cases(solution, ground_truth, expected):
-    assert reward_score.math_score(solution, ground_truth) == expected
+    assert scorers.math_score(solution, ground_truth) == expected
 
 
 def test_math_helpers():
-    assert reward_score.last_boxed_only_string("a \\boxed{x{y}} b") == "\\boxed{x{y}}"
+    assert scorers.last_boxed_only_string("a \\boxed{x{y}} b") == "\\boxed{x{y}}"
     # A "}" before any "{" drives the depth below 0; it never comes back to exactly 0.
-    assert reward_score.last_boxed_only_string("\\boxed}{}") is None
-    assert reward_score.remove_boxed("\\boxed 7") == "7"
+    assert scorers.last_boxed_only_string("\\boxed}{}") is None
+    assert scorers.remove_boxed("\\boxed 7") == "7"
     with pytest.raises(ValueError, match="fbox"):
-        reward_score.remove_boxed("\\fbox{7}")
-    assert reward_score.strip_math_string("k = \\tfrac{3}{4}\\!") == "\\frac{3}{4}"
+        scorers.remove_boxed("\\fbox{7}")
+    assert scorers.strip_math_string("k = \\tfrac{3}{4}\\!") == "\\frac{3}{4}"
     # A one-character "\frac3" makes fix_fracs return its input, undoing the "\frac12" fix too.
-    assert reward_score.strip_math_string("\\frac12+\\frac3") == "\\frac12+\\frac3"
-    assert reward_score.strip_math_string("\\frac12+\\frac34") == "\\frac{1}{2}+\\frac{3}{4}"
-    assert reward_score.math_is_equiv(None, None) and not reward_score.math_is_equiv("1", None)
+    assert scorers.strip_math_string("\\frac12+\\frac3") == "\\frac12+\\frac3"
+    assert scorers.strip_math_string("\\frac12+\\frac34") == "\\frac{1}{2}+\\frac{3}{4}"
+    assert scorers.math_is_equiv(None, None) and not scorers.math_is_equiv("1", None)
 
 
 def _dapo(score, pred):
@@ -117,31 +117,31 @@ def _pause(last):
     ],
 )
 def test_math_dapo_hand_cases(solution, ground_truth, kwargs, expected):
-    got = reward_score.math_dapo_score(solution, ground_truth, **kwargs)
+    got = scorers.math_dapo_score(solution, ground_truth, **kwargs)
     assert got == expected and type(got["acc"]) is bool
 
 
 def test_math_dapo_pause_tokens_checked_only_on_the_box_path():
-    assert reward_score.math_dapo_score("Answer: 5", "5", pause_tokens_index=[1])["acc"]
+    assert scorers.math_dapo_score("Answer: 5", "5", pause_tokens_index=[1])["acc"]
     with pytest.raises(ValueError, match="4 indices"):
-        reward_score.math_dapo_score("\\boxed{5}", "5", pause_tokens_index=[1])
+        scorers.math_dapo_score("\\boxed{5}", "5", pause_tokens_index=[1])
 
 
 def test_normalize_final_answer():
     # the article "an " goes, then \text{...} is unwrapped.
-    assert reward_score.normalize_final_answer("\\text{an apple}") == "apple"
+    assert scorers.normalize_final_answer("\\text{an apple}") == "apple"
     # "a " goes inside a word too: "banana 5" -> "banan5".
-    assert reward_score.normalize_final_answer("banana 5") == "banan5"
-    assert reward_score.normalize_final_answer("\\boxed{\\sqrt3}") == "\\sqrt{3}"
-    assert reward_score.normalize_final_answer("12^\\circ") == "12"
+    assert scorers.normalize_final_answer("banana 5") == "banan5"
+    assert scorers.normalize_final_answer("\\boxed{\\sqrt3}") == "\\sqrt{3}"
+    assert scorers.normalize_final_answer("12^\\circ") == "12"
 
 
 def test_default_compute_score_dispatch_and_types():
-    assert reward_score.default_compute_score("openai/gsm8k", "#### 5", "5") == 1.0
-    got = reward_score.default_compute_score("HuggingFaceH4/MATH-500", "\\boxed{5}", "5")
+    assert scorers.default_compute_score("openai/gsm8k", "#### 5", "5") == 1.0
+    got = scorers.default_compute_score("HuggingFaceH4/MATH-500", "\\boxed{5}", "5")
     assert got == 1.0 and type(got) is float
-    assert reward_score.default_compute_score("aime2024", "Answer: 5", "5") == _dapo(1.0, "5")
-    assert reward_score.default_compute_score("math", "Answer: 4", "5") == _dapo(-1.0, "4")
+    assert scorers.default_compute_score("aime2024", "Answer: 5", "5") == _dapo(1.0, "5")
+    assert scorers.default_compute_score("math", "Answer: 4", "5") == _dapo(-1.0, "4")
 
 
 @pytest.mark.parametrize(
@@ -149,7 +149,7 @@ def test_default_compute_score_dispatch_and_types():
 )
 def test_unknown_data_source_message(source, verl_module):
     with pytest.raises(NotImplementedError) as e:
-        reward_score.default_compute_score(source, "\\boxed{5}", "5")
+        scorers.default_compute_score(source, "\\boxed{5}", "5")
     msg = str(e.value)
     assert repr(source) in msg and "'openai/gsm8k'" in msg and "'aime'" in msg
     assert "custom_reward_function.path" in msg and "reward.fn=module:function" in msg
@@ -159,14 +159,14 @@ def test_unknown_data_source_message(source, verl_module):
 def test_math_verify_missing_names_pip_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "math_verify", None)  # makes `import math_verify` fail
     with pytest.raises(ImportError, match="pip install math-verify"):
-        reward_score.math_verify_score("\\boxed{1}", "1")
+        scorers.math_verify_score("\\boxed{1}", "1")
 
 
 def test_math_verify_hand_cases():
     pytest.importorskip("math_verify")
-    assert reward_score.math_verify_score("so $\\boxed{\\frac{1}{2}}$", "0.5") == 1.0
-    assert reward_score.math_verify_score("The answer is $3$.", "4") == 0.0
-    assert reward_score.math_verify_score("no math here", "4") == 0.0
+    assert scorers.math_verify_score("so $\\boxed{\\frac{1}{2}}$", "0.5") == 1.0
+    assert scorers.math_verify_score("The answer is $3$.", "4") == 0.0
+    assert scorers.math_verify_score("no math here", "4") == 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -499,7 +499,7 @@ def test_math_reward_parity_generated(verl):
     cases = _math_cases(0, N_MATH)
     fn = reference.fn(RS + "math_reward:compute_score")
     theirs = _verl_values(verl, (fn(s, g) for s, g in cases))
-    ours = [reward_score.math_score(s, g) for s, g in cases]
+    ours = [scorers.math_score(s, g) for s, g in cases]
     _assert_all_equal("math_reward", cases, ours, theirs)
     # The set exercises both outcomes, not just misses.
     assert 0.1 * len(cases) < sum(ours) < 0.9 * len(cases)
@@ -510,12 +510,12 @@ def test_math_reward_helpers_parity_generated(verl):
     cases = _math_cases(1, N_MATH)
     mod = RS + "math_reward:"
     theirs = _verl_values(verl, (reference.fn(mod + "last_boxed_only_string")(s) for s, _ in cases))
-    ours = [reward_score.last_boxed_only_string(s) for s, _ in cases]
+    ours = [scorers.last_boxed_only_string(s) for s, _ in cases]
     _assert_all_equal("last_boxed_only_string", cases, ours, theirs)
     r = random.Random(2)
     pairs = [_answer_pair(r) for _ in range(N_MATH)]
     theirs = _verl_values(verl, (reference.fn(mod + "is_equiv")(a, b) for a, b in pairs))
-    ours = [reward_score.math_is_equiv(a, b) for a, b in pairs]
+    ours = [scorers.math_is_equiv(a, b) for a, b in pairs]
     _assert_all_equal("is_equiv", pairs, ours, theirs)
     assert 0.1 * len(pairs) < sum(ours) < 0.9 * len(pairs)
 
@@ -524,7 +524,7 @@ def test_math_dapo_parity_generated(verl):
     cases = _dapo_cases(3, N_DAPO)
     fn = reference.fn(RS + "math_dapo:compute_score")
     theirs = _verl_values(verl, (fn(s, g, **kw) for s, g, kw in cases))
-    ours = [reward_score.math_dapo_score(s, g, **kw) for s, g, kw in cases]
+    ours = [scorers.math_dapo_score(s, g, **kw) for s, g, kw in cases]
     _assert_all_equal("math_dapo", cases, ours, theirs)
     hits = sum(o["acc"] for o in ours)
     assert 0.1 * len(cases) < hits < 0.9 * len(cases)
@@ -532,7 +532,7 @@ def test_math_dapo_parity_generated(verl):
     answers = [_perturb(r, _atom(r)) for _ in range(N_DAPO)]
     norm = reference.fn(RS + "math_dapo:normalize_final_answer")
     theirs = _verl_values(verl, (norm(a) for a in answers))
-    ours = [reward_score.normalize_final_answer(a) for a in answers]
+    ours = [scorers.normalize_final_answer(a) for a in answers]
     _assert_all_equal("normalize_final_answer", answers, ours, theirs)
 
 
@@ -540,16 +540,16 @@ def test_gsm8k_parity_generated(verl):
     cases = _gsm8k_cases(5, N_GSM8K)
     fn = reference.fn(RS + "gsm8k:compute_score")
     theirs = _verl_values(verl, (fn(s, g, method=m, format_score=0.1) for s, g, m in cases))
-    ours = [reward_score.gsm8k_score(s, g, method=m, format_score=0.1) for s, g, m in cases]
+    ours = [scorers.gsm8k_score(s, g, method=m, format_score=0.1) for s, g, m in cases]
     # verl returns int 0 when no answer is found; ours is 0.0 (default_compute_score makes
     # verl's a float too, which the dispatch test checks with types).
     _assert_all_equal("gsm8k", cases, ours, [float(t) for t in theirs])
 
 
 SOURCES = (
-    reward_score.GSM8K_SOURCES
-    + reward_score.MATH_SOURCES
-    + reward_score.DAPO_SOURCES
+    scorers.GSM8K_SOURCES
+    + scorers.MATH_SOURCES
+    + scorers.DAPO_SOURCES
     + ("aime2024", "aime25", "aime")
 )
 
@@ -567,7 +567,7 @@ def test_default_compute_score_parity_generated(verl):
     fn = reference.fn(RS[:-1] + ":default_compute_score")
     theirs = _verl_values(verl, (fn(d, s, g, extra_info={"index": 0}) for d, s, g in cases))
     ours = [
-        reward_score.default_compute_score(d, s, g, extra_info={"index": 0}) for d, s, g in cases
+        scorers.default_compute_score(d, s, g, extra_info={"index": 0}) for d, s, g in cases
     ]
     _assert_all_equal("default_compute_score", cases, ours, theirs)
     assert {type(o) for o in ours} == {float, dict}
@@ -577,7 +577,7 @@ def test_unknown_data_source_raises_like_verl(verl):
     with pytest.raises(reference.WorkerError, match="NotImplementedError"):
         verl.run(reference.fn(RS[:-1] + ":default_compute_score")("my/dataset", "\\boxed{5}", "5"))
     with pytest.raises(NotImplementedError, match="my/dataset"):
-        reward_score.default_compute_score("my/dataset", "\\boxed{5}", "5")
+        scorers.default_compute_score("my/dataset", "\\boxed{5}", "5")
 
 
 def test_math_verify_parity_generated(verl):
@@ -596,6 +596,6 @@ def test_math_verify_parity_generated(verl):
     cases = _math_cases(7, N_MATH_VERIFY)
     fn = reference.fn(RS + "math_verify:compute_score")
     theirs = _verl_values(verl, (fn(s, g) for s, g in cases))
-    ours = [reward_score.math_verify_score(s, g) for s, g in cases]
+    ours = [scorers.math_verify_score(s, g) for s, g in cases]
     _assert_all_equal("math_verify", cases, ours, theirs)
     assert 0.1 * len(cases) < sum(ours) < 0.9 * len(cases)

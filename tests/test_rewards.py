@@ -3,7 +3,10 @@ worker pool's timeouts and crash isolation, and on_error."""
 
 import pytest
 
-from grpo_jax import config, data, reward_pool, rewards
+from grpo_jax import config, loading
+from grpo_jax.data import prompts as prompts_lib
+from grpo_jax.rewards import functions as reward_fns
+from grpo_jax.rewards import pool as reward_pool
 
 
 @pytest.mark.parametrize(
@@ -29,41 +32,41 @@ from grpo_jax import config, data, reward_pool, rewards
     ],
 )
 def test_extract_matches_verl(text, method, expected):
-    assert rewards.gsm8k_extract(text, method=method) == expected
+    assert reward_fns.gsm8k_extract(text, method=method) == expected
 
 
 def test_only_last_300_chars_are_searched():
     # The "#### 5" sits 301+ characters from the end, so verl never sees it.
     early = "#### 5" + "x" * 300
-    assert rewards.gsm8k_extract(early) is None
+    assert reward_fns.gsm8k_extract(early) is None
     # Exactly at the boundary: "#### 5" + 294 chars = 300 characters, fully inside the window.
     edge = "#### 5" + "x" * 294
-    assert rewards.gsm8k_extract(edge) == "5"
+    assert reward_fns.gsm8k_extract(edge) == "5"
 
 
 def test_score_exact_string_compare():
-    assert rewards.gsm8k_score("#### 18", "18") == 1.0
+    assert reward_fns.gsm8k_score("#### 18", "18") == 1.0
     # "18.0" != "18": verl compares strings, not numbers.
-    assert rewards.gsm8k_score("#### 18.0", "18") == 0.0
+    assert reward_fns.gsm8k_score("#### 18.0", "18") == 0.0
     # thousands commas are removed before the compare.
-    assert rewards.gsm8k_score("#### 1,000", "1000") == 1.0
-    assert rewards.gsm8k_score("#### 17", "18", format_score=0.1) == 0.1
-    assert rewards.gsm8k_score("no answer", "18", format_score=0.1) == 0.0
-    assert rewards.gsm8k_score("#### 18", "18", score=2.0) == 2.0
-    assert rewards.gsm8k_score("it is 18", "18", method="flexible") == 1.0
+    assert reward_fns.gsm8k_score("#### 1,000", "1000") == 1.0
+    assert reward_fns.gsm8k_score("#### 17", "18", format_score=0.1) == 0.1
+    assert reward_fns.gsm8k_score("no answer", "18", format_score=0.1) == 0.0
+    assert reward_fns.gsm8k_score("#### 18", "18", score=2.0) == 2.0
+    assert reward_fns.gsm8k_score("it is 18", "18", method="flexible") == 1.0
 
 
 def test_unknown_method_lists_allowed():
     with pytest.raises(ValueError, match=r"strict.*flexible.*'loose'"):
-        rewards.gsm8k_score("#### 1", "1", method="loose")
+        reward_fns.gsm8k_score("#### 1", "1", method="loose")
 
 
 def test_ground_truth():
-    assert rewards.gsm8k_ground_truth("48/2 = 24\n#### 72") == "72"
-    assert rewards.gsm8k_ground_truth("...\n#### 1,200") == "1200"
-    assert rewards.gsm8k_ground_truth("#### -3") == "-3"
+    assert reward_fns.gsm8k_ground_truth("48/2 = 24\n#### 72") == "72"
+    assert reward_fns.gsm8k_ground_truth("...\n#### 1,200") == "1200"
+    assert reward_fns.gsm8k_ground_truth("#### -3") == "-3"
     with pytest.raises(ValueError, match="####"):
-        rewards.gsm8k_ground_truth("no marker 72")
+        reward_fns.gsm8k_ground_truth("no marker 72")
 
 
 def _length_reward(solution, ground_truth):
@@ -78,19 +81,19 @@ def _boom(solution, ground_truth):
 
 def _examples(ground_truths, prompt="q"):
     return [
-        data.Example(prompt, gt, "openai/gsm8k", {"k": i}, {"level": i})
+        prompts_lib.Example(prompt, gt, "openai/gsm8k", {"k": i}, {"level": i})
         for i, gt in enumerate(ground_truths)
     ]
 
 
 def test_weighted_combination():
-    fn = rewards.make_reward_fn(
-        f"grpo_jax.rewards:gsm8k_score,{__name__}:_length_reward", "1.0,0.5"
+    fn = reward_fns.make_reward_fn(
+        f"grpo_jax.rewards.functions:gsm8k_score,{__name__}:_length_reward", "1.0,0.5"
     )
-    res = rewards.score_batch(fn, ["#### 7", "#### 8"], _examples(["7", "7"]))
+    res = reward_fns.score_batch(fn, ["#### 7", "#### 8"], _examples(["7", "7"]))
     # sample 0: 1.0*1 + 0.5*(6/10) = 1.3; sample 1: 1.0*0 + 0.5*0.6 = 0.3
     assert res.scores_B == pytest.approx([1.3, 0.3])
-    assert res.per_fn["grpo_jax.rewards:gsm8k_score"] == [1.0, 0.0]
+    assert res.per_fn["grpo_jax.rewards.functions:gsm8k_score"] == [1.0, 0.0]
     assert res.num_errors == 0
 
 
@@ -106,18 +109,18 @@ def _trl_style(prompts, completions, level, ground_truth, **kwargs):
 
 
 def test_the_three_signatures():
-    assert rewards.signature_style(_verl_style) == "verl"
-    assert rewards.signature_style(_trl_style) == "trl"
-    assert rewards.signature_style(_length_reward) == "pair"
+    assert reward_fns.signature_style(_verl_style) == "verl"
+    assert reward_fns.signature_style(_trl_style) == "trl"
+    assert reward_fns.signature_style(_length_reward) == "pair"
     with pytest.raises(ValueError, match="expected verl's"):
-        rewards.signature_style(lambda a, b, c: 0.0)
+        reward_fns.signature_style(lambda a, b, c: 0.0)
     # verl: a dict's "score" is the reward, its other keys are kept per sample.
-    res = rewards.score_batch(rewards.RewardFn.of(_verl_style), ["7", "8"], _examples(["7", "7"]))
+    res = reward_fns.score_batch(reward_fns.RewardFn.of(_verl_style), ["7", "8"], _examples(["7", "7"]))
     assert res.scores_B == [1.0, 0.0]
     assert res.extras == {"acc": [True, False], "pred": ["7", "8"], "k": [0, 1]}
     # TRL: one call for the batch, columns as keyword lists, chat completions for chat prompts.
     chat = _examples(["7", "7"], prompt=({"role": "user", "content": "q"},))
-    res = rewards.score_batch(rewards.RewardFn.of(_trl_style), ["7", "8"], chat)
+    res = reward_fns.score_batch(reward_fns.RewardFn.of(_trl_style), ["7", "8"], chat)
     assert res.scores_B == pytest.approx([1.0, 0.1])
 
 
@@ -128,21 +131,21 @@ def test_custom_reward_function_file_replaces_reward_fn(tmp_path):
         "    return 2.0 if solution_str == ground_truth else 0.5\n"
     )
     custom = config.CustomRewardFunction(path=str(path))
-    fn = rewards.from_config(config.RewardConfig(), custom)
-    assert rewards.score_batch(fn, ["1", "2"], _examples(["1", "1"])).scores_B == [2.0, 0.5]
+    fn = loading.reward_fn(config.RewardConfig(), custom)
+    assert reward_fns.score_batch(fn, ["1", "2"], _examples(["1", "1"])).scores_B == [2.0, 0.5]
     with pytest.raises(ValueError, match="defines no such function"):
-        rewards.from_config(config.RewardConfig(), config.CustomRewardFunction(str(path), "nope"))
+        loading.reward_fn(config.RewardConfig(), config.CustomRewardFunction(str(path), "nope"))
 
 
 def test_raising_reward_fn_raise_mode_names_fn_and_sample():
-    fn = rewards.make_reward_fn(f"{__name__}:_boom", on_error="raise")
-    with pytest.raises(rewards.RewardError, match=rf"{__name__}:_boom on sample 1"):
-        rewards.score_batch(fn, ["ok", "boom!", "ok"], _examples(["1", "1", "1"]))
+    fn = reward_fns.make_reward_fn(f"{__name__}:_boom", on_error="raise")
+    with pytest.raises(reward_fns.RewardError, match=rf"{__name__}:_boom on sample 1"):
+        reward_fns.score_batch(fn, ["ok", "boom!", "ok"], _examples(["1", "1", "1"]))
 
 
 def test_raising_reward_fn_zero_mode_counts():
-    fn = rewards.make_reward_fn(f"{__name__}:_boom", on_error="zero")
-    res = rewards.score_batch(fn, ["ok", "boom!", "boom"], _examples(["1", "1", "1"]))
+    fn = reward_fns.make_reward_fn(f"{__name__}:_boom", on_error="zero")
+    res = reward_fns.score_batch(fn, ["ok", "boom!", "boom"], _examples(["1", "1", "1"]))
     assert res.scores_B == [1.0, 0.0, 0.0]
     assert res.num_errors == 2
 
@@ -159,9 +162,9 @@ def _hangs_or_dies(solution, ground_truth):
 
 
 def test_pool_times_out_a_hanging_call_and_survives_a_dead_worker():
-    fn = rewards.RewardFn.of(_hangs_or_dies, on_error="raise")
+    fn = reward_fns.RewardFn.of(_hangs_or_dies, on_error="raise")
     with reward_pool.Pool(2, timeout_s=2.0) as pool:
-        res = rewards.score_batch(
+        res = reward_fns.score_batch(
             fn, ["ok", "hang", "die", "ok", "ok"], _examples(["1"] * 5), pool=pool
         )
         # The hang and the crash cost their sample only, even with on_error="raise".
@@ -169,7 +172,7 @@ def test_pool_times_out_a_hanging_call_and_survives_a_dead_worker():
         assert (res.num_lost, res.num_errors, pool.restarts) == (2, 0, 2)
         # The replaced workers serve the next batch.
         assert (
-            rewards.score_batch(fn, ["ok"] * 4, _examples(["1"] * 4), pool=pool).scores_B
+            reward_fns.score_batch(fn, ["ok"] * 4, _examples(["1"] * 4), pool=pool).scores_B
             == [1.0] * 4
         )
 
@@ -183,15 +186,15 @@ def test_pool_runs_closures_and_reports_exceptions():
         return float(solution == ground_truth) + offset
 
     with reward_pool.Pool(1, timeout_s=30.0) as pool:
-        res = rewards.score_batch(
-            rewards.RewardFn.of(shifted, on_error="zero"),
+        res = reward_fns.score_batch(
+            reward_fns.RewardFn.of(shifted, on_error="zero"),
             ["1", "bad"],
             _examples(["1", "1"]),
             pool=pool,
         )
         assert res.scores_B == [1.25, 0.0] and res.num_errors == 1
-        with pytest.raises(rewards.RewardError, match="ValueError: bad completion"):
-            rewards.score_batch(rewards.RewardFn.of(shifted), ["bad"], _examples(["1"]), pool=pool)
+        with pytest.raises(reward_fns.RewardError, match="ValueError: bad completion"):
+            reward_fns.score_batch(reward_fns.RewardFn.of(shifted), ["bad"], _examples(["1"]), pool=pool)
 
 
 @pytest.mark.parametrize(
@@ -199,19 +202,19 @@ def test_pool_runs_closures_and_reports_exceptions():
     [
         ("no_colon", "module:function"),
         ("not_a_module_xyz:f", "cannot import"),
-        ("grpo_jax.rewards:nope", "has no 'nope'"),
-        ("grpo_jax.rewards:STYLES", "not callable"),
+        ("grpo_jax.rewards.functions:nope", "has no 'nope'"),
+        ("grpo_jax.rewards.functions:STYLES", "not callable"),
     ],
 )
 def test_bad_specs(spec, match):
     with pytest.raises(ValueError, match=match):
-        rewards.make_reward_fn(spec)
+        reward_fns.make_reward_fn(spec)
 
 
 def test_bad_weights_and_modes():
     with pytest.raises(ValueError, match="has 2 weights for 1 functions"):
-        rewards.make_reward_fn("grpo_jax.rewards:gsm8k_score", "1,2")
+        reward_fns.make_reward_fn("grpo_jax.rewards.functions:gsm8k_score", "1,2")
     with pytest.raises(ValueError, match="comma-separated floats"):
-        rewards.make_reward_fn("grpo_jax.rewards:gsm8k_score", "one")
+        reward_fns.make_reward_fn("grpo_jax.rewards.functions:gsm8k_score", "one")
     with pytest.raises(ValueError, match=r"on_error='ignore' must be one of \['raise', 'zero'\]"):
-        rewards.make_reward_fn("grpo_jax.rewards:gsm8k_score", on_error="ignore")
+        reward_fns.make_reward_fn("grpo_jax.rewards.functions:gsm8k_score", on_error="ignore")

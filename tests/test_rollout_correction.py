@@ -254,7 +254,7 @@ def test_bypass_ppo_clip_is_vanilla_on_the_rejected_mask():
     adv = jnp.asarray(rng.normal(0, 1, (4, 6)), jnp.float32)
     mask = jnp.ones((4, 6))
     settings = {"rollout_rs": "token_k2", "rollout_rs_threshold": 0.02, "rollout_is": "token"}
-    value, metrics = rollout_correction.compute_policy_loss_bypass_mode(
+    value, metrics = loss.compute_policy_loss_bypass_mode(
         rollout, lp, adv, mask, **settings
     )
     _, kept, _ = rollout_correction.compute_rollout_correction(lp, rollout, mask, **settings)
@@ -274,7 +274,7 @@ def test_bypass_reinforce_hand_derived():
     adv, mask = jnp.asarray([[1.0, -1.0]]), jnp.ones((1, 2))
 
     def objective(x):
-        return rollout_correction.compute_policy_loss_bypass_mode(
+        return loss.compute_policy_loss_bypass_mode(
             rollout,
             x,
             adv,

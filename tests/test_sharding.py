@@ -328,7 +328,7 @@ def _single_mesh():
 
 def _grpo_batch(config, batch_size=8):
     """A trainer.TrainBatch of B=8 rows: left-padded prompts, responses ending early."""
-    from grpo_jax import trainer
+    from grpo_jax.trainer import actor
 
     rng = np.random.default_rng(0)
     ids_BS = rng.integers(1, config.vocab_size, (batch_size, TP + TR)).astype(np.int32)
@@ -338,7 +338,7 @@ def _grpo_batch(config, batch_size=8):
     resp_mask_BT[1::3, 2:] = 0  # some rows stop after 2 response tokens
     mask_BS[:, TP:] = resp_mask_BT
     adv_B1 = rng.normal(size=(batch_size, 1)).astype(np.float32)
-    return trainer.TrainBatch(
+    return actor.TrainBatch(
         input_ids_BS=ids_BS,
         attention_mask_BS=mask_BS,
         response_ids_BT=ids_BS[:, TP:],
@@ -355,24 +355,25 @@ def _run_step(mesh, config, params_host, batch_host):
     """trainer.train_step on `mesh`: 2 micro-batches of 4, clip + KL + entropy, AdamW."""
     import functools
 
-    from grpo_jax import model, trainer
+    from grpo_jax import model
+    from grpo_jax.trainer import actor as actor_lib
 
     # A clip threshold that never fires, so Adam's first moment is exactly (1 - b1) * grads.
-    tx = trainer.make_optimizer(grad_clip=1e9, betas=(0.9, 0.999), weight_decay=0.01)
-    loss_config = trainer.LossConfig(
+    tx = actor_lib.make_optimizer(grad_clip=1e9, betas=(0.9, 0.999), weight_decay=0.01)
+    loss_config = actor_lib.LossConfig(
         entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1, chunk_size=8
     )
     p_sh = sharding.param_shardings(config, mesh)
     o_sh = sharding.tx_state_shardings(tx, model.abstract_params(config), p_sh, mesh)
-    state_sh = trainer.TrainState(sharding.replicated(mesh), p_sh, o_sh)
+    state_sh = actor_lib.TrainState(sharding.replicated(mesh), p_sh, o_sh)
     params = jax.device_put(params_host, p_sh)
     batch = jax.tree.map(
         lambda x: jax.device_put(x, sharding.batch_sharding(mesh, x.ndim)), batch_host
     )
-    state = jax.jit(functools.partial(trainer.init_state, tx=tx), out_shardings=state_sh)(params)
+    state = jax.jit(functools.partial(actor_lib.init_state, tx=tx), out_shardings=state_sh)(params)
     step = jax.jit(
         functools.partial(
-            trainer.train_step,
+            actor_lib.train_step,
             model_config=config,
             loss_config=loss_config,
             tx=tx,

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import reference
 
-from grpo_jax import perf, sampler, step, vllm_sidecar
+from grpo_jax import sampler
+from grpo_jax.rollout import vllm_sidecar
+from grpo_jax.trainer import perf, step
 
 
 class FakeSidecar:

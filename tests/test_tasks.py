@@ -51,7 +51,7 @@ def test_two_sources_train_and_validate_per_source(tmp_path):
         f"--config.data.path={tmp_path / 'train.parquet'}",
         f"--config.data.val_path={tmp_path / 'test.parquet'}",
         "--config.data.max_prompt_length=48",
-        "--config.reward.fn=grpo_jax.reward_score:default_compute_score",
+        "--config.reward.fn=grpo_jax.rewards.scorers:default_compute_score",
         "--config.rollout.val_kwargs.n=2",
         "--config.rollout.val_kwargs.do_sample=True",
         "--config.rollout.val_kwargs.temperature=1.0",

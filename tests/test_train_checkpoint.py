@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo_jax import checkpoint
+from grpo_jax.trainer import checkpoint
 
 
 def _tree(v):

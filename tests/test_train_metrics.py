@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from grpo_jax import metrics, plot
+from grpo_jax.trainer import metrics, plot
 
 
 def test_writer_truncate_and_torn_line(tmp_path):
@@ -44,7 +44,7 @@ def test_plot_on_demand(tmp_path):
     ]
     (tmp_path / metrics.METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = subprocess.run(
-        [sys.executable, "-m", "grpo_jax.plot", str(tmp_path)],
+        [sys.executable, "-m", "grpo_jax.trainer.plot", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -9,7 +9,8 @@ import numpy as np
 import optax
 import pytest
 
-from grpo_jax import model, trainer
+from grpo_jax import model
+from grpo_jax.trainer import actor
 
 CFG = model.ModelConfig.tiny()
 # Gradients of the same loss computed in another order (micro-batches, a jax.grad of the
@@ -27,7 +28,7 @@ def _batch(rng=0, *, B=8, Tp=3, T=5):
     lengths_B = 1 + np.arange(B) % T
     mask_BT = (np.arange(T)[None] < lengths_B[:, None]).astype(np.int32)
     adv_B = np.linspace(-1.0, 1.5, B).astype(np.float32)
-    return trainer.TrainBatch(
+    return actor.TrainBatch(
         input_ids_BS=jnp.asarray(np.concatenate([prompt_BP, resp_BT], 1)),
         attention_mask_BS=jnp.asarray(np.concatenate([prompt_mask_BP, mask_BT], 1)),
         response_ids_BT=jnp.asarray(resp_BT),
@@ -42,21 +43,21 @@ def _step(state, batch, *, micro, mini=8, index=0, lr=1e-2, loss_config=None, tx
         batch,
         jnp.int32(index),
         jnp.float32(lr),
-        loss_config=loss_config or trainer.LossConfig(calculate_entropy=True),
+        loss_config=loss_config or actor.LossConfig(calculate_entropy=True),
         tx=tx or _ADAM,
         mini_batch_size=mini,
         micro_batch_size=micro,
     )
 
 
-_ADAM = trainer.make_optimizer(grad_clip=1e9, betas=(0.9, 0.999), weight_decay=0.0)
+_ADAM = actor.make_optimizer(grad_clip=1e9, betas=(0.9, 0.999), weight_decay=0.0)
 
 
 @functools.partial(
     jax.jit, static_argnames=("loss_config", "tx", "mini_batch_size", "micro_batch_size")
 )
 def _jit_step(state, batch, index, lr, *, loss_config, tx, mini_batch_size, micro_batch_size):
-    return trainer.train_step(
+    return actor.train_step(
         state,
         batch,
         index,
@@ -87,7 +88,7 @@ SGD_LR = 2.0**10
 def _grads_via_sgd(params, batch, **kw):
     """Gradient recovered from one SGD step (no clip, no Adam): g = (p0 - p1) / SGD_LR."""
     tx = _SGD
-    state = trainer.init_state(params, tx)
+    state = actor.init_state(params, tx)
     new, metrics = _step(state, batch, lr=SGD_LR, tx=tx, **kw)
     return _recovered(params, new.params), metrics
 
@@ -132,7 +133,7 @@ def test_on_policy_gradient_is_reinforce(params):
 
 def test_off_policy_old_log_probs_equal_to_current_match_on_policy(params):
     batch = _batch(2)
-    lp_BT, _ = trainer.compute_log_probs(
+    lp_BT, _ = actor.compute_log_probs(
         CFG,
         params,
         batch,
@@ -161,8 +162,8 @@ def test_mini_batch_index_selects_rows(params):
 def test_non_finite_update_is_skipped(params):
     batch = _batch(4)
     bad = batch.replace(advantages_BT=batch.advantages_BT.at[0, 0].set(jnp.nan))
-    tx = trainer.make_optimizer(grad_clip=1.0, betas=(0.9, 0.999), weight_decay=0.01)
-    state = trainer.init_state(params, tx)
+    tx = actor.make_optimizer(grad_clip=1.0, betas=(0.9, 0.999), weight_decay=0.01)
+    state = actor.init_state(params, tx)
     new, metrics = _step(state, bad, micro=8, tx=tx)
     assert float(metrics["actor/update_skipped"]) == 1.0
     assert not np.isfinite(float(metrics["actor/grad_norm"]))
@@ -179,27 +180,27 @@ def test_non_finite_update_is_skipped(params):
 def test_adamw_first_step_by_hand():
     # Adam's first step is m_hat / sqrt(v_hat) = g / |g| = sign(g) (eps 1e-8 negligible), then
     # decoupled decay: p1 = p0 - lr * (sign(g) + wd * p0) = 2 - 0.1 * (1 + 0.01 * 2) = 1.898.
-    tx = trainer.make_optimizer(grad_clip=1.0, betas=(0.9, 0.999), weight_decay=0.01)
-    state = trainer.init_state({"w": jnp.float32(2.0)}, tx)
-    new, m = trainer.apply_gradients(state, {"w": jnp.float32(0.5)}, jnp.float32(0.0), 0.1, tx)
+    tx = actor.make_optimizer(grad_clip=1.0, betas=(0.9, 0.999), weight_decay=0.01)
+    state = actor.init_state({"w": jnp.float32(2.0)}, tx)
+    new, m = actor.apply_gradients(state, {"w": jnp.float32(0.5)}, jnp.float32(0.0), 0.1, tx)
     np.testing.assert_allclose(float(new.params["w"]), 1.898, rtol=1e-6)
     np.testing.assert_allclose(float(m["actor/grad_norm"]), 0.5)
     # Clipping: g = 4 with clip 1 -> clipped to 1, the first Adam step is still sign(g).
-    new, m = trainer.apply_gradients(state, {"w": jnp.float32(-4.0)}, jnp.float32(0.0), 0.1, tx)
+    new, m = actor.apply_gradients(state, {"w": jnp.float32(-4.0)}, jnp.float32(0.0), 0.1, tx)
     np.testing.assert_allclose(float(new.params["w"]), 2 - 0.1 * (-1 + 0.02), rtol=1e-6)
     np.testing.assert_allclose(float(m["actor/grad_norm"]), 4.0)
 
 
 def test_lr_schedule_values():
-    s = trainer.lr_schedule(lr=1.0, warmup_steps=4, total_steps=12, kind="cosine")
+    s = actor.lr_schedule(lr=1.0, warmup_steps=4, total_steps=12, kind="cosine")
     # warm-up: 0, 0.25, 0.5, 0.75; then cosine over 8 steps: step 8 is halfway -> 0.5.
     np.testing.assert_allclose(
         [float(s(i)) for i in (0, 2, 4, 8, 12)], [0, 0.5, 1, 0.5, 0], atol=1e-6
     )
-    c = trainer.lr_schedule(lr=1e-6, warmup_steps=0, total_steps=5, kind="constant")
+    c = actor.lr_schedule(lr=1e-6, warmup_steps=0, total_steps=5, kind="constant")
     assert float(c(3)) == pytest.approx(1e-6)
     with pytest.raises(ValueError, match=r"constant.*cosine.*'linear'"):
-        trainer.lr_schedule(lr=1.0, warmup_steps=0, total_steps=1, kind="linear")
+        actor.lr_schedule(lr=1.0, warmup_steps=0, total_steps=1, kind="linear")
 
 
 @pytest.mark.parametrize(
@@ -215,7 +216,7 @@ def test_lr_schedule_values():
 )
 def test_loss_config_errors(kw, match):
     with pytest.raises(ValueError, match=match):
-        trainer.LossConfig(**kw)
+        actor.LossConfig(**kw)
 
 
 def test_sharded_step_matches_single_device(params):
@@ -227,7 +228,7 @@ def test_sharded_step_matches_single_device(params):
 
     mesh = sharding.make_mesh((2, 2, 2))
     batch = _batch(5)
-    state = trainer.init_state(params, _SGD)
+    state = actor.init_state(params, _SGD)
     want, want_m = _step(state, batch, micro=4, lr=SGD_LR, tx=_SGD)
     p_sh = sharding.param_shardings(CFG, mesh)
     sharded_state = state.replace(params=jax.device_put(params, p_sh))

@@ -726,7 +726,7 @@ def test_bypass_mode_loss_matches_verl(verl, settings, agg):
     lp, rollout, mask = _rollout_inputs(5, spread=0.4)
     adv = np.random.default_rng(5).normal(0, 1, lp.shape).astype(np.float32)
     (ours, metrics), grad = jax.value_and_grad(
-        lambda x: rollout_correction.compute_policy_loss_bypass_mode(
+        lambda x: loss.compute_policy_loss_bypass_mode(
             jnp.asarray(rollout),
             x,
             jnp.asarray(adv),

@@ -1,4 +1,4 @@
-"""Tests for grpo_jax.vllm_sidecar: output parsing, server lifecycle, and a real vLLM server.
+"""Tests for grpo_jax.rollout.vllm_sidecar: output parsing, server lifecycle, and a real vLLM server.
 
 Three layers:
   * `build_rollout` on hand-written server answers (layout, EOS cut, malformed output).
@@ -35,7 +35,9 @@ import reference
 import safetensors.numpy
 
 from grpo_jax import config as config_lib
-from grpo_jax import hf_export, lora, model, sampler, vllm_sidecar
+from grpo_jax import model, sampler
+from grpo_jax.models import hf, lora
+from grpo_jax.rollout import vllm_sidecar
 
 # ---------------------------------------------------------------------------------------------
 # build_rollout: server answers -> Rollout.
@@ -393,11 +395,11 @@ def test_fake_server_round_trip(fake, tiny_params, tmp_path):
 def test_several_servers_split_prompts_get_every_push_and_drop_a_dead_one(
     fake, tiny_params, tmp_path, caplog
 ):
-    """rollout.vllm.num_servers=2 (grpo_jax/vllm_pool.py): each server gets half the prompts
+    """rollout.vllm.num_servers=2 (grpo_jax/rollout/vllm_pool.py): each server gets half the prompts
     with the bodies (seeds) one server would get, so the rollout is one server's; every push
     reaches both; a server that stays dead is dropped with an error naming it, and its prompts
     go to the other."""
-    from grpo_jax import vllm_pool
+    from grpo_jax.rollout import vllm_pool
 
     config = dataclasses.replace(fake.config, max_restarts=0)
     ids = np.array([[0, 5, 6], [2, 3, 4], [0, 0, 9], [1, 1, 1]], np.int32)
@@ -533,7 +535,8 @@ def test_server_dies_with_the_trainer(fake, tmp_path):
     script = textwrap.dedent(
         f"""
         import jax, sys
-        from grpo_jax import model, vllm_sidecar
+        from grpo_jax import model
+        from grpo_jax.rollout import vllm_sidecar
         config = vllm_sidecar.VLLMConfig(**{dataclasses.asdict(fake.config)!r})
         cfg = model.ModelConfig.tiny()
         sc = vllm_sidecar.VLLMSidecar(config, cfg, {str(tmp_path / "work")!r})
@@ -583,7 +586,7 @@ def test_fake_server_lora_adapter_push_and_restart(fake, tiny_params, tmp_path):
         assert json.loads((adapter0 / "adapter_config.json").read_text())["r"] == 4
         # the server's model is the base itself (no adapters merged in)
         base_dir = pathlib.Path(_flag(argv, "--model"))
-        want = hf_export.save(_TINY, tiny_params, tmp_path / "base", untie_embeddings=True)
+        want = hf.save(_TINY, tiny_params, tmp_path / "base", untie_embeddings=True)
         del want
         assert (base_dir / "model.safetensors").read_bytes() == (
             tmp_path / "base" / "model.safetensors"
@@ -617,7 +620,7 @@ def test_fake_server_lora_merged_push(fake, tiny_params, tmp_path):
     (argv,) = fake.requests("argv")
     assert "--enable-lora" not in argv and fake.requests("/v1/load_lora_adapter") == []
     (reload,) = fake.requests("/collective_rpc")
-    hf_export.save(_TINY, lora.merge(_TINY_LORA, policy), tmp_path / "want", untie_embeddings=True)
+    hf.save(_TINY, lora.merge(_TINY_LORA, policy), tmp_path / "want", untie_embeddings=True)
     got = pathlib.Path(reload["kwargs"]["weights_path"]) / "model.safetensors"
     assert got.read_bytes() == (tmp_path / "want" / "model.safetensors").read_bytes()
 
@@ -643,7 +646,7 @@ def test_tensor_parallel_size_reaches_the_server(fake, tiny_params, tmp_path):
     assert "--weight-transfer-config" not in argv  # weight_transfer="disk"
     # The disk push is hf_export.save's untied export, equal to one written here.
     (reload,) = fake.requests("/collective_rpc")
-    hf_export.save(_TINY, tiny_params, tmp_path / "want", untie_embeddings=True)
+    hf.save(_TINY, tiny_params, tmp_path / "want", untie_embeddings=True)
     got = pathlib.Path(reload["kwargs"]["weights_path"])
     for name in ("config.json", "model.safetensors"):
         assert (got / name).read_bytes() == (tmp_path / "want" / name).read_bytes(), name
@@ -732,11 +735,11 @@ def test_nccl_push_speaks_vllms_weight_transfer_protocol(fake, fake_nccl, tmp_pa
         # untied disk export of params1 holds, in that order.
         (update,) = fake.requests("/update_weights")
         info = update["update_info"]
-        hf_export.save(_TINY, params1, tmp_path / "want", untie_embeddings=True)
+        hf.save(_TINY, params1, tmp_path / "want", untie_embeddings=True)
         want = safetensors.numpy.load_file(tmp_path / "want" / "model.safetensors")
         assert sorted(info["names"]) == sorted(want) and "lm_head.weight" in want
         assert info["names"] == [
-            t.name for t in hf_export.hf_tensors(_TINY, params1, untie_embeddings=True)
+            t.name for t in hf.hf_tensors(_TINY, params1, untie_embeddings=True)
         ]
         assert info["dtype_names"] == ["float32"] * len(want)
         assert info["shapes"] == [list(want[n].shape) for n in info["names"]]
@@ -1133,7 +1136,7 @@ print(json.dumps({
 @pytest.mark.reference("vllm")
 def test_nccl_payloads_are_what_vllm_parses(tmp_path):
     # The request bodies of the NCCL path, read by vLLM 0.32's own dataclasses (no GPU needed).
-    from grpo_jax import nccl_transfer
+    from grpo_jax.rollout import nccl_transfer
 
     unique_id = bytes([251, 255] * 32) + bytes(range(64))  # its base64 has '+' and '/'
     assert len(unique_id) == nccl_transfer.NCCL_UNIQUE_ID_BYTES
@@ -1141,7 +1144,7 @@ def test_nccl_payloads_are_what_vllm_parses(tmp_path):
     assert "+" in init_info["nccl_unique_id_b64"] and "/" in init_info["nccl_unique_id_b64"]
     config = model.ModelConfig.tiny(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     params = model.init_params(config, jax.random.key(0))
-    tensors = hf_export.hf_tensors(config, params, untie_embeddings=True)
+    tensors = hf.hf_tensors(config, params, untie_embeddings=True)
     info = nccl_transfer.update_info(tensors)
     done = subprocess.run(
         [_vllm_python(), "-c", _VLLM_CONTRACT, json.dumps(init_info), json.dumps(info)],

@@ -6,7 +6,7 @@ Sources (config `data.source`):
     when online, a local dataset directory, a loading script).
   * "tfds": a tensorflow-datasets builder read through `tfds.data_source` (array_record), which
     needs no TensorFlow; a dataset already prepared in `data.tfds_data_dir` is read offline.
-  * "arithmetic": the built-in addition task (grpo_jax/demo_task.py).
+  * "arithmetic": the built-in addition task (grpo_jax/data/demo_task.py).
 
 Row layouts, recognised per row:
   * verl's (examples/data_preprocess/*.py): `prompt` holds chat messages, `data_source` names
@@ -31,10 +31,13 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from grpo_jax import config as config_lib
-from grpo_jax import data, demo_task, reward_score
+from grpo_jax.data import prompts
+from grpo_jax.rewards import scorers
 
 GSM8K_SOURCE = "openai/gsm8k"
+ON_MALFORMED_MODES = ("skip", "error")  # data.on_malformed
+# verl's GSM8K instruction (examples/data_preprocess/gsm8k.py), appended to raw GSM8K questions.
+VERL_GSM8K_INSTRUCTION = ' Let\'s think step by step and output the final answer after "####".'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,11 +47,7 @@ class Layout:
     prompt_key: str = "prompt"
     reward_fn_key: str = "data_source"
     ground_truth_key: str = "reward_model.ground_truth"
-    prompt_suffix: str = config_lib.VERL_GSM8K_INSTRUCTION
-
-    @classmethod
-    def of(cls, cfg: config_lib.DataConfig) -> "Layout":
-        return cls(cfg.prompt_key, cfg.reward_fn_key, cfg.ground_truth_key, cfg.prompt_suffix)
+    prompt_suffix: str = VERL_GSM8K_INSTRUCTION
 
 
 class _Malformed(Exception):
@@ -87,7 +86,7 @@ def _messages(value, key: str) -> str | tuple[dict, ...]:
     raise _Malformed(f"'{key}' must be a non-empty string or list of chat messages")
 
 
-def parse_row(row, *, index: int, layout: Layout) -> data.Example:
+def parse_row(row, *, index: int, layout: Layout) -> prompts.Example:
     """One raw row -> Example (see the module docstring); raises _Malformed."""
     if not isinstance(row, Mapping):
         raise _Malformed(str(row))
@@ -106,7 +105,7 @@ def parse_row(row, *, index: int, layout: Layout) -> data.Example:
             raise _Malformed(f"'extra_info' must be a dict, got {type(extra).__name__}")
         answer = extra.get("answer")
         columns = {k: v for k, v in row.items() if k != layout.prompt_key}
-        return data.Example(
+        return prompts.Example(
             prompt,
             ground_truth,
             source,
@@ -123,14 +122,14 @@ def parse_row(row, *, index: int, layout: Layout) -> data.Example:
     )
 
 
-def _raw_gsm8k(row: Mapping[str, Any], *, line: int, suffix: str) -> data.Example:
+def _raw_gsm8k(row: Mapping[str, Any], *, line: int, suffix: str) -> prompts.Example:
     question, answer = row.get("question"), row.get("answer")
     if not isinstance(question, str) or not question.strip():
         raise _Malformed("missing or empty 'question'")
     if not isinstance(answer, str):
         raise _Malformed("missing 'answer'")
     try:
-        ground_truth = reward_score.gsm8k_ground_truth(answer)
+        ground_truth = scorers.gsm8k_ground_truth(answer)
     except ValueError:
         raise _Malformed("answer has no '#### <number>' line") from None
     try:
@@ -139,12 +138,12 @@ def _raw_gsm8k(row: Mapping[str, Any], *, line: int, suffix: str) -> data.Exampl
         raise _Malformed(f"non-numeric answer {ground_truth!r} after '####'") from None
     prompt = ({"role": "user", "content": question + suffix},)
     extra = {"index": line - 1, "question": question, "answer": answer}
-    return data.Example(prompt, ground_truth, GSM8K_SOURCE, extra, dict(row), answer, line)
+    return prompts.Example(prompt, ground_truth, GSM8K_SOURCE, extra, dict(row), answer, line)
 
 
 def parse_rows(
     rows: Sequence[Any], *, source: str, on_malformed: str, layout: Layout = Layout()
-) -> list[data.Example]:
+) -> list[prompts.Example]:
     """Validates raw rows into Examples.
 
     Args:
@@ -158,9 +157,9 @@ def parse_rows(
       ValueError: on_malformed == "error" and some row is malformed (all bad lines are listed),
         or no row is valid.
     """
-    if on_malformed not in config_lib.ON_MALFORMED_MODES:
+    if on_malformed not in ON_MALFORMED_MODES:
         raise ValueError(
-            f"data.on_malformed must be one of {config_lib.ON_MALFORMED_MODES}, got "
+            f"data.on_malformed must be one of {ON_MALFORMED_MODES}, got "
             f"{on_malformed!r}"
         )
     examples, bad = [], []
@@ -221,7 +220,7 @@ def read_rows(path: str) -> list[Any]:
 
 def read_files(
     paths: Sequence[str], *, on_malformed: str, layout: Layout = Layout()
-) -> list[data.Example]:
+) -> list[prompts.Example]:
     """Every row of every file, in order (verl concatenates data.train_files the same way)."""
     out = []
     for path in paths:
@@ -229,7 +228,7 @@ def read_files(
     return out
 
 
-def read_jsonl(path: str, *, on_malformed: str, layout: Layout = Layout()) -> list[data.Example]:
+def read_jsonl(path: str, *, on_malformed: str, layout: Layout = Layout()) -> list[prompts.Example]:
     """One jsonl file (any layout above)."""
     return read_files([path], on_malformed=on_malformed, layout=layout)
 
@@ -241,7 +240,7 @@ def read_hf(
     name: str | None = None,
     on_malformed: str,
     layout: Layout = Layout(),
-) -> list[data.Example]:
+) -> list[prompts.Example]:
     """A split of `datasets.load_dataset(path, name)` (hub id, local dir or files)."""
     import datasets
 
@@ -267,7 +266,7 @@ def read_tfds(
     data_dir: str | None = None,
     on_malformed: str,
     layout: Layout = Layout(),
-) -> list[data.Example]:
+) -> list[prompts.Example]:
     """A tfds split through `tfds.data_source` (array_record; no TensorFlow needed).
 
     The first use downloads and prepares the dataset into `data_dir` (network); a dataset that is
@@ -279,34 +278,3 @@ def read_tfds(
     source = tfds.data_source(name, split=split, data_dir=data_dir)
     rows = [_decoded(source[i]) for i in range(len(source))]
     return parse_rows(rows, source=f"tfds:{name}/{split}", on_malformed=on_malformed, layout=layout)
-
-
-def load_examples(cfg: config_lib.DataConfig, split: str) -> list[data.Example]:
-    """The examples of `split` ("train" or "val") from the configured source."""
-    if split not in ("train", "val"):
-        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-    cfg.check_source()
-    layout = Layout.of(cfg)
-    kw = {"on_malformed": cfg.on_malformed, "layout": layout}
-    hub_split = cfg.train_split if split == "train" else cfg.val_split
-    if cfg.source in ("files", "jsonl"):
-        examples = read_files(cfg.paths if split == "train" else cfg.val_paths, **kw)
-    elif cfg.source == "hf":
-        examples = read_hf(cfg.paths[0], split=hub_split, name=cfg.hf_name, **kw)
-    elif cfg.source == "tfds":
-        examples = read_tfds(cfg.tfds_name, split=hub_split, data_dir=cfg.tfds_data_dir, **kw)
-    else:
-        ar = cfg.arithmetic
-        train_rows, val_rows = demo_task.arithmetic_rows(
-            ar.num_train,
-            ar.num_val,
-            max_operand=ar.max_operand,
-            modulus=ar.modulus,
-            seed=ar.seed,
-            instruction=cfg.prompt_suffix,
-        )
-        rows = train_rows if split == "train" else val_rows
-        examples = parse_rows(rows, source=f"arithmetic/{split}", **kw)
-    if split == "val" and cfg.val_max_samples > 0:
-        examples = examples[: cfg.val_max_samples]
-    return examples

@@ -4,7 +4,7 @@
   string, as TRL's standard format), its ground truth, its `data_source` (which picks the scorer
   and groups validation metrics), verl's `extra_info`, the row's other columns (passed to
   TRL-style reward functions) and, when the task has one, a reference solution for the optional
-  supervised warm-up. grpo_jax/dataset.py reads files, HF datasets and tfds into Examples.
+  supervised warm-up. grpo_jax/data/readers.py reads files, HF datasets and tfds into Examples.
 * Tokenisation: messages go through the tokenizer's chat template with add_generation_prompt
   (verl's RLHFDataset); a string prompt is used as it is (TRL). Overlong prompts
   (> max_prompt_length tokens) are dropped when filter_overlong_prompts, else handled per
@@ -22,9 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from grpo_jax import config as config_lib
-
-TRUNCATION_MODES = config_lib.TRUNCATION_MODES
+TRUNCATION_MODES = ("error", "left", "right")  # data.truncation of an overlong prompt
 
 
 @dataclasses.dataclass(frozen=True)

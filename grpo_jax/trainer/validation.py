@@ -22,10 +22,13 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from grpo_jax import data, distributed, rewards, step
+from grpo_jax import distributed
+from grpo_jax.data import prompts as prompts_lib
+from grpo_jax.rewards import functions as reward_fns
+from grpo_jax.trainer import step
 
 
-def validate(engine, params, prompts: data.PromptSet, **kwargs) -> dict[str, float]:
+def validate(engine, params, prompts: prompts_lib.PromptSet, **kwargs) -> dict[str, float]:
     """The metrics of `run(engine, params, prompts, **kwargs)` (same arguments)."""
     return run(engine, params, prompts, **kwargs).metrics
 
@@ -42,9 +45,9 @@ class Validation:
 def run(
     engine,
     params,
-    prompts: data.PromptSet,
+    prompts: prompts_lib.PromptSet,
     *,
-    reward_fn: rewards.RewardFn,
+    reward_fn: reward_fns.RewardFn,
     tokenizer,
     sampling: step.SamplingParams,
     batch_size: int,
@@ -72,7 +75,7 @@ def run(
         real = len(idx)
         idx += [idx[-1]] * (batch_size - real)
         rows = distributed.process_rows(batch_size) if procs > 1 else None
-        pb = data.make_batch(prompts, idx, pad_token_id=pad_id, rows=rows)
+        pb = prompts_lib.make_batch(prompts, idx, pad_token_id=pad_id, rows=rows)
         rollout = step.generate(engine, params, pb, jax.random.key(seed), sampling,
                                 policy_version=policy_version)
         lo, hi = (0, batch_size) if rows is None else rows
@@ -82,7 +85,7 @@ def run(
         mask = distributed.to_host(rollout.response_mask)[lo * n : hi * n]
         texts = step.decode(tokenizer, ids, mask)
         examples = [ex for ex in pb.examples[lo:hi] for _ in range(n)]
-        res = rewards.score_batch(reward_fn, texts, examples, pool=pool)
+        res = reward_fns.score_batch(reward_fn, texts, examples, pool=pool)
         for text, ex, sc in zip(texts, examples, res.scores_B, strict=True):
             if len(generations) < num_generations:  # this process's samples
                 generations.append({"input": _prompt_text(ex.prompt), "output": text,
@@ -90,12 +93,12 @@ def run(
         chunk_lengths = mask.sum(1).tolist()
         if rows is not None:  # every process's results, in row order
             parts = distributed.gather_objects([(res, chunk_lengths)])
-            res = rewards.RewardResult.concat([r for r, _ in parts])
+            res = reward_fns.RewardResult.concat([r for r, _ in parts])
             chunk_lengths = [v for _, c in parts for v in c]
         results.append(res)
         sources += [ex.data_source for ex in pb.examples[:real] for _ in range(n)]
         lengths += chunk_lengths
-    merged = rewards.RewardResult.concat(results)  # a key missing from a chunk is None there
+    merged = reward_fns.RewardResult.concat(results)  # a key missing from a chunk is None there
     scores, extras = merged.scores_B, merged.extras
     preds = extras.get("pred", [None] * len(scores))
     out = group_metrics(sources, {"reward": scores, **extras}, preds, n=n)

@@ -34,7 +34,7 @@ import numpy as np
 
 from grpo_jax import model as model_lib
 from grpo_jax import sampler
-from grpo_jax import vllm_sidecar as sidecar_lib
+from grpo_jax.rollout import vllm_sidecar as sidecar_lib
 
 log = logging.getLogger(__name__)
 

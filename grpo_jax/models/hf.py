@@ -1,10 +1,14 @@
-"""Hugging Face checkpoint export: sharded safetensors written tensor by tensor, also under FSDP.
+"""Hugging Face checkpoints: config.json + safetensors in, sharded safetensors and PEFT adapters out.
 
-This module owns writing params as a transformers / vLLM checkpoint: ``save`` (the export), the
+Reading (`load_hf_checkpoint`): `HF_TO_JAX` maps every HF tensor name onto a params path and a
+layout (torch Linear weights are [out, in]; grpo_jax keeps [in, out] with heads split), each
+param is placed in its sharding as soon as it is read. GGUF files share the table
+(grpo_jax/models/gguf.py).
+
+Writing: params as a transformers / vLLM checkpoint: ``save`` (the export), the
 list of HF tensors a params tree maps to (``hf_tensors``, in transformers' save order), the
 shard plan (``plan_shards``, huggingface_hub's rule) and the per-tensor gather
-(``device_tensor`` / ``host_tensor``) that the vLLM sidecar's in-memory weight push shares. The
-name mapping and layouts themselves are ``model.HF_TO_JAX``.
+(``device_tensor`` / ``host_tensor``) that the vLLM sidecar's in-memory weight push shares.
 
 Design:
   * One tensor at a time. Each HF tensor (a layer slice of a stacked param, transposed to torch's
@@ -40,20 +44,24 @@ Design:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import math
 import os
+import re
 import struct
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from grpo_jax import model as model_lib
+from grpo_jax.models import config as config_lib
+from grpo_jax.models import transformer
 
 # 5 GiB shards (transformers 4's default; 5 writes "50GB" ones): a few files for a 7B model.
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
@@ -68,6 +76,217 @@ _SAFETENSORS_DTYPES = {
     np.dtype(np.float32): ("F32", 2),
     np.dtype(np.float64): ("F64", 3),
 }
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+# (HF tensor name, params path, layout). "{i}" is the layer index: those params are stacked on L.
+# Layouts (HF torch Linear weights are [out, in]):
+#   same:       identical shape (embedding, norm scales)
+#   bias:       HF [n*H]     <-> params [n, H]
+#   linear:     HF [out, in] <-> params [in, *out]   (q/k/v [D,n,H], gate/up [D,F], lm_head [D,V])
+#   linear_out: HF [out, in] <-> params [*in, out]   (o_proj [N,H,D], down [F,D])
+HF_TO_JAX = (
+    ("model.embed_tokens.weight", "embed/embedding", "same"),
+    ("model.norm.weight", "final_norm/scale", "same"),
+    ("lm_head.weight", "lm_head/kernel", "linear"),
+    ("model.layers.{i}.input_layernorm.weight", "layers/input_norm/scale", "same"),
+    ("model.layers.{i}.post_attention_layernorm.weight", "layers/post_attn_norm/scale", "same"),
+    ("model.layers.{i}.self_attn.q_proj.weight", "layers/attn/q_proj/kernel", "linear"),
+    ("model.layers.{i}.self_attn.k_proj.weight", "layers/attn/k_proj/kernel", "linear"),
+    ("model.layers.{i}.self_attn.v_proj.weight", "layers/attn/v_proj/kernel", "linear"),
+    ("model.layers.{i}.self_attn.q_proj.bias", "layers/attn/q_proj/bias", "bias"),
+    ("model.layers.{i}.self_attn.k_proj.bias", "layers/attn/k_proj/bias", "bias"),
+    ("model.layers.{i}.self_attn.v_proj.bias", "layers/attn/v_proj/bias", "bias"),
+    ("model.layers.{i}.self_attn.o_proj.weight", "layers/attn/o_proj/kernel", "linear_out"),
+    ("model.layers.{i}.self_attn.q_norm.weight", "layers/attn/q_norm/scale", "same"),
+    ("model.layers.{i}.self_attn.k_norm.weight", "layers/attn/k_norm/scale", "same"),
+    ("model.layers.{i}.mlp.gate_proj.weight", "layers/mlp/gate_proj/kernel", "linear"),
+    ("model.layers.{i}.mlp.up_proj.weight", "layers/mlp/up_proj/kernel", "linear"),
+    ("model.layers.{i}.mlp.down_proj.weight", "layers/mlp/down_proj/kernel", "linear_out"),
+)
+
+
+# Checkpoint entries that carry no weights of their own (HF recomputes them or ties them).
+_IGNORED_HF = re.compile(r"(.*\.rotary_emb\.inv_freq)$")
+
+
+def _hf_regex(template: str) -> re.Pattern:
+    return re.compile(re.escape(template).replace(r"\{i\}", r"(\d+)") + "$")
+
+
+def hf_shape(layout: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The HF tensor shape of a (per-layer) param of `shape`."""
+    match layout:
+        case "same":
+            return shape
+        case "bias":
+            return (math.prod(shape),)
+        case "linear":
+            return (math.prod(shape[1:]), shape[0])
+        case "linear_out":
+            return (shape[-1], math.prod(shape[:-1]))
+    raise ValueError(f"unknown HF layout {layout!r}")
+
+
+def from_hf_layout(layout: str, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    if layout in ("linear", "linear_out"):
+        x = x.T
+    return x.reshape(shape)
+
+
+def _resolve_checkpoint_dir(path: str | os.PathLike) -> str:
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        raise ValueError(f"HF checkpoint path {path!r} is a file; pass the directory")
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", path):
+        # A hub id: download config and safetensors (needs network access).
+        import huggingface_hub
+
+        return huggingface_hub.snapshot_download(
+            path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]
+        )
+    raise ValueError(f"HF checkpoint {path!r} is neither a local directory nor a hub id")
+
+
+def _safetensors_files(ckpt_dir: str) -> list[str]:
+    index = os.path.join(ckpt_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(ckpt_dir, n) for n in names]
+    names = sorted(n for n in os.listdir(ckpt_dir) if n.endswith(".safetensors"))
+    if not names:
+        raise ValueError(f"no *.safetensors weights in HF checkpoint {ckpt_dir!r}")
+    return [os.path.join(ckpt_dir, n) for n in names]
+
+
+def load_hf_checkpoint(
+    path: str | os.PathLike,
+    *,
+    dtype=jnp.float32,
+    shardings: Callable[[config_lib.ModelConfig, Any], Any] | None = None,
+) -> tuple[config_lib.ModelConfig, dict]:
+    """Reads a HF Qwen2/Qwen3/Llama checkpoint (config.json + safetensors) into params.
+
+    Args:
+      path: local directory (single ``model.safetensors`` or sharded with
+        ``model.safetensors.index.json``), or a hub id resolved with huggingface_hub.
+      dtype: param and compute dtype of the returned config; weights are cast to it.
+      shardings: optional ``(config, abstract_params) -> pytree of jax.sharding.Sharding``. Each
+        param is then placed with ``jax.device_put(x, sharding)`` as soon as it is read, so the
+        model never sits whole on one device. Host memory holds one (layer-stacked) param at a
+        time.
+
+    Returns:
+      (config, params).
+
+    Raises:
+      ValueError: unsupported architecture, a missing or unexpected tensor, or a shape mismatch.
+    """
+    from safetensors import safe_open  # Deferred: only checkpoint IO needs it.
+
+    ckpt_dir = _resolve_checkpoint_dir(path)
+    config = config_lib.ModelConfig.from_hf(ckpt_dir)
+    config = dataclasses.replace(config, dtype=dtype, param_dtype=dtype)
+    abstract = transformer.abstract_params(config)
+    flat_abstract = dict(transformer.flatten_params(abstract))
+    flat_shardings = (
+        dict(transformer.flatten_params(shardings(config, abstract))) if shardings else {}
+    )
+    hf_arch = config_lib.ARCH_TO_HF[config.arch]
+
+    with contextlib.ExitStack() as stack:
+        handles = [
+            stack.enter_context(safe_open(f, framework="numpy"))
+            for f in _safetensors_files(ckpt_dir)
+        ]
+        where = {key: h for h in handles for key in h.keys()}  # noqa: SIM118 (safe_open handle, not a dict)
+        # Which checkpoint tensors feed which param (and layer).
+        sources: dict[str, dict[int, str]] = {}
+        unexpected = []
+        for key in where:
+            for template, jax_name, _ in HF_TO_JAX:
+                m = _hf_regex(template).match(key)
+                if m and jax_name in flat_abstract:
+                    sources.setdefault(jax_name, {})[int(m.group(1)) if m.groups() else -1] = key
+                    break
+            else:
+                tied_head = key == "lm_head.weight" and config.tie_word_embeddings
+                if not (tied_head or _IGNORED_HF.match(key)):
+                    unexpected.append(key)
+        if unexpected:
+            raise ValueError(
+                f"{hf_arch} checkpoint {ckpt_dir!r} has unexpected tensors {unexpected[:8]}"
+            )
+
+        flat = {}
+        for template, jax_name, layout in HF_TO_JAX:
+            if jax_name not in flat_abstract:
+                continue
+            spec = flat_abstract[jax_name]
+            layered = "{i}" in template
+            indices = range(config.num_layers) if layered else [-1]
+            shape = spec.shape[1:] if layered else spec.shape
+            parts = []
+            for i in indices:
+                key = sources.get(jax_name, {}).get(i)
+                if key is None:
+                    missing = template.format(i=i)
+                    raise ValueError(
+                        f"{hf_arch} checkpoint {ckpt_dir!r} is missing tensor {missing!r}"
+                    )
+                x = where[key].get_tensor(key)
+                if tuple(x.shape) != hf_shape(layout, shape):
+                    raise ValueError(
+                        f"{hf_arch} tensor {key!r} has shape {tuple(x.shape)}, expected "
+                        f"{hf_shape(layout, shape)} from config.json"
+                    )
+                parts.append(from_hf_layout(layout, x, shape).astype(spec.dtype))
+            flat[jax_name] = place(
+                np.stack(parts) if layered else parts[0], flat_shardings.get(jax_name)
+            )
+            del parts
+    return config, transformer.unflatten_params(flat)
+
+
+def place(value: np.ndarray, sharding=None) -> jax.Array:
+    """A host array on its devices: split by `sharding` when given (the loaders' last step)."""
+    return jnp.asarray(value) if sharding is None else jax.device_put(value, sharding)
+
+
+def to_hf_state_dict(
+    config: config_lib.ModelConfig, params, *, untie_embeddings: bool = False
+) -> dict:
+    """Params as a dict of HF tensor names -> host numpy arrays in the params' dtype.
+
+    Args:
+      untie_embeddings: for a tied model, also emit ``lm_head.weight`` (a copy of the embedding),
+        as vLLM's weight reload expects.
+    """
+    transformer.check_params(config, params)
+    flat = dict(transformer.flatten_params(params))
+    out = {}
+    for template, jax_name, layout in HF_TO_JAX:
+        if jax_name not in flat:
+            continue
+        host = np.asarray(jax.device_get(flat[jax_name]))
+        if "{i}" in template:
+            for i in range(config.num_layers):
+                out[template.format(i=i)] = np.ascontiguousarray(to_hf_layout(layout, host[i]))
+        else:
+            out[template] = np.ascontiguousarray(to_hf_layout(layout, host))
+    if config.tie_word_embeddings and untie_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"].copy()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,16 +318,7 @@ class HFTensor:
         return math.prod(self.shape)
 
 
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
-    for key in sorted(tree):
-        name = f"{prefix}/{key}" if prefix else str(key)
-        if isinstance(tree[key], Mapping):
-            yield from _flatten(tree[key], name)
-        else:
-            yield name, tree[key]
-
-
-def _hf_layout(layout: str, y):
+def to_hf_layout(layout: str, y):
     """A (per-layer) param in HF's layout (torch Linear weights are [out, in]); jnp or np."""
     match layout:
         case "same":
@@ -140,7 +350,7 @@ def natural_key(name: str) -> tuple:
 
 
 def hf_tensors(
-    config: model_lib.ModelConfig, params, *, untie_embeddings: bool = False
+    config: config_lib.ModelConfig, params, *, untie_embeddings: bool = False
 ) -> list[HFTensor]:
     """The checkpoint's tensors in transformers' save order (``natural_key``), none gathered.
 
@@ -152,9 +362,9 @@ def hf_tensors(
     Raises:
       ValueError: a param is missing, unexpected or mis-shaped for ``config``.
     """
-    model_lib.check_params(config, params)
-    flat = dict(_flatten(params))
-    sources = {template: (param, layout) for template, param, layout in model_lib.HF_TO_JAX}
+    transformer.check_params(config, params)
+    flat = dict(transformer.flatten_params(params))
+    sources = {template: (param, layout) for template, param, layout in HF_TO_JAX}
     if config.tie_word_embeddings and untie_embeddings:
         sources["lm_head.weight"] = ("embed/embedding", "same")  # [V, D] is lm_head's layout too
 
@@ -165,7 +375,7 @@ def hf_tensors(
         x = flat[param]
         layered = "{i}" in template
         per_layer = jax.ShapeDtypeStruct(x.shape[1:] if layered else x.shape, x.dtype)
-        shape = tuple(jax.eval_shape(functools.partial(_hf_layout, layout), per_layer).shape)
+        shape = tuple(jax.eval_shape(functools.partial(to_hf_layout, layout), per_layer).shape)
         for i in range(config.num_layers) if layered else [None]:
             name = template.format(i=i) if layered else template
             out.append(HFTensor(name, param, i, layout, shape, np.dtype(x.dtype)))
@@ -245,7 +455,7 @@ def safetensors_header(ordered: Sequence[HFTensor]) -> bytes:
 
 def _extract(x, *index, layout: str):
     y = jax.lax.dynamic_index_in_dim(x, index[0], 0, keepdims=False) if index else x
-    return _hf_layout(layout, y)
+    return to_hf_layout(layout, y)
 
 
 @functools.lru_cache(maxsize=256)
@@ -271,7 +481,7 @@ def device_tensor(x, t: HFTensor) -> jax.Array:
     """
     if isinstance(x, np.ndarray):
         host = x[t.layer] if t.layer is not None else x
-        return jax.numpy.asarray(np.ascontiguousarray(_hf_layout(t.layout, host)))
+        return jax.numpy.asarray(np.ascontiguousarray(to_hf_layout(t.layout, host)))
     sharding = x.sharding
     if isinstance(sharding, NamedSharding):
         out_sharding = NamedSharding(sharding.mesh, PartitionSpec())
@@ -287,10 +497,10 @@ def device_tensor(x, t: HFTensor) -> jax.Array:
 
 
 def iter_device_tensors(
-    config: model_lib.ModelConfig, params, *, untie_embeddings: bool = False
+    config: config_lib.ModelConfig, params, *, untie_embeddings: bool = False
 ) -> Iterator[tuple[HFTensor, jax.Array]]:
     """``hf_tensors`` paired with their ``device_tensor``, gathered one at a time as consumed."""
-    flat = dict(_flatten(params))
+    flat = dict(transformer.flatten_params(params))
     for t in hf_tensors(config, params, untie_embeddings=untie_embeddings):
         yield t, device_tensor(flat[t.param], t)
 
@@ -326,7 +536,7 @@ def _write_atomic(path: str, data: bytes | str) -> None:
 
 
 def save(
-    config: model_lib.ModelConfig,
+    config: config_lib.ModelConfig,
     params,
     path: str | os.PathLike,
     *,
@@ -358,7 +568,7 @@ def save(
     tensors = hf_tensors(config, params, untie_embeddings=untie_embeddings)
     shards = plan_shards(tensors, max_shard_bytes)
     files = list(zip(shard_filenames(len(shards)), [_file_order(s) for s in shards]))
-    flat = dict(_flatten(params))
+    flat = dict(transformer.flatten_params(params))
     writer = jax.process_index() == 0
     multiprocess = jax.process_count() > 1
     error: BaseException | None = None
@@ -425,8 +635,8 @@ _PEFT_PREFIX = "base_model.model."  # PeftModel wraps the HF model as base_model
 _PEFT_LAYOUTS = (("lora_A", "lora_a", "linear_out"), ("lora_B", "lora_b", "linear"))
 
 
-def adapter_tensors(config: model_lib.ModelConfig, adapters) -> list[HFTensor]:
-    """The PEFT tensors of LoRA `adapters` (grpo_jax/lora.py), in transformers' save order.
+def adapter_tensors(config: config_lib.ModelConfig, adapters) -> list[HFTensor]:
+    """The PEFT tensors of LoRA `adapters` (grpo_jax/models/lora.py), in transformers' save order.
 
     Each targeted kernel's HF name ``model.layers.{i}.<module>.weight`` gives
     ``base_model.model.model.layers.{i}.<module>.lora_A.weight`` [r, in] and ``...lora_B.weight``
@@ -436,10 +646,10 @@ def adapter_tensors(config: model_lib.ModelConfig, adapters) -> list[HFTensor]:
     Raises:
       ValueError: `adapters` do not match the config's rank and targets.
     """
-    model_lib.check_adapters(config, adapters)
-    flat = dict(_flatten(adapters))
+    transformer.check_adapters(config, adapters)
+    flat = dict(transformer.flatten_params(adapters))
     out = []
-    for template, param, _ in model_lib.HF_TO_JAX:
+    for template, param, _ in HF_TO_JAX:
         stem = param.removesuffix("/kernel")
         if f"{stem}/lora_a" not in flat:
             continue
@@ -447,14 +657,14 @@ def adapter_tensors(config: model_lib.ModelConfig, adapters) -> list[HFTensor]:
         for suffix, leaf, layout in _PEFT_LAYOUTS:
             x = flat[f"{stem}/{leaf}"]
             per_layer = jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
-            shape = tuple(jax.eval_shape(functools.partial(_hf_layout, layout), per_layer).shape)
+            shape = tuple(jax.eval_shape(functools.partial(to_hf_layout, layout), per_layer).shape)
             for i in range(config.num_layers):
                 name = f"{_PEFT_PREFIX}{module.format(i=i)}.{suffix}.weight"
                 out.append(HFTensor(name, f"{stem}/{leaf}", i, layout, shape, np.dtype(x.dtype)))
     return sorted(out, key=lambda t: natural_key(t.name))
 
 
-def peft_config(config: model_lib.ModelConfig, *, base_model_name_or_path: str = "") -> dict:
+def peft_config(config: config_lib.ModelConfig, *, base_model_name_or_path: str = "") -> dict:
     """adapter_config.json of a PEFT LoRA adapter with the config's rank, alpha and targets."""
     alpha = config.lora_alpha
     return {
@@ -476,7 +686,7 @@ def peft_config(config: model_lib.ModelConfig, *, base_model_name_or_path: str =
 
 
 def save_adapter(
-    config: model_lib.ModelConfig, adapters, path: str | os.PathLike, *,
+    config: config_lib.ModelConfig, adapters, path: str | os.PathLike, *,
     base_model_name_or_path: str = "",
 ) -> None:  # fmt: skip
     """Writes LoRA `adapters` as a PEFT adapter directory: ``adapter_model.safetensors`` (one
@@ -494,7 +704,7 @@ def save_adapter(
     """
     path = os.fspath(path)
     ordered = _file_order(adapter_tensors(config, adapters))
-    flat = dict(_flatten(adapters))
+    flat = dict(transformer.flatten_params(adapters))
     if jax.process_index() != 0:
         for t in ordered:
             device_tensor(flat[t.param], t).block_until_ready()

@@ -127,9 +127,9 @@ def sum_reward(data_source, solution_str, ground_truth, extra_info=None) -> dict
     the completion has a "#### <number>" line; score = acc + FORMAT_BONUS x format, so the run
     also learns the GSM8K answer format that the strict scorer (configs/gsm8k.py) needs.
     """
-    from grpo_jax import reward_score
+    from grpo_jax.rewards import scorers
 
     del data_source, extra_info
-    acc = reward_score.gsm8k_score(solution_str, str(ground_truth), method="flexible")
+    acc = scorers.gsm8k_score(solution_str, str(ground_truth), method="flexible")
     formatted = float(_FORMATTED.search(solution_str) is not None)
     return {"score": acc + FORMAT_BONUS * formatted, "acc": acc, "format": formatted}

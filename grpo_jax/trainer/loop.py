@@ -1,11 +1,11 @@
 """The GRPO training loop as a library function: `train(run, model, tokenizer, data, reward)`.
 
-`train` owns what happens around each step (grpo_jax/step.py has the step itself):
+`train` owns what happens around each step (grpo_jax/trainer/step.py has the step itself):
 
   setup     mesh and rules, prompts tokenised, params placed in their shardings, AdamW state,
             the frozen reference (when a KL term needs it), the jitted programs, the rollout
             engine, the reward worker pool;
-  LoRA      (model.lora_rank > 0, grpo_jax/lora.py) the given params are the frozen base;
+  LoRA      (model.lora_rank > 0, grpo_jax/models/lora.py) the given params are the frozen base;
             fresh adapters are what the state trains (and all the optimizer holds), the
             reference is the base itself with the adapters off (no copy), and checkpoints hold
             the adapters, the optimizer state and a pointer to the base (model.path, rank,
@@ -18,7 +18,7 @@
             trainer.test_freq steps and at the last step (verl: none with test_freq=-1), a
             checkpoint every trainer.save_freq steps (and after the last step with
             checkpoint.save_last), one metrics.jsonl line, the callbacks;
-  async     (trainer.async_rollout, grpo_jax/async_rollout.py) the next step's rollout stage
+  async     (trainer.async_rollout, grpo_jax/rollout/async_rollout.py) the next step's rollout stage
             runs in a background thread, with the engine's own copy of the weights, while this
             step trains; never across a checkpoint, so resume stays exact;
   result    the final state and the metrics history.
@@ -43,25 +43,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax import (
-    async_rollout,
-    checkpoint,
-    data,
-    dataset,
-    distributed,
-    loading,
-    metrics,
-    perf,
-    rewards,
-    sharding,
-    step,
-    trainer,
-    validation,
-)
 from grpo_jax import config as config_lib
-from grpo_jax import lora as lora_lib
+from grpo_jax import distributed, loading, sharding
 from grpo_jax import model as model_lib
-from grpo_jax import reward_pool as reward_pool_lib
+from grpo_jax.data import prompts, readers
+from grpo_jax.models import lora as lora_lib
+from grpo_jax.rewards import functions as reward_fns
+from grpo_jax.rewards import pool as reward_pool_lib
+from grpo_jax.rollout import async_rollout
+from grpo_jax.trainer import actor, checkpoint, metrics, perf, step, validation
 
 Callback = Callable[[int, dict], None]
 
@@ -80,7 +70,7 @@ class Result:
       base_params: with LoRA, the frozen base params (else None).
     """
 
-    state: trainer.TrainState
+    state: actor.TrainState
     model_config: model_lib.ModelConfig
     history: list[dict]
     workdir: str
@@ -97,10 +87,10 @@ class Result:
 def make_optimizer(run: config_lib.RunConfig, total_steps: int):
     """(tx, schedule): verl's AdamW and its per-step learning rate."""
     o = run.actor.optim
-    tx = trainer.make_optimizer(
+    tx = actor.make_optimizer(
         grad_clip=run.actor.grad_clip, betas=tuple(o.betas), weight_decay=o.weight_decay
     )
-    schedule = trainer.lr_schedule(
+    schedule = actor.lr_schedule(
         lr=o.lr,
         warmup_steps=o.warmup_steps(total_steps),
         total_steps=total_steps,
@@ -112,7 +102,7 @@ def make_optimizer(run: config_lib.RunConfig, total_steps: int):
 
 def total_steps(run: config_lib.RunConfig, num_prompts: int) -> int:
     """trainer.total_training_steps, else total_epochs x full batches per epoch."""
-    per_epoch = data.steps_per_epoch(num_prompts, run.data.train_batch_size)
+    per_epoch = prompts.steps_per_epoch(num_prompts, run.data.train_batch_size)
     return run.trainer.total_training_steps or run.trainer.total_epochs * per_epoch
 
 
@@ -133,7 +123,7 @@ def make_engine(run, model_config, mesh, *, eos_ids, pad_id, workdir, rollout_me
             f"this run has {jax.process_count()} JAX processes; use rollout.name=jax (the "
             "native sampler on the global mesh) for multi-process runs"
         )
-    from grpo_jax import vllm_pool, vllm_sidecar
+    from grpo_jax.rollout import vllm_pool, vllm_sidecar
 
     configs = run.rollout.sidecar_configs()
     if len(configs) == 1:
@@ -149,9 +139,9 @@ def train(
     model_config: model_lib.ModelConfig,
     params,
     tokenizer,
-    train_data: Sequence[data.Example | Mapping[str, Any]],
-    val_data: Sequence[data.Example | Mapping[str, Any]] = (),
-    reward_fn: rewards.RewardFn | Callable | None = None,
+    train_data: Sequence[prompts.Example | Mapping[str, Any]],
+    val_data: Sequence[prompts.Example | Mapping[str, Any]] = (),
+    reward_fn: reward_fns.RewardFn | Callable | None = None,
     mesh=None,
     rules=None,
     callbacks: Sequence[Callback] = (),
@@ -190,9 +180,9 @@ def train(
             )
     rules = sharding.rules_from_config(None) if rules is None else rules
     if reward_fn is None:
-        reward_fn = rewards.from_config(run.reward, run.custom_reward_function)
-    elif not isinstance(reward_fn, rewards.RewardFn):
-        reward_fn = rewards.RewardFn.of(reward_fn, on_error=run.reward.on_error)
+        reward_fn = loading.reward_fn(run.reward, run.custom_reward_function)
+    elif not isinstance(reward_fn, reward_fns.RewardFn):
+        reward_fn = reward_fns.RewardFn.of(reward_fn, on_error=run.reward.on_error)
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     run.check_mesh(dp)
     workdir = run.trainer.default_local_dir
@@ -201,14 +191,14 @@ def train(
 
     # DATA, PARAMS, OPTIMIZER
     encode = functools.partial(
-        data.encode,
+        prompts.encode,
         tokenizer,
         max_prompt_length=run.data.max_prompt_length,
         filter_overlong_prompts=run.data.filter_overlong_prompts,
         truncation=run.data.truncation,
         share=distributed.share(),
     )
-    layout = dataset.Layout.of(run.data)
+    layout = loading.layout(run.data)
     train_set = encode(_examples(train_data, "train_data", layout, run.data.on_malformed))
     val_set = (
         encode(_examples(val_data, "val_data", layout, run.data.on_malformed)) if val_data else None
@@ -232,12 +222,12 @@ def train(
     else:
         base, train_sh, trainable = None, param_sh, params
         abstract_trainable = model_lib.abstract_params(model_config)
-    state_sh = trainer.TrainState(
+    state_sh = actor.TrainState(
         sharding.replicated(mesh),
         train_sh,
         sharding.tx_state_shardings(tx, abstract_trainable, train_sh, mesh),
     )
-    state = jax.jit(functools.partial(trainer.init_state, tx=tx), out_shardings=state_sh)(
+    state = jax.jit(functools.partial(actor.init_state, tx=tx), out_shardings=state_sh)(
         trainable
     )
     # The frozen reference: the initial params (`state` holds a copy: never donated); with LoRA
@@ -263,7 +253,7 @@ def train(
     )
     writer = metrics.Writer(workdir, tensorboard=run.trainer.tensorboard, enabled=is_main)
     loop = _LoopState(
-        state, ref_params, root_key, data.Position(), 0, run.algorithm.kl_ctrl.kl_coef,
+        state, ref_params, root_key, prompts.Position(), 0, run.algorithm.kl_ctrl.kl_coef,
         base=base, lora_base=lora_pointer(run, model_config),
     )  # fmt: skip
     start_step, first_row = 0, {}
@@ -307,7 +297,7 @@ def train(
             )
             if run.needs_reference:  # the reference is the warmed-up policy (a copy)
                 warmed = jax.tree.map(jnp.copy, loop.state.params)  # with LoRA: the adapters
-                loop.ref_params = trainer.policy_params(base, warmed)
+                loop.ref_params = actor.policy_params(base, warmed)
 
     engine = make_engine(run, model_config, mesh, eos_ids=eos_ids, pad_id=pad_id, workdir=workdir,
                          rollout_mesh=rollout_mesh(run, mesh), rules=rules)
@@ -443,10 +433,10 @@ def read_generations(workdir: str) -> dict[int, list[dict]]:
     return out
 
 
-def _examples(rows, name: str, layout, on_malformed: str) -> list[data.Example]:
-    if all(isinstance(r, data.Example) for r in rows):
+def _examples(rows, name: str, layout, on_malformed: str) -> list[prompts.Example]:
+    if all(isinstance(r, prompts.Example) for r in rows):
         return list(rows)
-    return dataset.parse_rows(rows, source=name, on_malformed=on_malformed, layout=layout)
+    return readers.parse_rows(rows, source=name, on_malformed=on_malformed, layout=layout)
 
 
 # The rng stream of the LoRA adapters' initialisation (fold_in of trainer.seed's key).
@@ -478,10 +468,10 @@ class _LoopState:
     state's params are the adapters, and a warmed-up reference is checkpointed as its adapters.
     """
 
-    state: trainer.TrainState
+    state: actor.TrainState
     ref_params: Any
     root_key: jax.Array
-    position: data.Position
+    position: prompts.Position
     consecutive_bad: int
     kl_coef: float  # the in-reward KL coefficient of the next step (algorithm.kl_ctrl)
     base: Any = None
@@ -521,13 +511,13 @@ class _LoopState:
     def restored(self, tree, meta, *, with_ref: bool) -> _LoopState:
         ref = self.ref_params
         if with_ref:
-            ref = trainer.policy_params(self.base, tree["ref"])
+            ref = actor.policy_params(self.base, tree["ref"])
         return dataclasses.replace(
             self,
             state=tree["train"],
             ref_params=ref,
             root_key=tree["rng"],
-            position=data.Position(meta["data_epoch"], meta["data_index"]),
+            position=prompts.Position(meta["data_epoch"], meta["data_index"]),
             consecutive_bad=meta["consecutive_nonfinite"],
             kl_coef=meta.get("kl_coef", self.kl_coef),
         )
@@ -561,12 +551,12 @@ def _steps(
     history, last_val = [], {}
     t = run.trainer
 
-    def next_prompts(count: int) -> data.PromptBatch:
-        idx, loop.position = data.next_indices(
+    def next_prompts(count: int) -> prompts.PromptBatch:
+        idx, loop.position = prompts.next_indices(
             len(train_set), loop.position, count, seed=run.data.seed, shuffle=run.data.shuffle
         )
         rows = distributed.process_rows(count) if jax.process_count() > 1 else None
-        return data.make_batch(train_set, idx, pad_token_id=ctx.engine.pad_id, rows=rows)
+        return prompts.make_batch(train_set, idx, pad_token_id=ctx.engine.pad_id, rows=rows)
 
     def sample(i: int, policy, version: int, sampled_at: int):
         """Batch i, sampled by `policy` (policy version `version`) in loop step `sampled_at`,
@@ -581,7 +571,7 @@ def _steps(
             done == steps and run.checkpoint.save_last)
 
     # trainer.async_rollout: the batch of step i + 1 is sampled during step i's update (see
-    # grpo_jax/async_rollout.py), never across a checkpoint.
+    # grpo_jax/rollout/async_rollout.py), never across a checkpoint.
     ahead = async_rollout.Ahead() if t.async_rollout else None
     elsewhere = getattr(ctx.engine, "mesh", None) not in (None, ctx.mesh)
     try:
@@ -662,7 +652,7 @@ def _steps(
 def warm_up(
     run, state, tx, train_set, tokenizer, mesh, *, eos_id, pad_id, micro_rows, model_config,
     base_params=None,
-) -> tuple[trainer.TrainState, dict]:
+) -> tuple[actor.TrainState, dict]:
     """Supervised warm-up on the reference answers (warmup.steps), then a fresh optimizer.
 
     With LoRA (`base_params` the frozen base) it trains the adapters.
@@ -680,7 +670,7 @@ def warm_up(
         )
     sft_fn = jax.jit(
         functools.partial(
-            trainer.sft_step,
+            actor.sft_step,
             model_config=model_config,
             tx=tx,
             micro_batch_size=min(micro_rows, w.batch_size),
@@ -688,10 +678,10 @@ def warm_up(
         donate_argnums=0,
     )
     base = () if base_params is None else (base_params,)
-    position = data.Position()
+    position = prompts.Position()
     nll = float("nan")
     for i in range(w.steps):
-        idx, position = data.next_indices(
+        idx, position = prompts.next_indices(
             len(train_set), position, w.batch_size, seed=run.data.seed + 1, shuffle=True
         )
         batch = sft_batch(
@@ -707,13 +697,13 @@ def warm_up(
         nll = float(m["sft/nll"])
         if i % 10 == 0 or i == w.steps - 1:
             logging.info("warm-up step %d/%d: nll %.4f", i + 1, w.steps, nll)
-    fresh = trainer.TrainState(jnp.zeros_like(state.step), state.params, tx.init(state.params))
+    fresh = actor.TrainState(jnp.zeros_like(state.step), state.params, tx.init(state.params))
     return fresh, {"warmup/nll": nll, "warmup/steps": w.steps}
 
 
 def sft_batch(train_set, indices, tokenizer, mesh, *, eos_id, pad_id, max_response_length):
     """Prompt + reference answer (+ EOS) for the supervised warm-up, answers right-padded."""
-    pb = data.make_batch(train_set, indices, pad_token_id=pad_id)
+    pb = prompts.make_batch(train_set, indices, pad_token_id=pad_id)
     r = max_response_length
     answers = [ex.answer for ex in pb.examples]
     ans_ids = tokenizer(answers, add_special_tokens=False)["input_ids"]
@@ -730,7 +720,7 @@ def sft_batch(train_set, indices, tokenizer, mesh, *, eos_id, pad_id, max_respon
         response_mask_BT=mask_PT,
         advantages_BT=np.zeros(resp_PT.shape, np.float32),
     )
-    return trainer.TrainBatch(**{k: distributed.to_device(v, mesh) for k, v in arrays.items()})
+    return actor.TrainBatch(**{k: distributed.to_device(v, mesh) for k, v in arrays.items()})
 
 
 def _timed(timing: dict, key: str, fn, *args):

@@ -10,7 +10,7 @@
 Each stage is a top-level function that a test can call alone. The device work of stages 3-5 is
 in `Programs`, the jitted functions of a run, built once by `make_programs` (plan.py compiles the
 same ones). `run_step` chains the stages and returns the step's verl-named metrics; the loop
-(grpo_jax/loop.py) adds validation, checkpoints and logging around it.
+(grpo_jax/trainer/loop.py) adds validation, checkpoints and logging around it.
 
 Rollout engines share one interface (`NativeEngine` for grpo_jax.sampler, `SidecarEngine` for
 the vLLM server): start(params, version), sync(params, version) after each update,
@@ -34,11 +34,15 @@ import numpy as np
 
 from grpo_jax import advantage as advantage_lib
 from grpo_jax import config as config_lib
-from grpo_jax import data, distributed, lora, packing, perf, rewards, sampler, sharding, trainer
+from grpo_jax import distributed, registry, sampler, sharding
 from grpo_jax import loss as loss_lib
 from grpo_jax import model as model_lib
-from grpo_jax import reward_pool as reward_pool_lib
 from grpo_jax import rollout_correction as rollout_correction_lib
+from grpo_jax.data import prompts as prompts_lib
+from grpo_jax.models import lora
+from grpo_jax.rewards import functions as reward_fns
+from grpo_jax.rewards import pool as reward_pool_lib
+from grpo_jax.trainer import actor, packing, perf
 
 # ---------------------------------------------------------------------------------------------
 # Rollout engines
@@ -116,7 +120,7 @@ class NativeEngine:
                policy_version: int | None = None):
         if self.own_params:
             if policy_version is not None and policy_version != self.version:
-                from grpo_jax import vllm_sidecar
+                from grpo_jax.rollout import vllm_sidecar
 
                 raise vllm_sidecar.StaleRolloutError(
                     f"the rollout engine holds policy version {self.version}, but version "
@@ -177,7 +181,7 @@ class SidecarEngine:
     def sample(self, params, prompt_ids_PT, prompt_mask_PT, rng, sp: SamplingParams,
                policy_version: int | None = None):
         del params  # the server holds the weights pushed by the last sync
-        from grpo_jax import vllm_sidecar
+        from grpo_jax.rollout import vllm_sidecar
 
         rollout = self.sidecar.sample(
             prompt_ids_PT,
@@ -236,7 +240,7 @@ class Programs:
     """
 
     model_config: model_lib.ModelConfig
-    loss_config: trainer.LossConfig
+    loss_config: actor.LossConfig
     update: Callable
     log_probs: Callable
     log_probs_entropy: Callable
@@ -268,7 +272,7 @@ def make_programs(
     def update_for(mc, **jit_kw):
         return jax.jit(
             functools.partial(
-                trainer.train_step, model_config=mc, loss_config=loss_config, tx=tx,
+                actor.train_step, model_config=mc, loss_config=loss_config, tx=tx,
                 mini_batch_size=mini_rows, micro_batch_size=micro_rows,
             ),
             **jit_kw,
@@ -276,7 +280,7 @@ def make_programs(
 
     def packed_grads_for(mc, **jit_kw):
         return jax.jit(
-            functools.partial(trainer.packed_micro_grads, model_config=mc, loss_config=loss_config),
+            functools.partial(actor.packed_micro_grads, model_config=mc, loss_config=loss_config),
             **jit_kw,
         )
 
@@ -286,7 +290,7 @@ def make_programs(
     def log_probs_fn(calculate_entropy):
         return jax.jit(
             functools.partial(
-                trainer.compute_log_probs,
+                actor.compute_log_probs,
                 model_config,
                 micro_batch_size=logprob_rows,
                 calculate_entropy=calculate_entropy,
@@ -297,7 +301,7 @@ def make_programs(
     def packed_log_probs_fn(calculate_entropy):
         return jax.jit(
             functools.partial(
-                trainer.packed_log_probs_into,
+                actor.packed_log_probs_into,
                 model_config,
                 calculate_entropy=calculate_entropy,
                 **common,
@@ -306,7 +310,7 @@ def make_programs(
         )
 
     packed_grads = packed_grads_for(model_config, donate_argnums=1)
-    apply = jax.jit(functools.partial(trainer.apply_gradients, tx=tx), donate_argnums=0)
+    apply = jax.jit(functools.partial(actor.apply_gradients, tx=tx), donate_argnums=0)
 
     advantage = make_advantage(run)
     return Programs(
@@ -390,8 +394,8 @@ class HostRollout:
         )
 
 
-def _micro(packed: packing.Packed, m: int, mesh) -> trainer.PackedMicro:
-    return trainer.PackedMicro(
+def _micro(packed: packing.Packed, m: int, mesh) -> actor.PackedMicro:
+    return actor.PackedMicro(
         **{k: distributed.to_device(v, mesh) for k, v in packed.micro(m).items()}
     )
 
@@ -400,7 +404,7 @@ def _micro(packed: packing.Packed, m: int, mesh) -> trainer.PackedMicro:
 # Stages
 
 
-def generate(engine, params, prompts: data.PromptBatch, rng, sp: SamplingParams, *,
+def generate(engine, params, prompts: prompts_lib.PromptBatch, rng, sp: SamplingParams, *,
              policy_version: int | None = None):
     """Stage 1: n completions per prompt (a sampler.Rollout, B = P * n rows).
 
@@ -421,7 +425,7 @@ def generate(engine, params, prompts: data.PromptBatch, rng, sp: SamplingParams,
     return engine.sample(params, ids, mask, rng, sp, policy_version)
 
 
-def full_prompts(prompts: data.PromptBatch) -> tuple[np.ndarray, np.ndarray]:
+def full_prompts(prompts: prompts_lib.PromptBatch) -> tuple[np.ndarray, np.ndarray]:
     """(ids, mask) of all P prompts on this host (gathered from every process with `rows`)."""
     if prompts.rows is None:
         return prompts.prompt_ids_PT, prompts.prompt_mask_PT
@@ -443,16 +447,16 @@ class Scored:
     """Stage 2's output: the completions as text and their rewards (host side)."""
 
     texts: list[str]
-    result: rewards.RewardResult
+    result: reward_fns.RewardResult
     response_ids_BT: np.ndarray  # host copies, for packing, lengths and metrics
     response_mask_BT: np.ndarray
 
 
 def score(
-    reward_fn: rewards.RewardFn,
+    reward_fn: reward_fns.RewardFn,
     tokenizer,
     rollout: sampler.Rollout,
-    prompts: data.PromptBatch,
+    prompts: prompts_lib.PromptBatch,
     *,
     n: int,
     pool: reward_pool_lib.Pool | None = None,
@@ -470,14 +474,14 @@ def score(
     start, stop = (0, len(prompts.examples)) if prompts.rows is None else prompts.rows
     texts = decode(tokenizer, ids[start * n : stop * n], mask[start * n : stop * n])
     examples = [ex for ex in prompts.examples[start:stop] for _ in range(n)]
-    result = rewards.score_batch(reward_fn, texts, examples, pool=pool)
+    result = reward_fns.score_batch(reward_fn, texts, examples, pool=pool)
     if prompts.rows is not None:
-        result = rewards.RewardResult.concat(distributed.gather_objects([result]))
+        result = reward_fns.RewardResult.concat(distributed.gather_objects([result]))
         texts = [None] * (start * n) + texts + [None] * (len(ids) - stop * n)
     return Scored(texts, result, ids, mask)
 
 
-def train_batch(rollout: sampler.Rollout, *, prompt_width: int, bucket: int) -> trainer.TrainBatch:
+def train_batch(rollout: sampler.Rollout, *, prompt_width: int, bucket: int) -> actor.TrainBatch:
     """The update's model input: prompt + response, advantages still zero.
 
     The update's prompt columns are the last bucket_length(prompt_width, bucket) of the
@@ -491,7 +495,7 @@ def train_batch(rollout: sampler.Rollout, *, prompt_width: int, bucket: int) -> 
         return jnp.pad(x, ((0, 0), (short, 0)))[:, -width:]
 
     mask = rollout.response_mask
-    return trainer.TrainBatch(
+    return actor.TrainBatch(
         input_ids_BS=jnp.concatenate([prompt_columns(rollout.prompt_ids), rollout.response_ids], 1),
         attention_mask_BS=jnp.concatenate([prompt_columns(rollout.prompt_mask), mask], 1),
         response_ids_BT=rollout.response_ids,
@@ -503,16 +507,16 @@ def train_batch(rollout: sampler.Rollout, *, prompt_width: int, bucket: int) -> 
 def log_probs(
     programs: Programs,
     run: config_lib.RunConfig,
-    state: trainer.TrainState,
+    state: actor.TrainState,
     ref_params,
-    batch: trainer.TrainBatch,
+    batch: actor.TrainBatch,
     host: HostRollout,
     mesh,
     timing: dict,
     *,
     rollout_log_probs_BT=None,
     base_params=None,
-) -> tuple[trainer.TrainBatch, dict]:
+) -> tuple[actor.TrainBatch, dict]:
     """Stage 3: the old log-probs (when the run needs them) and the reference log-probs.
 
     With LoRA, `base_params` is the frozen base and state.params the adapters: the old pass
@@ -552,7 +556,7 @@ def log_probs(
     metrics = {}
     old_BT, ref_BT = batch.old_log_probs_BT, None
     if run.needs_old_log_probs:
-        policy = trainer.policy_params(base_params, state.params)
+        policy = actor.policy_params(base_params, state.params)
         old_BT, ent_BT = _timed(timing, "old_log_prob", run_pass, policy, True)
         metrics["actor/entropy"] = float(
             loss_lib.agg_loss(
@@ -607,7 +611,7 @@ def rollout_correction_settings(run: config_lib.RunConfig) -> dict:
 def advantages(
     programs: Programs,
     run: config_lib.RunConfig,
-    batch: trainer.TrainBatch,
+    batch: actor.TrainBatch,
     rollout: sampler.Rollout,
     scores_B: Sequence[float],
     mesh,
@@ -615,7 +619,7 @@ def advantages(
     *,
     kl_coef: float | None = None,
     extras: dict | None = None,
-) -> tuple[trainer.TrainBatch, dict]:
+) -> tuple[actor.TrainBatch, dict]:
     """Stage 4 (verl's _compute_advantage): token-level rewards (minus the in-reward KL at
     `kl_coef`, default algorithm.kl_ctrl.kl_coef), then rollout correction against the engine's
     log-probs (weights and rejection mask, whenever the old log-probs were recomputed), then the
@@ -655,14 +659,14 @@ def advantages(
 def update(
     programs: Programs,
     run: config_lib.RunConfig,
-    state: trainer.TrainState,
-    batch: trainer.TrainBatch,
+    state: actor.TrainState,
+    batch: actor.TrainBatch,
     lr,
     host: HostRollout,
     mesh,
     *,
     base_params=None,
-) -> tuple[trainer.TrainState, dict]:
+) -> tuple[actor.TrainState, dict]:
     """Stage 5: actor.ppo_epochs x mini-batches of optimizer steps; metrics averaged.
 
     With actor.use_dynamic_bsz each mini-batch is packed into token-budget micro-batches whose
@@ -720,14 +724,14 @@ class StepContext:
     programs: Programs
     engine: Any
     tokenizer: Any
-    reward_fn: rewards.RewardFn
+    reward_fn: reward_fns.RewardFn
     mesh: Any
     pool: reward_pool_lib.Pool | None = None
     base_params: Any = None  # LoRA: the frozen base (TrainState.params are the adapters)
 
-    def policy(self, state: trainer.TrainState):
+    def policy(self, state: actor.TrainState):
         """The params the policy samples and scores with (with LoRA: base + adapters)."""
-        return trainer.policy_params(self.base_params, state.params)
+        return actor.policy_params(self.base_params, state.params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -741,8 +745,8 @@ class Sampled:
     rollout: sampler.Rollout
     host: HostRollout
     texts: list[str]
-    examples: list[data.Example]  # per row
-    result: rewards.RewardResult
+    examples: list[prompts_lib.Example]  # per row
+    result: reward_fns.RewardResult
     group_size: int
     num_gen_batches: int = 1
     num_filtered_groups: int = 0
@@ -767,7 +771,7 @@ def overlong_penalty(lengths_B, *, max_response_length: int, buffer_len: int,
 
 
 def sample_and_score(
-    ctx: StepContext, params, prompts: data.PromptBatch, rng, timing: dict, *,
+    ctx: StepContext, params, prompts: prompts_lib.PromptBatch, rng, timing: dict, *,
     policy_version: int | None = None,
 ) -> Sampled:
     """Stages 1 and 2: n completions per prompt, decoded and scored (plus DAPO's overlong
@@ -849,8 +853,8 @@ def select_groups(sampled: Sampled, groups: Sequence[int], mesh) -> Sampled:
                     distributed.to_host(sampled.rollout.log_probs)[rows], mesh)
 
 
-def _take_rows(res: rewards.RewardResult, rows) -> rewards.RewardResult:
-    return rewards.RewardResult(
+def _take_rows(res: reward_fns.RewardResult, rows) -> reward_fns.RewardResult:
+    return reward_fns.RewardResult(
         [res.scores_B[i] for i in rows],
         {k: [v[i] for i in rows] for k, v in res.per_fn.items()},
         {k: [v[i] for i in rows] for k, v in res.extras.items()},
@@ -891,7 +895,7 @@ def concat(parts: Sequence[Sampled], mesh) -> Sampled:
     )
     res = [p.result for p in parts]
     keys = dict.fromkeys(k for r in res for k in r.extras)
-    result = rewards.RewardResult(
+    result = reward_fns.RewardResult(
         [s for r in res for s in r.scores_B],
         {k: [v for r in res for v in r.per_fn[k]] for k in res[0].per_fn},
         {k: [v for r in res for v in r.extras.get(k, [None] * len(r.scores_B))] for k in keys},
@@ -952,7 +956,7 @@ def greedy_baselines(ctx: StepContext, params, sampled: Sampled, rng, timing: di
     first = np.arange(0, len(sampled.texts), n)
     rows = distributed.process_rows(len(first)) if jax.process_count() > 1 else None
     held = first if rows is None else first[rows[0] : rows[1]]
-    prompts = data.PromptBatch(
+    prompts = prompts_lib.PromptBatch(
         sampled.host.prompt_ids_BP[held],
         sampled.host.prompt_mask_BP[held],
         tuple(sampled.examples[i] for i in first),
@@ -976,7 +980,7 @@ def estimator_extras(ctx: StepContext, params, sampled: Sampled, rng, timing: di
         return {"reward_baselines": distributed.to_device(baselines, mesh)}
     if alg.adv_estimator != "gdpo":
         return {}
-    keys = config_lib.split_list(alg.gdpo_reward_keys)
+    keys = registry.split_list(alg.gdpo_reward_keys)
     result = sampled.result
     if keys:
         missing = [k for k in keys if k not in result.extras
@@ -1040,7 +1044,7 @@ def on_mesh(batch: RolloutBatch, mesh) -> RolloutBatch:
 def rollout_stage(
     ctx: StepContext,
     policy,
-    next_prompts: Callable[[int], data.PromptBatch],
+    next_prompts: Callable[[int], prompts_lib.PromptBatch],
     rng,
     *,
     policy_version: int,
@@ -1064,14 +1068,14 @@ def rollout_stage(
 
 def run_step(
     ctx: StepContext,
-    state: trainer.TrainState,
+    state: actor.TrainState,
     ref_params,
-    next_prompts: Callable[[int], data.PromptBatch],
+    next_prompts: Callable[[int], prompts_lib.PromptBatch],
     rng,
     lr,
     *,
     kl_coef: float | None = None,
-) -> tuple[trainer.TrainState, dict]:
+) -> tuple[actor.TrainState, dict]:
     """Stages 1-5 on one step's prompts; returns the new state and the step's metrics.
 
     Args:
@@ -1088,13 +1092,13 @@ def run_step(
 
 def train_stage(
     ctx: StepContext,
-    state: trainer.TrainState,
+    state: actor.TrainState,
     ref_params,
     rollout_batch: RolloutBatch,
     lr,
     *,
     kl_coef: float | None = None,
-) -> tuple[trainer.TrainState, dict]:
+) -> tuple[actor.TrainState, dict]:
     """Stages 3-5 on a sampled batch: old and reference log-probs under `state` (the policy
     being updated, whatever policy sampled the batch), advantages, the update; returns the new
     state and the step's metrics."""
@@ -1152,7 +1156,7 @@ def train_stage(
     return state, record | timing
 
 
-def reward_metrics(result: rewards.RewardResult) -> dict[str, float]:
+def reward_metrics(result: reward_fns.RewardResult) -> dict[str, float]:
     """critic/score/*, the per-function means, extra keys, errors and timeouts."""
     out = _stats("critic/score", result.scores_B)
     if len(result.per_fn) > 1:

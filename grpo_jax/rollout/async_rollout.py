@@ -1,6 +1,6 @@
 """Asynchronous rollouts: the next step's batch is sampled while this step updates.
 
-With trainer.async_rollout the loop (grpo_jax/loop.py) runs one step off-policy, as verl's
+With trainer.async_rollout the loop (grpo_jax/trainer/loop.py) runs one step off-policy, as verl's
 one-step-off-policy recipe does:
 
   step t    take batch t (sampled during step t-1's update by the params of step t-1), sync

@@ -1,7 +1,7 @@
 """Reward functions: the three signatures, weighted sums of several, and scoring a batch safely.
 
 Pure Python, no JAX: rewards are checks on decoded completions. The scorers themselves (verl's
-GSM8K, MATH, DAPO, ... and `default_compute_score`) live in grpo_jax/reward_score.py.
+GSM8K, MATH, DAPO, ... and `default_compute_score`) live in grpo_jax/rewards/scorers.py.
 
 * Signatures, told apart by the parameter names of the function (`signature_style`):
   - "verl": `compute_score(data_source, solution_str, ground_truth, extra_info=None)`, one call
@@ -34,15 +34,17 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from grpo_jax import config as config_lib
-from grpo_jax import data, reward_pool, reward_score
+from grpo_jax import registry
+from grpo_jax.data import prompts as prompts_lib
+from grpo_jax.rewards import pool as reward_pool
+from grpo_jax.rewards import scorers
 
 # The GSM8K scorer's public names, kept from grpo_jax 0.1 (now in reward_score).
-gsm8k_extract = reward_score.gsm8k_extract
-gsm8k_score = reward_score.gsm8k_score
-gsm8k_ground_truth = reward_score.gsm8k_ground_truth
-EXTRACT_METHODS = reward_score.EXTRACT_METHODS
-ON_ERROR_MODES = config_lib.ON_ERROR_MODES
+gsm8k_extract = scorers.gsm8k_extract
+gsm8k_score = scorers.gsm8k_score
+gsm8k_ground_truth = scorers.gsm8k_ground_truth
+EXTRACT_METHODS = scorers.EXTRACT_METHODS
+ON_ERROR_MODES = ("raise", "zero")  # reward.on_error
 STYLES = ("verl", "trl", "pair")
 
 
@@ -71,28 +73,9 @@ def signature_style(fn: Callable, name: str = "") -> str:
     )
 
 
-def import_callable(spec: str, *, what: str = "reward function") -> Callable:
-    """Imports "module:function" (also user estimators and losses named in a config: `what`)."""
-    module_name, sep, attr = spec.strip().partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"{what} must be 'module:function', got {spec!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"{what} {spec!r}: cannot import module {module_name!r}") from e
-    fn = module
-    for part in attr.split("."):
-        if not hasattr(fn, part):
-            raise ValueError(f"{what} {spec!r}: {module_name!r} has no {attr!r}")
-        fn = getattr(fn, part)
-    if not callable(fn):
-        raise ValueError(f"{what} {spec!r} is not callable")
-    return fn
-
-
 def load_function(spec: str) -> Callable:
-    """Imports a reward function named "module:function" ("grpo_jax.reward_score:gsm8k_score")."""
-    fn = import_callable(spec)
+    """Imports a reward function named "module:function" ("grpo_jax.rewards.scorers:gsm8k_score")."""
+    fn = registry.import_callable(spec)
     signature_style(fn, spec)
     return fn
 
@@ -156,24 +139,30 @@ def make_reward_fn(specs: str, weights: str = "", *, on_error: str = "raise") ->
     """A RewardFn from comma-separated "module:function" specs and optional weights.
 
     Args:
-      specs: e.g. "grpo_jax.reward_score:gsm8k_score,my_pkg.fmt:reward" (config reward.fn).
+      specs: e.g. "grpo_jax.rewards.scorers:gsm8k_score,my_pkg.fmt:reward" (config reward.fn).
       weights: e.g. "1.0,0.1"; empty means weight 1 for every function (reward.weights).
       on_error: "raise" or "zero" (reward.on_error).
     """
-    cfg = config_lib.RewardConfig(fn=specs, weights=weights, on_error=on_error)
-    return from_config(cfg)
+    names = registry.split_list(specs)
+    if not names:
+        raise ValueError(f"reward.fn={specs!r} is empty: give at least one 'module:function'")
+    try:
+        values = tuple(float(w) for w in registry.split_list(weights)) or (1.0,) * len(names)
+    except ValueError:
+        raise ValueError(f"reward.weights={weights!r} must be comma-separated floats") from None
+    if len(values) != len(names):
+        raise ValueError(
+            f"reward.weights={weights!r} has {len(values)} weights for {len(names)} functions "
+            "in reward.fn"
+        )
+    if on_error not in ON_ERROR_MODES:
+        raise ValueError(f"reward.on_error={on_error!r} must be one of {list(ON_ERROR_MODES)}")
+    return RewardFn(names, tuple(load_function(s) for s in names), values, on_error)
 
 
-def from_config(
-    cfg: config_lib.RewardConfig,
-    custom: config_lib.CustomRewardFunction = config_lib.CustomRewardFunction(),
-) -> RewardFn:
-    """The run's RewardFn: verl's custom_reward_function when its path is set, else reward.fn."""
-    if custom.path:
-        fn = load_file_function(custom.path, custom.name)
-        return RewardFn((f"{custom.path}:{custom.name}",), (fn,), (1.0,), cfg.on_error)
-    fns = tuple(load_function(s) for s in cfg.specs)
-    return RewardFn(cfg.specs, fns, cfg.weight_values, cfg.on_error)
+def from_file(path: str, name: str = "compute_score", *, on_error: str = "raise") -> RewardFn:
+    """verl's custom_reward_function: the scorer `name` of the Python file `path`, alone."""
+    return RewardFn((f"{path}:{name}",), (load_file_function(path, name),), (1.0,), on_error)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,11 +206,11 @@ class RewardError(RuntimeError):
     """A reward function failed under on_error="raise"."""
 
 
-def _completion(example: data.Example, text: str):
+def _completion(example: prompts_lib.Example, text: str):
     return text if isinstance(example.prompt, str) else [{"role": "assistant", "content": text}]
 
 
-def _calls(style: str, fn: Callable, solutions: Sequence[str], examples: Sequence[data.Example]):
+def _calls(style: str, fn: Callable, solutions: Sequence[str], examples: Sequence[prompts_lib.Example]):
     if style == "trl":
         rows = [
             {
@@ -265,7 +254,7 @@ def _as_score(value) -> tuple[float, dict]:
 def score_batch(
     reward_fn: RewardFn,
     solutions: Sequence[str],
-    examples: Sequence[data.Example],
+    examples: Sequence[prompts_lib.Example],
     *,
     pool: reward_pool.Pool | None = None,
 ) -> RewardResult:

@@ -8,7 +8,7 @@ end of a run; the command makes the same figure on demand, also while a run is g
 import os
 import sys
 
-from grpo_jax import metrics
+from grpo_jax.trainer import metrics
 
 PANELS = (
     ("reward / accuracy", ("critic/score/mean",), "val/"),

@@ -21,7 +21,7 @@ sets, for the two dev endpoints):
   * Weight push, `weight_transfer="nccl"` (GPU): vLLM 0.32's in-memory transfer (the server runs
     with `--weight-transfer-config '{"backend": "nccl"}'`). After the start-up export, `start`
     reads `GET /get_world_size`, mints an ncclUniqueId and `POST /init_weight_transfer_engine`s
-    it while joining the NCCL group as rank 0 (grpo_jax/nccl_transfer.py). Each push is
+    it while joining the NCCL group as rank 0 (grpo_jax/rollout/nccl_transfer.py). Each push is
     `POST /start_weight_update`, `POST /update_weights` (names, dtypes and shapes) while every HF
     tensor is gathered on device (`hf_export.device_tensor`) and `ncclBroadcast`, then
     `POST /finish_weight_update {"weight_version": "<v>"}` and `/reset_prefix_cache`; nothing
@@ -31,7 +31,7 @@ sets, for the two dev endpoints):
     `weight_transfer_note`). A server that dies is restarted from the latest disk export, which
     is older than the weights pushed in memory since: the rollouts it samples before the next push
     carry that older `weights_version`, so `check_fresh` refuses them instead of training on them.
-  * LoRA (grpo_jax/lora.py; the params carry adapters): `lora_sync="merged"` pushes the merged
+  * LoRA (grpo_jax/models/lora.py; the params carry adapters): `lora_sync="merged"` pushes the merged
     weights (base + scale * A @ B) through the path above, and the server knows nothing of
     LoRA. `lora_sync="adapter"` starts the server from an export of the base with
     `--enable-lora --max-lora-rank R --max-loras 1` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`,
@@ -97,8 +97,10 @@ import jax.numpy as jnp
 import numpy as np
 import requests
 
-from grpo_jax import hf_export, lora, nccl_transfer, sampler
 from grpo_jax import model as model_lib
+from grpo_jax import sampler
+from grpo_jax.models import hf, lora
+from grpo_jax.rollout import nccl_transfer
 
 log = logging.getLogger(__name__)
 
@@ -689,7 +691,7 @@ class VLLMSidecar:
         if export_dir.exists():
             shutil.rmtree(export_dir)
         # Untied: vLLM reloads lm_head.weight only if config.json says the head is untied.
-        hf_export.save(self.model_config, params, export_dir, untie_embeddings=True)
+        hf.save(self.model_config, params, export_dir, untie_embeddings=True)
         return export_dir
 
     def _reload(self, export_dir: pathlib.Path) -> None:
@@ -781,7 +783,7 @@ class VLLMSidecar:
         adapter_dir = self.workdir / "vllm_adapters" / f"v{version:06d}"
         if adapter_dir.exists():
             shutil.rmtree(adapter_dir)
-        hf_export.save_adapter(self.model_config, adapters, adapter_dir)
+        hf.save_adapter(self.model_config, adapters, adapter_dir)
         return adapter_dir
 
     def _load_adapter(self) -> None:
@@ -892,7 +894,7 @@ class VLLMSidecar:
         log.info("vLLM weight transfer over NCCL with %d workers", workers)
 
     def _push_nccl(self, params, version: int) -> None:
-        tensors = hf_export.hf_tensors(self.model_config, params, untie_embeddings=True)
+        tensors = hf.hf_tensors(self.model_config, params, untie_embeddings=True)
         info = nccl_transfer.update_info(tensors)
         timeout = self.config.sync_timeout_s
         self._request("POST", "/start_weight_update", None, timeout=timeout)
@@ -900,7 +902,7 @@ class VLLMSidecar:
         update = _Background(
             lambda: self._request("POST", "/update_weights", {"update_info": info}, timeout=timeout)
         )
-        for _, x in hf_export.iter_device_tensors(self.model_config, params, untie_embeddings=True):
+        for _, x in hf.iter_device_tensors(self.model_config, params, untie_embeddings=True):
             if update.done.is_set() and update.error is not None:
                 raise update.error  # refused before receiving: do not wait in NCCL for it
             self._comm.broadcast(x)

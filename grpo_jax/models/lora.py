@@ -34,10 +34,11 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from grpo_jax import model as model_lib
+from grpo_jax.models import config as config_lib
+from grpo_jax.models import transformer
 
 ALL_LINEAR = "all-linear"  # PEFT / verl: every linear layer except the output head
-ADAPTERS = model_lib.ADAPTERS
+ADAPTERS = config_lib.ADAPTERS
 
 
 def parse_target_modules(value: str | Sequence[str]) -> tuple[str, ...]:
@@ -48,10 +49,10 @@ def parse_target_modules(value: str | Sequence[str]) -> tuple[str, ...]:
       ValueError: 'target_modules=<value> why' (empty, unknown or repeated names).
     """
     if isinstance(value, str) and value.strip() == ALL_LINEAR:
-        return model_lib.LORA_TARGETS
+        return config_lib.LORA_TARGETS
     items = value.split(",") if isinstance(value, str) else list(value)
     names = [str(s).strip() for s in items if str(s).strip()]
-    unknown = [n for n in names if n not in model_lib.LORA_TARGETS]
+    unknown = [n for n in names if n not in config_lib.LORA_TARGETS]
     if not names or unknown or len(set(names)) < len(names):
         why = (
             f"names unknown projections {unknown}" if unknown
@@ -59,14 +60,14 @@ def parse_target_modules(value: str | Sequence[str]) -> tuple[str, ...]:
         )  # fmt: skip
         raise ValueError(
             f"target_modules={value!r} {why}: use {ALL_LINEAR!r} or comma-separated names out "
-            f"of {list(model_lib.LORA_TARGETS)}"
+            f"of {list(config_lib.LORA_TARGETS)}"
         )
-    return tuple(n for n in model_lib.LORA_TARGETS if n in names)
+    return tuple(n for n in config_lib.LORA_TARGETS if n in names)
 
 
 def configure(
-    config: model_lib.ModelConfig, *, rank: int, alpha: float, target_modules: str | Sequence[str]
-) -> model_lib.ModelConfig:
+    config: config_lib.ModelConfig, *, rank: int, alpha: float, target_modules: str | Sequence[str]
+) -> config_lib.ModelConfig:
     """`config` with the LoRA adapters of rank `rank` (0 = none) on `target_modules`."""
     if rank == 0:
         return dataclasses.replace(config, lora_rank=0, lora_targets=())
@@ -92,7 +93,7 @@ def split(params) -> tuple[dict, dict | None]:
     return {k: v for k, v in params.items() if k != ADAPTERS}, params[ADAPTERS]
 
 
-def _targets(config: model_lib.ModelConfig, tree):
+def _targets(config: config_lib.ModelConfig, tree):
     """(group, projection, node) of every adapted projection in a params-shaped `tree`."""
     for group, node in tree["layers"].items():
         for name in sorted(node):
@@ -100,7 +101,7 @@ def _targets(config: model_lib.ModelConfig, tree):
                 yield group, name, node[name]
 
 
-def init_adapters(config: model_lib.ModelConfig, rng, *, shardings=None) -> dict:
+def init_adapters(config: config_lib.ModelConfig, rng, *, shardings=None) -> dict:
     """Fresh adapters (PEFT's default: A kaiming-uniform, B zeros), float32.
 
     Args:
@@ -116,8 +117,8 @@ def init_adapters(config: model_lib.ModelConfig, rng, *, shardings=None) -> dict
     return fn(rng)
 
 
-def _init_adapters(config: model_lib.ModelConfig, rng) -> dict:
-    abstract = model_lib.abstract_adapters(config)
+def _init_adapters(config: config_lib.ModelConfig, rng) -> dict:
+    abstract = transformer.abstract_adapters(config)
     out: dict = {"layers": {}}
     for i, (group, name, node) in enumerate(_targets(config, abstract)):
         a, b = node["lora_a"], node["lora_b"]
@@ -140,7 +141,7 @@ def delta(a, b, scale: float):
     return (d_LIO * scale).reshape(*a.shape[:-1], *b.shape[2:])
 
 
-def merge(config: model_lib.ModelConfig, params) -> dict:
+def merge(config: config_lib.ModelConfig, params) -> dict:
     """The base params with the adapters folded in: kernel + scale * A @ B per target.
 
     Args:
@@ -168,7 +169,7 @@ def merge(config: model_lib.ModelConfig, params) -> dict:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _merged_kernels(config: model_lib.ModelConfig, kernels: dict, adapters) -> dict:
+def _merged_kernels(config: config_lib.ModelConfig, kernels: dict, adapters) -> dict:
     out = {}
     for group, name, node in _targets(config, adapters):
         kernel = kernels[(group, name)]
@@ -177,6 +178,6 @@ def _merged_kernels(config: model_lib.ModelConfig, kernels: dict, adapters) -> d
     return out
 
 
-def num_params(config: model_lib.ModelConfig) -> int:
+def num_params(config: config_lib.ModelConfig) -> int:
     """Trainable parameters of the adapters (r x (fan_in + fan_out) per target and layer)."""
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(model_lib.abstract_adapters(config)))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(transformer.abstract_adapters(config)))

@@ -17,7 +17,7 @@ and 6, verl 0.9.1 engine workers):
 * Log-probs come from `model.hidden_states` and `loss.logprobs_and_entropy_from_hidden`
   (chunked over token rows, never a [B, T, V] array), from logits divided by the rollout
   temperature as verl does.
-* LoRA (grpo_jax/lora.py): `TrainState.params` are then the adapters alone, the only thing
+* LoRA (grpo_jax/models/lora.py): `TrainState.params` are then the adapters alone, the only thing
   differentiated and the only optimizer state; the frozen base comes in as the `base` argument
   of `train_step` / `packed_micro_grads` / `sft_step` (traced, never donated) and the model runs
   `lora.attach(base, adapters)` (`policy_params`). With `base=None` (full fine-tuning) the
@@ -40,9 +40,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from grpo_jax import lora as lora_lib
 from grpo_jax import loss as loss_lib
 from grpo_jax import model as model_lib
+from grpo_jax.models import lora as lora_lib
 
 LR_SCHEDULES = ("constant", "cosine")
 
@@ -98,9 +98,7 @@ def check_loss_settings(
     Raises:
       ValueError: 'field=value why', the field named as in the config's `actor` section.
     """
-    loss_lib.check_choice(
-        "policy_loss.loss_mode", policy_loss_mode, loss_lib.policy_loss_mode_names()
-    )
+    loss_lib.check_policy_loss_mode("policy_loss.loss_mode", policy_loss_mode)
     loss_lib.check_choice("loss_agg_mode", loss_agg_mode, loss_lib.AGG_MODES)
     loss_lib.check_choice("kl_loss_type", kl_loss_type, loss_lib.KL_TYPES)
     if kl_loss_type.startswith("full"):

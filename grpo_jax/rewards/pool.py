@@ -94,7 +94,7 @@ class _Worker:
     def __init__(self):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "grpo_jax.reward_pool"],
+            [sys.executable, "-m", "grpo_jax.rewards.pool"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,

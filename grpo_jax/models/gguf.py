@@ -1,10 +1,9 @@
 """GGUF checkpoints (llama.cpp's format): metadata -> ModelConfig, tensors -> params, tokenizer.
 
 This module owns reading GGUF files without torch: the hyper-parameters in the GGUF metadata
-become a ``model.ModelConfig``, the tensors become params in the layout of ``model.HF_TO_JAX``,
-and the tokenizer stored in the same file becomes a transformers tokenizer. ``model.load_gguf``
-and ``model.load`` are the entry points; this module is imported lazily by them, so model.py
-imports without the ``gguf`` package.
+become a ``config_lib.ModelConfig``, the tensors become params in the layout of ``hf.HF_TO_JAX``,
+and the tokenizer stored in the same file becomes a transformers tokenizer. ``load`` is the
+entry point (``grpo_jax.model.load`` and ``load_gguf`` call it).
 
 Design:
   * Tensors are read with ``gguf.GGUFReader`` (a memory map) and dequantised one at a time in
@@ -12,9 +11,9 @@ Design:
     Q4_1, Q8_0, the K-quants, ...) loads. The weights are then cast to the param dtype and never
     re-quantised: a Q4_1 file gives a float32 model whose weights are the Q4_1-rounded values.
   * GGUF names map onto HF names (``HF_TO_GGUF``, the names of llama.cpp's convert_hf_to_gguf.py)
-    and from there onto params through ``model.HF_TO_JAX``, so GGUF and safetensors share one
+    and from there onto params through ``hf.HF_TO_JAX``, so GGUF and safetensors share one
     layout table. A dequantised GGUF tensor has the HF torch shape ([out, in] for a Linear).
-  * llama.cpp rotates adjacent pairs in its Llama rope kernel, while HF (and model.py) rotate
+  * llama.cpp rotates adjacent pairs in its Llama rope kernel, while HF (and grpo_jax.models.transformer) rotate
     halves, so its converter permutes the rows of Llama q/k weights within each head
     (``LlamaModel.permute``); they are permuted back here. Qwen2 and Qwen3 use llama.cpp's
     "neox" rope, which rotates halves, and their weights are stored unpermuted.
@@ -36,12 +35,13 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax import model
+from grpo_jax.models import config as config_lib
+from grpo_jax.models import hf, transformer
 
 # GGUF general.architecture -> ModelConfig.arch (the same names).
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
-# HF tensor name (the templates of model.HF_TO_JAX) -> GGUF tensor name, as written by
+# HF tensor name (the templates of hf.HF_TO_JAX) -> GGUF tensor name, as written by
 # llama.cpp's convert_hf_to_gguf.py (gguf-py's TensorNameMap). "{i}" is the layer index.
 HF_TO_GGUF = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -105,7 +105,7 @@ def _dequantized(tensor) -> np.ndarray:
     return np.asarray(x, np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
 
 
-def read_config(path: str | os.PathLike, *, dtype=jnp.float32) -> model.ModelConfig:
+def read_config(path: str | os.PathLike, *, dtype=jnp.float32) -> config_lib.ModelConfig:
     """The ModelConfig described by a GGUF file's metadata (reads no weights).
 
     Raises:
@@ -115,7 +115,7 @@ def read_config(path: str | os.PathLike, *, dtype=jnp.float32) -> model.ModelCon
     return _config(reader, path, dtype)
 
 
-def _config(reader: gguf.GGUFReader, path: str, dtype) -> model.ModelConfig:
+def _config(reader: gguf.GGUFReader, path: str, dtype) -> config_lib.ModelConfig:
     arch = _get(reader, path, "general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(
@@ -162,7 +162,7 @@ def _config(reader: gguf.GGUFReader, path: str, dtype) -> model.ModelConfig:
         token = _get(reader, path, f"tokenizer.ggml.{name}_token_id", None)
         if token is not None and token not in eos_ids:
             eos_ids.append(token)
-    config = model.ModelConfig(
+    config = config_lib.ModelConfig(
         arch=arch,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -189,7 +189,7 @@ def _config(reader: gguf.GGUFReader, path: str, dtype) -> model.ModelConfig:
     )
 
 
-def _rope_scaling(reader, path: str, config: model.ModelConfig, rope_freqs) -> dict | None:
+def _rope_scaling(reader, path: str, config: config_lib.ModelConfig, rope_freqs) -> dict | None:
     """HF rope_scaling ({"rope_type": ...}) from the rope.scaling.* keys or rope_freqs.weight."""
     arch = config.arch
     kind = _get(reader, path, f"{arch}.rope.scaling.type", "none")
@@ -221,7 +221,7 @@ def _rope_scaling(reader, path: str, config: model.ModelConfig, rope_freqs) -> d
     return _llama3_from_divisors(path, config, divisors)
 
 
-def _llama3_from_divisors(path: str, config: model.ModelConfig, divisors: np.ndarray) -> dict:
+def _llama3_from_divisors(path: str, config: config_lib.ModelConfig, divisors: np.ndarray) -> dict:
     """HF llama3 rope parameters whose frequencies are inv_freq / divisors (checked).
 
     convert_hf_to_gguf.py writes divisor 1 for wavelengths below original/high_freq_factor,
@@ -231,7 +231,9 @@ def _llama3_from_divisors(path: str, config: model.ModelConfig, divisors: np.nda
     is accepted only if it reproduces every divisor.
     """
     factor = float(divisors.max())
-    base = model._inv_freq(dataclasses.replace(config, rope_scaling=None)).astype(np.float64)
+    base = transformer.rope_inv_freq(dataclasses.replace(config, rope_scaling=None)).astype(
+        np.float64
+    )
     wavelen = 2 * math.pi / base
     low, high = _LLAMA3_LOW_FREQ_FACTOR, _LLAMA3_HIGH_FREQ_FACTOR
     middle = (divisors > 1.0) & (divisors < factor)
@@ -248,7 +250,9 @@ def _llama3_from_divisors(path: str, config: model.ModelConfig, divisors: np.nda
         "high_freq_factor": high,
         "original_max_position_embeddings": original,
     }
-    ours = model._inv_freq(dataclasses.replace(config, rope_scaling=rope)).astype(np.float64)
+    ours = transformer.rope_inv_freq(dataclasses.replace(config, rope_scaling=rope)).astype(
+        np.float64
+    )
     if not np.allclose(ours, base / divisors, rtol=1e-5, atol=0):
         raise ValueError(
             f"GGUF {path!r}: {_ROPE_FREQS!r} does not match llama3 rope scaling with "
@@ -272,9 +276,14 @@ def load(
     path: str | os.PathLike,
     *,
     dtype=jnp.float32,
-    shardings: Callable[[model.ModelConfig, Any], Any] | None = None,
-) -> tuple[model.ModelConfig, dict]:
-    """Reads a GGUF checkpoint (llama, qwen2, qwen3) into params; see ``model.load_gguf``.
+    shardings: Callable[[config_lib.ModelConfig, Any], Any] | None = None,
+) -> tuple[config_lib.ModelConfig, dict]:
+    """Reads a llama.cpp GGUF checkpoint (Llama/SmolLM2, Qwen2, Qwen3) into params, without torch
+    (``grpo_jax.model.load_gguf``).
+
+    The hyper-parameters come from the GGUF metadata. Quantised tensors (Q4_0, Q4_1, Q8_0,
+    K-quants, F16, BF16, ...) are dequantised in numpy with ``gguf.quants.dequantize`` and cast
+    to ``dtype``, so the params are an ordinary float model holding the file's rounded weights.
 
     Args:
       path: the ``.gguf`` file (one file; split ``-00001-of-0000N.gguf`` sets are unsupported).
@@ -294,14 +303,14 @@ def load(
     if _get(reader, path, "split.count", 1) > 1:
         raise ValueError(f"GGUF {path!r} is one shard of a split file (split.count), unsupported")
     config = _config(reader, path, dtype)
-    abstract = model.abstract_params(config)
-    flat_abstract = dict(model._flatten(abstract))
-    flat_shardings = dict(model._flatten(shardings(config, abstract))) if shardings else {}
+    abstract = transformer.abstract_params(config)
+    flat_abstract = dict(transformer.flatten_params(abstract))
+    flat_shardings = (
+        dict(transformer.flatten_params(shardings(config, abstract))) if shardings else {}
+    )
     tensors = {t.name: t for t in reader.tensors}
     wanted = {
-        HF_TO_GGUF[template]
-        for template, jax_name, _ in model.HF_TO_JAX
-        if jax_name in flat_abstract
+        HF_TO_GGUF[template] for template, jax_name, _ in hf.HF_TO_JAX if jax_name in flat_abstract
     }
     patterns = [_gguf_regex(name) for name in sorted(wanted)]
     unexpected = [
@@ -317,13 +326,13 @@ def load(
         raise ValueError(f"{config.arch} GGUF {path!r} has unexpected tensors {unexpected[:8]}")
 
     flat = {}
-    for template, jax_name, layout in model.HF_TO_JAX:
+    for template, jax_name, layout in hf.HF_TO_JAX:
         if jax_name not in flat_abstract:
             continue
         spec = flat_abstract[jax_name]
         layered = "{i}" in template
         shape = spec.shape[1:] if layered else spec.shape
-        want = model._hf_shape(layout, shape)
+        want = hf.hf_shape(layout, shape)
         parts = []
         for i in range(config.num_layers) if layered else [-1]:
             name = HF_TO_GGUF[template].format(i=i)
@@ -338,11 +347,11 @@ def load(
             if config.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
                 n = config.num_heads if ".attn_q." in name else config.num_kv_heads
                 x = _unpermute(x, n)
-            parts.append(model._from_hf(layout, x, shape).astype(spec.dtype))
+            parts.append(hf.from_hf_layout(layout, x, shape).astype(spec.dtype))
         value = np.stack(parts) if layered else parts[0]
-        flat[jax_name] = model.place(value, flat_shardings.get(jax_name))
+        flat[jax_name] = hf.place(value, flat_shardings.get(jax_name))
         del parts, value
-    return config, model._unflatten(flat)
+    return config, transformer.unflatten_params(flat)
 
 
 def load_tokenizer(path: str | os.PathLike):
