@@ -85,7 +85,7 @@ from grpo_jax import model as model_lib
 from grpo_jax import sampler, sharding
 from grpo_jax.models import lora
 from grpo_jax.trainer import actor as actor_lib
-from grpo_jax.trainer import loop, packing, step
+from grpo_jax.trainer import packing, programs, setup
 
 GIB = 2**30
 
@@ -321,7 +321,7 @@ class Knob:
 class Planner:
     """Compiles the phases of one GRPO step for a model, mesh and run, without weights.
 
-    The phases are the library's own jitted programs (`step.make_programs`), lowered on
+    The phases are the library's own jitted programs (`programs.make_programs`), lowered on
     sharded ShapeDtypeStructs, so the plan is of exactly what train.py runs.
     """
 
@@ -397,7 +397,7 @@ class Planner:
 
     def programs(
         self, micro_per_device: int | None = None, logprob_micro_per_device: int | None = None
-    ) -> step.Programs:
+    ) -> programs.Programs:
         """The run's programs, with other padded micro-batch sizes when given (the searches)."""
         run = self.run
         if micro_per_device is not None:
@@ -408,7 +408,7 @@ class Planner:
                 run.rollout, log_prob_micro_batch_size_per_gpu=logprob_micro_per_device
             )
             run = dataclasses.replace(run, rollout=rollout)
-        return step.make_programs(run, self.cfg, self.tx, dp=self.dp)
+        return programs.make_programs(run, self.cfg, self.tx, dp=self.dp)
 
     def variant(self, overrides) -> "Planner":
         """The planner of this config with ``overrides`` ((dotted field, value), ...) applied."""
@@ -540,7 +540,7 @@ class Planner:
         rng = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=sharding.replicated(self.mesh))
 
         def sample(p, i, m, r):
-            if self.lora:  # as step.NativeEngine: the merged kernels live during the call
+            if self.lora:  # as engines.NativeEngine: the merged kernels live during the call
                 p = lora.merge(self.cfg, p)
             return sampler.sample(
                 self.cfg, p, i, m, r, n=w.n, max_new_tokens=w.response_len, temperature=1.0
@@ -1082,7 +1082,7 @@ def planner_from_config(c, *, model_name: str = "", mesh=None) -> Planner:
     # What a rematerialised layer keeps changes the update's memory (loading.py does the same).
     cfg = dataclasses.replace(cfg, remat_policy=run.model.gradient_checkpointing_policy)
     mesh = sharding.make_mesh(tuple(run.mesh.shape)) if mesh is None else mesh
-    tx, _ = loop.make_optimizer(run, total_steps=1)
+    tx, _ = setup.make_optimizer(run, total_steps=1)
     # config.mesh.rules (None = sharding.LOGICAL_RULES) overrides the logical-axis rules.
     rules = sharding.rules_from_config(run.mesh.rules)
     planner = Planner(cfg, mesh, run, tx=tx, rules=rules)

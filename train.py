@@ -1,6 +1,6 @@
 r"""GRPO training CLI: `python train.py --config=configs/gsm8k.py[:variant] [--config.X=v]`.
 
-A thin layer over the library (grpo_jax/trainer/loop.py runs the loop, grpo_jax/trainer/step.py one step):
+A thin layer over the library (grpo_jax/trainer/loop.py runs the loop):
 flags, the ml_collections config turned into grpo_jax.config dataclasses and validated before
 any model, data or device work, jax.distributed start-up, loading the tokenizer, model and data
 named by the config, then `loop.train`, and at the end the HF export (workdir/hf; with LoRA the
@@ -20,10 +20,8 @@ from ml_collections import config_flags
 from grpo_jax import config as config_lib
 from grpo_jax import distributed, loading, sharding
 from grpo_jax import model as model_lib
-from grpo_jax.data import readers
 from grpo_jax.models import hf
-from grpo_jax.rewards import functions as reward_fns
-from grpo_jax.trainer import loop, metrics, plot
+from grpo_jax.trainer import loop, metrics, plot, setup, validation
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (configs/*.py[:arg]).", lock_config=True
@@ -109,7 +107,7 @@ def main(argv):
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(c.to_json_best_effort(indent=2))
 
-    mesh = loop.train_mesh(run)  # without the sampler's own devices (rollout.num_devices)
+    mesh = setup.train_mesh(run)  # without the sampler's own devices (rollout.num_devices)
     rules = sharding.rules_from_config(run.mesh.rules)
     # Every jitted function is traced inside the mesh and its logical-axis rules: model.py's
     # activation constraints act only there (without them FSDP leaves activations replicated).
@@ -163,7 +161,7 @@ def report(workdir: str, *, samples: int = 2) -> str:
         for key in sorted(k for k in last if k.startswith("val-core/") and k in first):
             lines.append(f"{key}: {first[key]:.3f} at step {first['step']} -> "
                          f"{last[key]:.3f} at step {last['step']}")
-    generations = loop.read_generations(workdir)
+    generations = validation.read_generations(workdir)
     if generations:
         for step in sorted({min(generations), max(generations)}):
             lines.append(f"validation samples at step {step}:")

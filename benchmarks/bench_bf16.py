@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from grpo_jax import config, loading, model, sampler  # noqa: E402
-from grpo_jax.data import demo_task, readers
+from grpo_jax.data import demo_task
 from grpo_jax.data import prompts as prompts_lib
 
 GSM8K = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k")

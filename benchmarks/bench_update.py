@@ -146,7 +146,8 @@ def main():
     from grpo_jax.data import demo_task
     from grpo_jax.models import gguf as gguf_lib
     from grpo_jax.rewards import scorers
-    from grpo_jax.trainer import actor, loop, step
+    from grpo_jax.trainer import actor, programs, rollout_stage, setup, train_stage
+    from grpo_jax.trainer import batch as batch_lib
 
     peak_start = _matmul_gflops(jax, jnp)
     gguf = demo_task.smollm2_gguf()
@@ -176,8 +177,8 @@ def main():
         cfg, remat=run.model.enable_gradient_checkpointing,
         remat_policy=run.model.gradient_checkpointing_policy,
     )  # fmt: skip
-    tx, _ = loop.make_optimizer(run, 10)
-    programs = step.make_programs(run, model_config, tx, dp=1)
+    tx, _ = setup.make_optimizer(run, 10)
+    programs = programs.make_programs(run, model_config, tx, dp=1)
     state = jax.jit(lambda p: actor.init_state(p, tx))(params)
     ref_params = jax.tree.map(jnp.copy, params)
 
@@ -188,16 +189,16 @@ def main():
         response_mask=jnp.asarray(arrays["response_mask"]), log_probs=jnp.asarray(arrays["log_probs"]),
         group_ids=jnp.repeat(jnp.arange(P, dtype=jnp.int32), args.n), weights_version=jnp.int32(0),
     )  # fmt: skip
-    host = step.HostRollout(arrays["prompt_ids"], arrays["prompt_mask"], arrays["response_ids"],
+    host = batch_lib.HostRollout(arrays["prompt_ids"], arrays["prompt_mask"], arrays["response_ids"],
                             arrays["response_mask"])  # fmt: skip
-    texts = step.decode(tok, arrays["response_ids"], arrays["response_mask"])
+    texts = rollout_stage.decode(tok, arrays["response_ids"], arrays["response_mask"])
     answers = np.repeat(arrays["answers"], args.n)
     scores = np.float32([scorers.gsm8k_score(t, a) for t, a in zip(texts, answers)])
-    token_scores = step.token_level_scores(jnp.asarray(scores), rollout.response_mask)
+    token_scores = train_stage.token_level_scores(jnp.asarray(scores), rollout.response_mask)
     adv_BT, _ = advantage.compute_grpo_outcome_advantage(
         token_scores, rollout.response_mask.astype(jnp.float32), rollout.group_ids
     )
-    batch = step.train_batch(rollout, prompt_width=int(host.prompt_mask_BP.sum(1).max()),
+    batch = train_stage.train_batch(rollout, prompt_width=int(host.prompt_mask_BP.sum(1).max()),
                              bucket=run.data.prompt_length_bucket)  # fmt: skip
     mesh = jax.sharding.Mesh(
         np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor")
@@ -205,7 +206,7 @@ def main():
 
     def ref_pass():
         timing = {}
-        out, _ = step.log_probs(programs, run, state, ref_params, batch, host, mesh, timing)
+        out, _ = train_stage.log_probs(programs, run, state, ref_params, batch, host, mesh, timing)
         jax.block_until_ready(out.ref_log_probs_BT)
         return out
 
@@ -213,7 +214,7 @@ def main():
 
     def update(state, b):
         c0, t0 = _cpu_seconds(), time.perf_counter()
-        state, record = step.update(programs, run, state, b, 1e-6, host, mesh)
+        state, record = train_stage.update(programs, run, state, b, 1e-6, host, mesh)
         jax.block_until_ready(state.params)
         seconds = time.perf_counter() - t0
         cpu_per_wall.append((_cpu_seconds() - c0) / seconds)

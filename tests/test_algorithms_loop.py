@@ -13,7 +13,7 @@ import pytest
 
 from grpo_jax import advantage, config, loading, loss, sharding
 from grpo_jax.data import demo_task
-from grpo_jax.trainer import loop, step
+from grpo_jax.trainer import loop, programs, rollout_stage, train_stage
 
 # ---------------------------------------------------------------------------------------------
 # Pure pieces
@@ -30,12 +30,12 @@ def test_informative_groups_ignore_float_noise_only():
             [-1.0, -1.0, -0.9],
         ]
     )
-    assert step.informative_groups(values).tolist() == [False, False, True, False, True, True]
+    assert rollout_stage.informative_groups(values).tolist() == [False, False, True, False, True, True]
 
 
 def test_overlong_penalty_is_verl_dapo_formula():
     lengths = np.array([0, 700, 768, 769, 900, 1024])
-    got = step.overlong_penalty(lengths, max_response_length=1024, buffer_len=256,
+    got = rollout_stage.overlong_penalty(lengths, max_response_length=1024, buffer_len=256,
                                 penalty_factor=0.5)
     # verl's DAPO reward manager: min(-(len - (max - buffer)) / buffer * factor, 0)
     want = [min(-(n - 768) / 256 * 0.5, 0) for n in lengths]
@@ -47,24 +47,24 @@ def test_adaptive_kl_controller_is_verl_formula():
     ctrl = config.KLCtrlConfig(type="adaptive", kl_coef=0.05, target_kl=0.1, horizon=1000)
     beta = ctrl.kl_coef
     for kl, want_err in ((0.5, 0.2), (0.11, 0.1), (0.0, -0.2)):
-        new = step.next_kl_coef(ctrl, beta, kl, n_steps=64)
+        new = train_stage.next_kl_coef(ctrl, beta, kl, n_steps=64)
         np.testing.assert_allclose(new, beta * (1 + want_err * 64 / 1000), rtol=1e-12)
         beta = new
     fixed = dataclasses.replace(ctrl, type="fixed")
-    assert step.next_kl_coef(fixed, 0.05, 0.5, n_steps=64) == 0.05
+    assert train_stage.next_kl_coef(fixed, 0.05, 0.5, n_steps=64) == 0.05
 
 
 def test_estimator_kwargs_follow_verl_trainer():
     def run(name, **alg):
         return config.RunConfig(algorithm=config.AlgorithmConfig(adv_estimator=name, **alg))
 
-    assert step.estimator_kwargs(run("grpo", norm_adv_by_std_in_grpo=False)) == {
+    assert programs.estimator_kwargs(run("grpo", norm_adv_by_std_in_grpo=False)) == {
         "norm_adv_by_std_in_grpo": False
     }
-    assert step.estimator_kwargs(run("grpo_passk")) == {"norm_adv_by_std_in_grpo": True}
-    assert step.estimator_kwargs(run("reinforce_plus_plus", gamma=0.9)) == {"gamma": 0.9}
+    assert programs.estimator_kwargs(run("grpo_passk")) == {"norm_adv_by_std_in_grpo": True}
+    assert programs.estimator_kwargs(run("reinforce_plus_plus", gamma=0.9)) == {"gamma": 0.9}
     for name in ("rloo", "opo", "gpg", "gdpo", "grpo_vectorized", "rloo_vectorized"):
-        assert step.estimator_kwargs(run(name)) == {}
+        assert programs.estimator_kwargs(run(name)) == {}
 
 
 def test_make_advantage_returns_the_estimators_returns():
@@ -75,7 +75,7 @@ def test_make_advantage_returns_the_estimators_returns():
     )
     rewards_BT = jnp.array([[0, 1.0], [0, 0.0], [1.0, 0], [0, 2.0]])
     mask = jnp.ones((4, 2))
-    adv, returns = step.make_advantage(run)(rewards_BT, mask, jnp.array([0, 0, 1, 1]), {})
+    adv, returns = programs.make_advantage(run)(rewards_BT, mask, jnp.array([0, 0, 1, 1]), {})
     want_adv, want_returns = advantage.compute_advantage(
         "reinforce_plus_plus", rewards_BT, mask, jnp.array([0, 0, 1, 1]), gamma=1.0
     )
@@ -126,7 +126,7 @@ def test_config_names_module_function_extensions_and_they_run():
     rewards_BT = jnp.array([[0, 1.0], [0, 0.0], [1.0, 0], [0, 0]])
     mask = jnp.ones((4, 2))
     ids = jnp.array([0, 0, 1, 1])
-    got, got_returns = step.make_advantage(run)(rewards_BT, mask, ids, {})
+    got, got_returns = programs.make_advantage(run)(rewards_BT, mask, ids, {})
     want, want_returns = advantage.compute_grpo_outcome_advantage(rewards_BT, mask, ids,
                                                                   num_groups=2)
     np.testing.assert_allclose(got, 0.5 * want, rtol=1e-6)
@@ -185,14 +185,14 @@ def _rows(result):
 @pytest.mark.slow
 def test_dapo_dynamic_sampling_keeps_only_informative_groups(tmp_path, monkeypatch):
     kept_values = []
-    real_select = step.select_groups
+    real_select = rollout_stage.select_groups
 
     def spy(sampled, groups, mesh):
         out = real_select(sampled, groups, mesh)
-        kept_values.append(step.group_values(out, "acc"))
+        kept_values.append(rollout_stage.group_values(out, "acc"))
         return out
 
-    monkeypatch.setattr(step, "select_groups", spy)
+    monkeypatch.setattr(rollout_stage, "select_groups", spy)
     result = _run(
         tmp_path,
         data=lambda d: dataclasses.replace(d, gen_batch_size=4),
@@ -213,7 +213,7 @@ def test_dapo_dynamic_sampling_keeps_only_informative_groups(tmp_path, monkeypat
         assert "reward_extra/overlong_reward/mean" in row
         # advantages of a batch of informative groups are not all zero
         assert row["critic/advantages/max"] > 0 > row["critic/advantages/min"]
-    assert kept_values and all(step.informative_groups(v).all() for v in kept_values)
+    assert kept_values and all(rollout_stage.informative_groups(v).all() for v in kept_values)
 
 
 @pytest.mark.slow
@@ -280,7 +280,7 @@ def test_adaptive_kl_moves_and_resumes_exactly(tmp_path):
     coeffs = [r["actor/reward_kl_penalty_coeff"] for r in full]
     assert coeffs[0] == 0.05 and coeffs[1] != coeffs[0]
     for prev, nxt in zip(full, coeffs[1:]):
-        want = step.next_kl_coef(alg.kl_ctrl, prev["actor/reward_kl_penalty_coeff"],
+        want = train_stage.next_kl_coef(alg.kl_ctrl, prev["actor/reward_kl_penalty_coeff"],
                                  prev["actor/reward_kl_penalty"], n_steps=16)
         np.testing.assert_allclose(nxt, want, rtol=1e-12)
     _run(tmp_path / "resumed", steps=2, algorithm=alg)

@@ -13,7 +13,7 @@ import pytest
 from grpo_jax import config, loading, sharding
 from grpo_jax.data import demo_task
 from grpo_jax.rollout import async_rollout
-from grpo_jax.trainer import loop
+from grpo_jax.trainer import loop, setup
 
 
 def test_check_staleness_refuses_beyond_the_bound():
@@ -133,10 +133,11 @@ def test_async_batches_are_off_policy_and_corrected(tmp_path):
 def test_sampling_overlaps_the_update(tmp_path, monkeypatch):
     """The next batch is sampled while the trainer computes log-probs and updates: the
     background sample runs during step 1's train stage."""
-    from grpo_jax.trainer import step
+    from grpo_jax.rollout import engines
+    from grpo_jax.trainer import train_stage
 
     events = []
-    real_sample, real_update = step.NativeEngine.sample, step.train_stage
+    real_sample, real_update = engines.NativeEngine.sample, train_stage.train_stage
 
     def sample(self, *a, **kw):
         name = threading.current_thread().name
@@ -154,8 +155,8 @@ def test_sampling_overlaps_the_update(tmp_path, monkeypatch):
         events.append(("update-end", None))
         return out
 
-    monkeypatch.setattr(step.NativeEngine, "sample", sample)
-    monkeypatch.setattr(step, "train_stage", update)
+    monkeypatch.setattr(engines.NativeEngine, "sample", sample)
+    monkeypatch.setattr(train_stage, "train_stage", update)
     _run(tmp_path, steps=2, async_rollout=True)
     assert events[0] == ("sample-start", "MainThread") and events[1][0] == "sample-end"
     background = [k for k, (what, who) in enumerate(events) if who and who != "MainThread"]
@@ -178,10 +179,10 @@ def test_train_mesh_leaves_the_samplers_devices_out():
                            data=config.DataConfig(train_batch_size=4, val_batch_size=4),
                            actor=config.ActorConfig(ppo_mini_batch_size=4),
                            trainer=config.TrainerConfig(async_rollout=True))
-    mesh = loop.train_mesh(run)
+    mesh = setup.train_mesh(run)
     n = len(jax.devices())
     assert [d.id for d in mesh.devices.flat] == [d.id for d in jax.devices()[: n - 2]]
-    assert [d.id for d in loop.rollout_mesh(run, mesh).devices.flat] == [
+    assert [d.id for d in setup.rollout_mesh(run, mesh).devices.flat] == [
         d.id for d in jax.devices()[n - 2 :]]
 
 
@@ -189,17 +190,17 @@ def test_train_mesh_leaves_the_samplers_devices_out():
 def test_split_mesh_samples_on_its_own_devices(tmp_path, monkeypatch):
     """rollout.num_devices: the sampler's copy of the params lives on devices the trainer's
     mesh does not use, and the batch moves to the trainer's mesh for the update."""
-    from grpo_jax.trainer import step
+    from grpo_jax.rollout import engines
 
     seen = []
-    real = step.NativeEngine.sample
+    real = engines.NativeEngine.sample
 
     def sample(self, *a, **kw):
         seen.append({d.id for d in self.mesh.devices.flat})
         seen.append({d.id for x in jax.tree.leaves(self.params) for d in x.devices()})
         return real(self, *a, **kw)
 
-    monkeypatch.setattr(step.NativeEngine, "sample", sample)
+    monkeypatch.setattr(engines.NativeEngine, "sample", sample)
     tok = demo_task.char_tokenizer()
     run = config.RunConfig(
         data=config.DataConfig(train_batch_size=4, max_prompt_length=32, max_response_length=8,
@@ -256,16 +257,16 @@ def test_lora_async_samples_with_a_merged_copy(tmp_path, monkeypatch):
     """LoRA: the engine holds base + adapters merged (no adapters), the trainer's adapters
     train; the batch sampled ahead used the adapters of the step before."""
     from grpo_jax.models import lora
-    from grpo_jax.trainer import step
+    from grpo_jax.rollout import engines
 
     held = []
-    real = step.NativeEngine._hold
+    real = engines.NativeEngine._hold
 
     def hold(self, params, version):
         real(self, params, version)
         held.append((version, lora.split(self.params)[1] is None))
 
-    monkeypatch.setattr(step.NativeEngine, "_hold", hold)
+    monkeypatch.setattr(engines.NativeEngine, "_hold", hold)
     out = _run(tmp_path, steps=3, async_rollout=True, lora_rank=4)
     assert [v for v, _ in held] == [0, 1, 2] and all(merged for _, merged in held)
     assert [r["async/staleness"] for r in out.history] == [0, 1, 1]

@@ -8,8 +8,8 @@ import pytest
 import reference
 
 from grpo_jax import sampler
-from grpo_jax.rollout import vllm_sidecar
-from grpo_jax.trainer import perf, step
+from grpo_jax.rollout import engines, vllm_sidecar
+from grpo_jax.trainer import perf
 
 
 class FakeSidecar:
@@ -39,13 +39,13 @@ class FakeSidecar:
 
 
 def _sample(engine, version):
-    sp = step.SamplingParams(2, 3, 1.0)
+    sp = engines.SamplingParams(2, 3, 1.0)
     ids, mask = np.ones((2, 4), np.int32), np.ones((2, 4), np.int32)
     return engine.sample(None, ids, mask, jax.random.key(0), sp, policy_version=version)
 
 
 def test_sidecar_engine_refuses_rollouts_of_another_policy_version():
-    engine = step.SidecarEngine(FakeSidecar(), eos_ids=(1,), pad_id=0)
+    engine = engines.SidecarEngine(FakeSidecar(), eos_ids=(1,), pad_id=0)
     engine.start(None, version=10)  # resumed at optimizer step 10
     _sample(engine, 10)
     # The trainer updated (step 10 -> 12) but nobody synced: the server still has version 10.

@@ -185,6 +185,16 @@ class RewardResult:
     num_errors: int
     num_lost: int
 
+    def take(self, rows: Sequence[int]) -> RewardResult:
+        """The results of the samples `rows` (error counts are the batch's)."""
+        return RewardResult(
+            [self.scores_B[i] for i in rows],
+            {k: [v[i] for i in rows] for k, v in self.per_fn.items()},
+            {k: [v[i] for i in rows] for k, v in self.extras.items()},
+            self.num_errors,
+            self.num_lost,
+        )
+
     @classmethod
     def concat(cls, parts: Sequence[RewardResult]) -> RewardResult:
         """The results of consecutive batches as one (an extra key missing from a part is None

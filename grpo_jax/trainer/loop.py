@@ -1,6 +1,6 @@
 """The GRPO training loop as a library function: `train(run, model, tokenizer, data, reward)`.
 
-`train` owns what happens around each step (grpo_jax/trainer/step.py has the step itself):
+`train` owns what happens around each step (the step itself: rollout_stage.py and train_stage.py):
 
   setup     mesh and rules, prompts tokenised, params placed in their shardings, AdamW state,
             the frozen reference (when a KL term needs it), the jitted programs, the rollout
@@ -13,8 +13,8 @@
   resume    from the newest readable checkpoint in the workdir (exact: params, optimizer state,
             rng, data position, counters, the reference when a warm-up produced it);
   warm-up   optional supervised steps on reference answers, then a fresh optimizer;
-  loop      per step: the next prompts, `step.rollout_stage` (sample and score) and
-            `step.train_stage` (log-probs, advantages, update), validation every
+  loop      per step: the next prompts, `rollout_stage.rollout_stage` (sample and score) and
+            `train_stage.train_stage` (log-probs, advantages, update), validation every
             trainer.test_freq steps and at the last step (verl: none with test_freq=-1), a
             checkpoint every trainer.save_freq steps (and after the last step with
             checkpoint.save_last), one metrics.jsonl line, the callbacks;
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import os
 import time
@@ -41,7 +40,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from grpo_jax import config as config_lib
 from grpo_jax import distributed, loading, sharding
@@ -50,8 +48,22 @@ from grpo_jax.data import prompts, readers
 from grpo_jax.models import lora as lora_lib
 from grpo_jax.rewards import functions as reward_fns
 from grpo_jax.rewards import pool as reward_pool_lib
-from grpo_jax.rollout import async_rollout
-from grpo_jax.trainer import actor, checkpoint, metrics, perf, step, validation
+from grpo_jax.rollout import async_rollout, engines
+from grpo_jax.trainer import (
+    actor,
+    checkpoint,
+    metrics,
+    perf,
+    programs,
+    rollout_stage,
+    setup,
+    train_stage,
+    validation,
+    warmup,
+)
+from grpo_jax.trainer import (
+    batch as batch_lib,
+)
 
 Callback = Callable[[int, dict], None]
 
@@ -80,57 +92,9 @@ class Result:
         """The trained policy as full params: with LoRA the base with the adapters merged in."""
         if self.base_params is None:
             return self.state.params
-        return lora_lib.merge(self.model_config, lora_lib.attach(self.base_params,
-                                                                 self.state.params))
-
-
-def make_optimizer(run: config_lib.RunConfig, total_steps: int):
-    """(tx, schedule): verl's AdamW and its per-step learning rate."""
-    o = run.actor.optim
-    tx = actor.make_optimizer(
-        grad_clip=run.actor.grad_clip, betas=tuple(o.betas), weight_decay=o.weight_decay
-    )
-    schedule = actor.lr_schedule(
-        lr=o.lr,
-        warmup_steps=o.warmup_steps(total_steps),
-        total_steps=total_steps,
-        kind=o.lr_scheduler_type,
-        min_lr_ratio=o.min_lr_ratio,
-    )
-    return tx, schedule
-
-
-def total_steps(run: config_lib.RunConfig, num_prompts: int) -> int:
-    """trainer.total_training_steps, else total_epochs x full batches per epoch."""
-    per_epoch = prompts.steps_per_epoch(num_prompts, run.data.train_batch_size)
-    return run.trainer.total_training_steps or run.trainer.total_epochs * per_epoch
-
-
-def make_engine(run, model_config, mesh, *, eos_ids, pad_id, workdir, rollout_mesh=None,
-                rules=sharding.LOGICAL_RULES):
-    """The configured rollout engine (rollout.name): native sampler or vLLM sidecar.
-
-    The native sampler runs on `rollout_mesh` when given (rollout.num_devices), else on the
-    trainer's mesh; with trainer.async_rollout it samples with a copy of the params of its own.
-    """
-    if run.rollout.name == "jax":
-        return step.NativeEngine(model_config, rollout_mesh or mesh, eos_ids=eos_ids,
-                                 pad_id=pad_id, own_params=run.trainer.async_rollout,
-                                 rules=rules)
-    if jax.process_count() > 1:
-        raise ValueError(
-            f"rollout.name={run.rollout.name!r}: the vLLM sidecar serves one trainer process, and "
-            f"this run has {jax.process_count()} JAX processes; use rollout.name=jax (the "
-            "native sampler on the global mesh) for multi-process runs"
+        return lora_lib.merge(
+            self.model_config, lora_lib.attach(self.base_params, self.state.params)
         )
-    from grpo_jax.rollout import vllm_pool, vllm_sidecar
-
-    configs = run.rollout.sidecar_configs()
-    if len(configs) == 1:
-        sidecar = vllm_sidecar.VLLMSidecar(configs[0], model_config, os.path.join(workdir, "vllm"))
-    else:
-        sidecar = vllm_pool.VLLMServers(configs, model_config, os.path.join(workdir, "vllm"))
-    return step.SidecarEngine(sidecar, eos_ids=eos_ids, pad_id=pad_id)
 
 
 def train(
@@ -158,27 +122,21 @@ def train(
         messages or a string, ...other columns}).
       reward_fn: a rewards.RewardFn, a single reward callable (any of rewards' three
         signatures), or None for run.reward / run.custom_reward_function.
-      mesh, rules: the device mesh and logical-axis rules; default from run.mesh. Call inside
-        `sharding.use_mesh(mesh, rules)` (train does it when it builds the mesh itself).
+      mesh, rules: the device mesh and logical-axis rules; default from run.mesh (train enters
+        `sharding.use_mesh(mesh, rules)` itself).
       callbacks: called as fn(step, metrics_row) after every step's row is written.
     """
     if mesh is None:
-        mesh = train_mesh(run)
-        rules = sharding.rules_from_config(run.mesh.rules)
-        with sharding.use_mesh(mesh, rules):
-            return train(
-                run,
-                model_config=model_config,
-                params=params,
-                tokenizer=tokenizer,
-                train_data=train_data,
-                val_data=val_data,
-                reward_fn=reward_fn,
-                mesh=mesh,
-                rules=rules,
-                callbacks=callbacks,
-            )
+        mesh, rules = setup.train_mesh(run), sharding.rules_from_config(run.mesh.rules)
     rules = sharding.rules_from_config(None) if rules is None else rules
+    with sharding.use_mesh(mesh, rules):
+        return _train(run, model_config, params, tokenizer, train_data, val_data, reward_fn, mesh,
+                      rules, callbacks)  # fmt: skip
+
+
+def _train(
+    run, model_config, params, tokenizer, train_data, val_data, reward_fn, mesh, rules, callbacks
+) -> Result:
     if reward_fn is None:
         reward_fn = loading.reward_fn(run.reward, run.custom_reward_function)
     elif not isinstance(reward_fn, reward_fns.RewardFn):
@@ -198,45 +156,27 @@ def train(
         truncation=run.data.truncation,
         share=distributed.share(),
     )
-    layout = loading.layout(run.data)
-    train_set = encode(_examples(train_data, "train_data", layout, run.data.on_malformed))
+    columns = loading.layout(run.data)
+    train_set = encode(_examples(train_data, "train_data", columns, run.data.on_malformed))
     val_set = (
-        encode(_examples(val_data, "val_data", layout, run.data.on_malformed)) if val_data else None
+        encode(_examples(val_data, "val_data", columns, run.data.on_malformed))
+        if val_data
+        else None
     )
-    steps = total_steps(run, len(train_set))
+    steps = setup.total_steps(run, len(train_set))
     eos_ids, pad_id = loading.special_ids(tokenizer, model_config)
-    tx, schedule = make_optimizer(run, steps)
-    if run.model.lora_rank or model_config.lora_rank:
-        model_config = lora_lib.configure(
-            model_config, rank=run.model.lora_rank, alpha=run.model.lora_alpha,
-            target_modules=run.model.target_modules,
-        )  # fmt: skip
-    param_sh = sharding.param_shardings(model_config, mesh, rules)
-    params = jax.device_put(params, param_sh)
-    if model_config.lora_rank:  # the params are the frozen base; the state trains adapters
-        base = params
-        train_sh = sharding.adapter_shardings(model_config, mesh, rules)
-        init_key = jax.random.fold_in(jax.random.key(run.trainer.seed), _LORA_INIT_STREAM)
-        trainable = lora_lib.init_adapters(model_config, init_key, shardings=train_sh)
-        abstract_trainable = model_lib.abstract_adapters(model_config)
-    else:
-        base, train_sh, trainable = None, param_sh, params
-        abstract_trainable = model_lib.abstract_params(model_config)
-    state_sh = actor.TrainState(
-        sharding.replicated(mesh),
-        train_sh,
-        sharding.tx_state_shardings(tx, abstract_trainable, train_sh, mesh),
-    )
-    state = jax.jit(functools.partial(actor.init_state, tx=tx), out_shardings=state_sh)(
-        trainable
-    )
+    tx, schedule = setup.make_optimizer(run, steps)
+    layout = setup.state_layout(run, model_config, mesh, rules, tx)
+    model_config, state_sh = layout.model_config, layout.state_shardings
+    state, params = setup.init_state(run, layout, params, tx)
+    base = params if model_config.lora_rank else None  # LoRA: the state trains the adapters
     # The frozen reference: the initial params (`state` holds a copy: never donated); with LoRA
     # the base itself, adapters disabled (verl), so no second copy of the weights.
     ref_params = params if run.needs_reference else None
     ref_in_ckpt = run.needs_reference and run.warmup.steps > 0
-    del params, trainable
+    del params
     root_key = jax.random.key_data(jax.random.key(run.trainer.seed))
-    programs = step.make_programs(run, model_config, tx, dp=dp)
+    progs = programs.make_programs(run, model_config, tx, dp=dp)
     logging.info(
         "model %s; %d train / %d val prompts (%d / %d filtered); %d steps",
         model_config,
@@ -254,13 +194,13 @@ def train(
     writer = metrics.Writer(workdir, tensorboard=run.trainer.tensorboard, enabled=is_main)
     loop = _LoopState(
         state, ref_params, root_key, prompts.Position(), 0, run.algorithm.kl_ctrl.kl_coef,
-        base=base, lora_base=lora_pointer(run, model_config),
+        base=base, lora_base=setup.lora_pointer(run, model_config),
     )  # fmt: skip
     start_step, first_row = 0, {}
     restored = None
     if run.trainer.resume_mode == "auto":
         restored = checkpoint.restore_latest(
-            mngr, loop.abstract(state_sh, train_sh, mesh, with_ref=ref_in_ckpt),
+            mngr, loop.abstract(state_sh, layout.trained_shardings, mesh, with_ref=ref_in_ckpt),
             check_meta=loop.check_meta,
         )  # fmt: skip
     if restored is not None:
@@ -268,7 +208,7 @@ def train(
         loop = loop.restored(tree, meta, with_ref=ref_in_ckpt)
         writer.truncate_after(start_step)
         if is_main:
-            truncate_generations(workdir, start_step)
+            validation.truncate_generations(workdir, start_step)
         if start_step not in [r["step"] for r in metrics.read(workdir)]:
             writer.write(start_step, meta["metrics"])  # killed between the save and the row
         logging.info(
@@ -280,9 +220,9 @@ def train(
     else:
         writer.truncate_after(-1)
         if is_main:
-            truncate_generations(workdir, -1)
+            validation.truncate_generations(workdir, -1)
         if run.warmup.steps:
-            loop.state, first_row = warm_up(
+            loop.state, first_row = warmup.warm_up(
                 run,
                 loop.state,
                 tx,
@@ -291,7 +231,7 @@ def train(
                 mesh,
                 eos_id=eos_ids[0],
                 pad_id=pad_id,
-                micro_rows=programs.micro_rows,
+                micro_rows=progs.micro_rows,
                 model_config=model_config,
                 base_params=base,
             )
@@ -299,15 +239,17 @@ def train(
                 warmed = jax.tree.map(jnp.copy, loop.state.params)  # with LoRA: the adapters
                 loop.ref_params = actor.policy_params(base, warmed)
 
-    engine = make_engine(run, model_config, mesh, eos_ids=eos_ids, pad_id=pad_id, workdir=workdir,
-                         rollout_mesh=rollout_mesh(run, mesh), rules=rules)
+    engine = setup.make_engine(
+        run, model_config, mesh, eos_ids=eos_ids, pad_id=pad_id, workdir=workdir,
+        rollout_mesh=setup.rollout_mesh(run, mesh), rules=rules,
+    )  # fmt: skip
     pool = (
         reward_pool_lib.Pool(run.reward.num_workers, timeout_s=run.reward.timeout_s)
         if run.reward.num_workers
         else None
     )
-    ctx = step.StepContext(run, programs, engine, tokenizer, reward_fn, mesh, pool, base)
-    val_sampling = step.SamplingParams(
+    ctx = programs.StepContext(run, progs, engine, tokenizer, reward_fn, mesh, pool, base)
+    val_sampling = engines.SamplingParams(
         run.rollout.val_kwargs.n,
         run.data.max_response_length,
         run.rollout.val_kwargs.sampling_temperature,
@@ -332,7 +274,7 @@ def train(
             num_generations=run.trainer.log_val_generations,
         )
         if result.generations and is_main:
-            write_generations(workdir, step_done, result.generations)
+            validation.write_generations(workdir, step_done, result.generations)
         return result.metrics
 
     history = []
@@ -365,99 +307,10 @@ def train(
     return Result(loop.state, model_config, history, workdir, base)
 
 
-def train_mesh(run: config_lib.RunConfig):
-    """The trainer's mesh (run.mesh.shape) over every device but the sampler's own (the last
-    rollout.num_devices, see rollout_mesh)."""
-    devices = jax.devices()
-    if run.rollout.num_devices:
-        devices = devices[: max(0, len(devices) - run.rollout.num_devices)]
-    return sharding.make_mesh(tuple(run.mesh.shape), devices=devices)
-
-
-def rollout_mesh(run: config_lib.RunConfig, mesh):
-    """The sampler's own data-parallel mesh (rollout.num_devices of the devices `mesh` does not
-    use), or None when it shares the trainer's."""
-    k = run.rollout.num_devices
-    if not k:
-        return None
-    if jax.process_count() > 1:
-        raise ValueError(
-            f"rollout.num_devices={k}: devices of the sampler's own are supported in one process "
-            f"(this run has {jax.process_count()}); use rollout.num_devices=0 (the sampler "
-            "shares the trainer's mesh, with its own copy of the params)"
-        )
-    used = set(mesh.devices.flat)
-    free = [d for d in jax.devices() if d not in used]
-    if len(free) < k:
-        raise ValueError(
-            f"rollout.num_devices={k}, but only {len(free)} of the {jax.device_count()} devices "
-            f"are not in the trainer's mesh {dict(mesh.shape)}: lower rollout.num_devices or "
-            "give the trainer a smaller mesh.shape"
-        )
-    return sharding.make_mesh((-1, 1, 1), devices=free[:k])
-
-
-GENERATIONS_FILE = "val_generations.jsonl"
-
-
-def write_generations(workdir: str, step_done: int, generations: Sequence[dict], *,
-                      log: bool = True) -> None:
-    """Appends one validation's logged samples to workdir/val_generations.jsonl (and the log)."""
-    with open(os.path.join(workdir, GENERATIONS_FILE), "a") as f:
-        for g in generations:
-            f.write(json.dumps({"step": step_done, **g}, default=str) + "\n")
-    for g in generations if log else ():
-        logging.info("val sample (step %d, score %.3g): %r -> %r", step_done, g["score"],
-                     g["input"], g["output"])
-
-
-def truncate_generations(workdir: str, step: int) -> None:
-    """Drops the logged samples of validations after `step` (a resumed run redoes them)."""
-    kept = {k: v for k, v in read_generations(workdir).items() if k <= step}
-    path = os.path.join(workdir, GENERATIONS_FILE)
-    if os.path.exists(path):
-        os.remove(path)
-    for k, rows in kept.items():
-        write_generations(workdir, k, rows, log=False)
-
-
-def read_generations(workdir: str) -> dict[int, list[dict]]:
-    """{step: samples} of workdir/val_generations.jsonl ({} when none were logged)."""
-    path = os.path.join(workdir, GENERATIONS_FILE)
-    out: dict[int, list[dict]] = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                row = json.loads(line)
-                out.setdefault(row.pop("step"), []).append(row)
-    return out
-
-
 def _examples(rows, name: str, layout, on_malformed: str) -> list[prompts.Example]:
     if all(isinstance(r, prompts.Example) for r in rows):
         return list(rows)
     return readers.parse_rows(rows, source=name, on_malformed=on_malformed, layout=layout)
-
-
-# The rng stream of the LoRA adapters' initialisation (fold_in of trainer.seed's key).
-_LORA_INIT_STREAM = 0x10A
-
-
-def lora_pointer(run: config_lib.RunConfig, model_config: model_lib.ModelConfig) -> dict | None:
-    """What a LoRA checkpoint records of its base (None without LoRA): the adapters are only
-    meaningful on the same base weights with the same rank, alpha and targets."""
-    if not model_config.lora_rank:
-        return None
-    m = run.model
-    return {
-        "model.path": m.path,
-        "model.source": m.source,
-        "model.tiny.seed": m.tiny.seed if m.source == "random" else None,
-        "model.param_dtype": m.param_dtype,
-        "model.lora_rank": model_config.lora_rank,
-        "model.lora_alpha": model_config.lora_alpha,
-        "model.target_modules": ",".join(model_config.lora_targets),
-    }
 
 
 @dataclasses.dataclass
@@ -498,6 +351,7 @@ class _LoopState:
         """Refuses a checkpoint of another LoRA base (or LoRA vs full fine-tuning)."""
         saved = meta.get("lora_base")
         if saved != self.lora_base:
+
             def what(p):
                 return "full fine-tuning (no LoRA)" if p is None else f"LoRA on the base {p}"
 
@@ -535,6 +389,22 @@ class _LoopState:
         } | ({"lora_base": self.lora_base} if self.lora_base is not None else {})
 
 
+class _PromptReader:
+    """`next_prompts(count)` for a rollout: the train set's prompts in their epoch order from
+    a data position on; `position` is where it stopped."""
+
+    def __init__(self, train_set: prompts.PromptSet, position: prompts.Position, data, pad_id):
+        self.train_set, self.position, self.data, self.pad_id = train_set, position, data, pad_id
+
+    def __call__(self, count: int) -> prompts.PromptBatch:
+        idx, self.position = prompts.next_indices(
+            len(self.train_set), self.position, count, seed=self.data.seed,
+            shuffle=self.data.shuffle,
+        )  # fmt: skip
+        rows = distributed.process_rows(count) if jax.process_count() > 1 else None
+        return prompts.make_batch(self.train_set, idx, pad_token_id=self.pad_id, rows=rows)
+
+
 def _steps(
     run, ctx, loop, train_set, schedule, start, steps, mngr, writer, evaluate, callbacks, is_main
 ) -> list[dict]:
@@ -551,29 +421,27 @@ def _steps(
     history, last_val = [], {}
     t = run.trainer
 
-    def next_prompts(count: int) -> prompts.PromptBatch:
-        idx, loop.position = prompts.next_indices(
-            len(train_set), loop.position, count, seed=run.data.seed, shuffle=run.data.shuffle
-        )
-        rows = distributed.process_rows(count) if jax.process_count() > 1 else None
-        return prompts.make_batch(train_set, idx, pad_token_id=ctx.engine.pad_id, rows=rows)
-
-    def sample(i: int, policy, version: int, sampled_at: int):
-        """Batch i, sampled by `policy` (policy version `version`) in loop step `sampled_at`,
-        and the data position after its prompts."""
+    def sample(i: int, position: prompts.Position, policy, version: int, sampled_at: int):
+        """Batch i from the data `position` on, sampled by `policy` (policy version `version`)
+        in loop step `sampled_at`, and the data position after its prompts. It reads and writes
+        nothing of the loop's: a batch sampled ahead (in a background thread) hands its position
+        over when it is taken."""
+        reader = _PromptReader(train_set, position, run.data, ctx.engine.pad_id)
         rng = jax.random.fold_in(jax.random.wrap_key_data(loop.root_key), i)
-        batch = step.rollout_stage(ctx, policy, next_prompts, rng, policy_version=version,
-                                   sampled_at=sampled_at)
-        return batch, loop.position
+        batch = rollout_stage.rollout_stage(
+            ctx, policy, reader, rng, policy_version=version, sampled_at=sampled_at
+        )
+        return batch, reader.position
 
     def saves_after(done: int) -> bool:
         return (t.save_freq > 0 and done % t.save_freq == 0) or (
-            done == steps and run.checkpoint.save_last)
+            done == steps and run.checkpoint.save_last
+        )
 
     # trainer.async_rollout: the batch of step i + 1 is sampled during step i's update (see
     # grpo_jax/rollout/async_rollout.py), never across a checkpoint.
     ahead = async_rollout.Ahead() if t.async_rollout else None
-    elsewhere = getattr(ctx.engine, "mesh", None) not in (None, ctx.mesh)
+    elsewhere = ctx.engine.mesh not in (None, ctx.mesh)
     try:
         for i in range(start, steps):
             t_step, compiled = time.perf_counter(), perf.compile_seconds()
@@ -583,29 +451,31 @@ def _steps(
             batch = None
             if ahead is not None and ahead.pending:
                 t0 = time.perf_counter()
-                batch, position = ahead.take()
+                batch, loop.position = ahead.take()
                 # the trainer's wait: the part of sampling the update did not cover
                 timing["timing_s/wait_rollout"] = time.perf_counter() - t0
             synced = ctx.engine.sync(ctx.policy(loop.state), version)
             if synced is not None:  # the params changed in the last update
                 timing["timing_s/weight_sync"] = synced
             if batch is None:  # sampled now, by the params being updated
-                batch, position = sample(i, ctx.policy(loop.state), version, i)
+                batch, loop.position = sample(i, loop.position, ctx.policy(loop.state), version, i)
             staleness = async_rollout.check_staleness(batch.sampled_at, i, t.max_staleness)
             if ahead is not None and done < steps and not saves_after(done):
                 # Batch i + 1, sampled by the engine's copy of these params during the update.
-                ahead.submit(sample, i + 1, None, version, i)
+                ahead.submit(sample, i + 1, loop.position, None, version, i)
             if elsewhere:  # sampled on the sampler's own devices
-                batch = step.on_mesh(batch, ctx.mesh)
-            loop.state, row = step.train_stage(
+                batch = batch_lib.on_mesh(batch, ctx.mesh)
+            loop.state, row = train_stage.train_stage(
                 ctx, loop.state, loop.ref_params, batch, schedule(i), kl_coef=loop.kl_coef
             )
             if t.async_rollout:
                 row["async/staleness"] = staleness
                 row["async/policy_version_lag"] = version - batch.policy_version
             if run.algorithm.use_kl_in_reward:  # the controller moves after the step (verl)
-                loop.kl_coef = step.next_kl_coef(
-                    run.algorithm.kl_ctrl, loop.kl_coef, row["actor/reward_kl_penalty"],
+                loop.kl_coef = train_stage.next_kl_coef(
+                    run.algorithm.kl_ctrl,
+                    loop.kl_coef,
+                    row["actor/reward_kl_penalty"],
                     n_steps=run.data.train_batch_size * run.rollout.n,
                 )
             bad = loop.consecutive_bad + 1 if row["actor/update_skipped"] else 0
@@ -617,7 +487,7 @@ def _steps(
                     f"norm {row['actor/grad_norm']}"
                 )
             row["actor/nonfinite_consecutive"] = loop.consecutive_bad
-            row["training/epoch"] = position.epoch
+            row["training/epoch"] = loop.position.epoch
             row["training/global_step"] = i + 1
             timing["timing_s/step"] = time.perf_counter() - t_step  # verl: validation excluded
             timing["timing_s/compile"] = perf.compile_seconds() - compiled
@@ -625,7 +495,7 @@ def _steps(
             if evaluate is not None and tests:
                 if ahead is not None:
                     ahead.wait()  # the batch in flight, on the same engine, finishes first
-                last_val = _timed(timing, "testing", evaluate, loop.state, done)
+                last_val = perf.timed(timing, "testing", evaluate, loop.state, done)
                 row |= last_val
             row |= timing
             row["perf/time_per_step"] = timing["timing_s/step"]
@@ -647,84 +517,3 @@ def _steps(
             ahead.close()
         bar.close()
     return history
-
-
-def warm_up(
-    run, state, tx, train_set, tokenizer, mesh, *, eos_id, pad_id, micro_rows, model_config,
-    base_params=None,
-) -> tuple[actor.TrainState, dict]:
-    """Supervised warm-up on the reference answers (warmup.steps), then a fresh optimizer.
-
-    With LoRA (`base_params` the frozen base) it trains the adapters.
-
-    Returns:
-      (state, metrics): update count 0 and a fresh optimizer state; the last warm-up NLL.
-    """
-    w = run.warmup
-    missing = [ex.line for ex in train_set.examples if ex.answer is None]
-    if missing:
-        raise ValueError(
-            f"warmup.steps={w.steps} needs a reference answer per prompt (extra_info.answer, or "
-            f"the answer of a raw GSM8K row); {len(missing)} prompts have none (lines "
-            f"{missing[:5]}...)"
-        )
-    sft_fn = jax.jit(
-        functools.partial(
-            actor.sft_step,
-            model_config=model_config,
-            tx=tx,
-            micro_batch_size=min(micro_rows, w.batch_size),
-        ),
-        donate_argnums=0,
-    )
-    base = () if base_params is None else (base_params,)
-    position = prompts.Position()
-    nll = float("nan")
-    for i in range(w.steps):
-        idx, position = prompts.next_indices(
-            len(train_set), position, w.batch_size, seed=run.data.seed + 1, shuffle=True
-        )
-        batch = sft_batch(
-            train_set,
-            idx,
-            tokenizer,
-            mesh,
-            eos_id=eos_id,
-            pad_id=pad_id,
-            max_response_length=run.data.max_response_length,
-        )
-        state, m = sft_fn(state, batch, jnp.float32(w.lr), *base)
-        nll = float(m["sft/nll"])
-        if i % 10 == 0 or i == w.steps - 1:
-            logging.info("warm-up step %d/%d: nll %.4f", i + 1, w.steps, nll)
-    fresh = actor.TrainState(jnp.zeros_like(state.step), state.params, tx.init(state.params))
-    return fresh, {"warmup/nll": nll, "warmup/steps": w.steps}
-
-
-def sft_batch(train_set, indices, tokenizer, mesh, *, eos_id, pad_id, max_response_length):
-    """Prompt + reference answer (+ EOS) for the supervised warm-up, answers right-padded."""
-    pb = prompts.make_batch(train_set, indices, pad_token_id=pad_id)
-    r = max_response_length
-    answers = [ex.answer for ex in pb.examples]
-    ans_ids = tokenizer(answers, add_special_tokens=False)["input_ids"]
-    resp_PT = np.full((len(indices), r), pad_id, np.int32)
-    mask_PT = np.zeros((len(indices), r), np.int32)
-    for p, ids in enumerate(ans_ids):
-        ids = (list(ids) + [eos_id])[:r]
-        resp_PT[p, : len(ids)] = ids
-        mask_PT[p, : len(ids)] = 1
-    arrays = dict(
-        input_ids_BS=np.concatenate([pb.prompt_ids_PT, resp_PT], 1),
-        attention_mask_BS=np.concatenate([pb.prompt_mask_PT, mask_PT], 1),
-        response_ids_BT=resp_PT,
-        response_mask_BT=mask_PT,
-        advantages_BT=np.zeros(resp_PT.shape, np.float32),
-    )
-    return actor.TrainBatch(**{k: distributed.to_device(v, mesh) for k, v in arrays.items()})
-
-
-def _timed(timing: dict, key: str, fn, *args):
-    t0 = time.perf_counter()
-    out = fn(*args)
-    timing[f"timing_s/{key}"] = time.perf_counter() - t0
-    return out

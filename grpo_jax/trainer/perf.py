@@ -17,6 +17,7 @@ verl/workers/engine_workers.py):
 * `timing_s/compile` (grpo_jax's, not verl's): the seconds the step spent tracing, lowering and
   compiling (`compile_seconds`), included in `timing_s/step`; a new prompt-length bucket or
   packed micro-batch shape compiles once in a run.
+* `timing_s/<stage>`: the wall seconds of a stage (`timed`), its device work included.
 * `perf/mfu/actor`: the update's FLOPs / (its seconds x devices x peak FLOP/s per device). The
   FLOPs are verl's analytic estimate (`estimate_flops`: verl/utils/flops_counter.py
   `_estimate_qwen2_flops`, which verl uses for Qwen2, Qwen3 and Llama) of every sequence of
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import resource
 import threading
+import time
 from collections.abc import Mapping
 
 import jax
@@ -50,6 +52,17 @@ PEAK_TFLOPS = {
 }
 
 _TOKENS_OF = {"gen": "response", "ref": "all", "adv": "all", "update_actor": "all"}
+
+
+def timed(timing: dict, key: str, fn, *args, add: bool = False, **kwargs):
+    """fn(*args, **kwargs) to completion (the device work it started included: its result is
+    `jax.block_until_ready`), its seconds under timing["timing_s/<key>"] (added with `add`)."""
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args, **kwargs))
+    seconds = time.perf_counter() - t0
+    name = f"timing_s/{key}"
+    timing[name] = timing.get(name, 0.0) + seconds if add else seconds
+    return out
 
 
 def timing_per_token(timing: Mapping[str, float], *, prompt_tokens: int,

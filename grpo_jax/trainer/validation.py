@@ -6,7 +6,8 @@ scored variable (the reward, plus each numeric key of a dict-valued score such a
 and, when the scorer returns a "pred" answer, `maj@N/mean` (the score of the majority answer).
 They are prefixed `val-core/<data_source>/` for verl's core variable ("acc" when the scorer
 reports it, else "reward") and its mean/best/maj metrics, and `val-aux/<data_source>/` for the
-rest.
+rest. The first trainer.log_val_generations samples of each validation go to
+workdir/val_generations.jsonl (`write_generations`).
 
 Deliberate difference: verl estimates best@N / worst@N / maj@N with a bootstrap over subsets of
 size N drawn with replacement; here they are exact over the N samples of each prompt (max, min
@@ -17,6 +18,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
+import logging
+import os
 from collections.abc import Sequence
 
 import jax
@@ -25,10 +29,13 @@ import numpy as np
 from grpo_jax import distributed
 from grpo_jax.data import prompts as prompts_lib
 from grpo_jax.rewards import functions as reward_fns
-from grpo_jax.trainer import step
+from grpo_jax.rollout import engines
+from grpo_jax.trainer import rollout_stage
 
 
-def validate(engine, params, prompts: prompts_lib.PromptSet, **kwargs) -> dict[str, float]:
+def validate(
+    engine: engines.Engine, params, prompts: prompts_lib.PromptSet, **kwargs
+) -> dict[str, float]:
     """The metrics of `run(engine, params, prompts, **kwargs)` (same arguments)."""
     return run(engine, params, prompts, **kwargs).metrics
 
@@ -43,13 +50,13 @@ class Validation:
 
 
 def run(
-    engine,
+    engine: engines.Engine,
     params,
     prompts: prompts_lib.PromptSet,
     *,
     reward_fn: reward_fns.RewardFn,
     tokenizer,
-    sampling: step.SamplingParams,
+    sampling: engines.SamplingParams,
     batch_size: int,
     pad_id: int,
     seed: int,
@@ -76,20 +83,27 @@ def run(
         idx += [idx[-1]] * (batch_size - real)
         rows = distributed.process_rows(batch_size) if procs > 1 else None
         pb = prompts_lib.make_batch(prompts, idx, pad_token_id=pad_id, rows=rows)
-        rollout = step.generate(engine, params, pb, jax.random.key(seed), sampling,
-                                policy_version=policy_version)
+        rollout = rollout_stage.generate(
+            engine, params, pb, jax.random.key(seed), sampling, policy_version=policy_version
+        )
         lo, hi = (0, batch_size) if rows is None else rows
         hi = min(hi, real)  # padding prompts are not scored
         lo = min(lo, hi)
         ids = distributed.to_host(rollout.response_ids)[lo * n : hi * n]
         mask = distributed.to_host(rollout.response_mask)[lo * n : hi * n]
-        texts = step.decode(tokenizer, ids, mask)
+        texts = rollout_stage.decode(tokenizer, ids, mask)
         examples = [ex for ex in pb.examples[lo:hi] for _ in range(n)]
         res = reward_fns.score_batch(reward_fn, texts, examples, pool=pool)
         for text, ex, sc in zip(texts, examples, res.scores_B, strict=True):
             if len(generations) < num_generations:  # this process's samples
-                generations.append({"input": _prompt_text(ex.prompt), "output": text,
-                                    "score": sc, "ground_truth": ex.ground_truth})
+                generations.append(
+                    {
+                        "input": _prompt_text(ex.prompt),
+                        "output": text,
+                        "score": sc,
+                        "ground_truth": ex.ground_truth,
+                    }
+                )
         chunk_lengths = mask.sum(1).tolist()
         if rows is not None:  # every process's results, in row order
             parts = distributed.gather_objects([(res, chunk_lengths)])
@@ -170,3 +184,45 @@ def _majority(values, preds) -> float:
         if counts[str(p)] == top:
             return float(v)
     raise AssertionError("unreachable: some prediction is the most common")
+
+
+GENERATIONS_FILE = "val_generations.jsonl"
+
+
+def write_generations(
+    workdir: str, step_done: int, generations: Sequence[dict], *, log: bool = True
+) -> None:
+    """Appends one validation's logged samples to workdir/val_generations.jsonl (and the log)."""
+    with open(os.path.join(workdir, GENERATIONS_FILE), "a") as f:
+        for g in generations:
+            f.write(json.dumps({"step": step_done, **g}, default=str) + "\n")
+    for g in generations if log else ():
+        logging.info(
+            "val sample (step %d, score %.3g): %r -> %r",
+            step_done,
+            g["score"],
+            g["input"],
+            g["output"],
+        )
+
+
+def truncate_generations(workdir: str, step: int) -> None:
+    """Drops the logged samples of validations after `step` (a resumed run redoes them)."""
+    kept = {k: v for k, v in read_generations(workdir).items() if k <= step}
+    path = os.path.join(workdir, GENERATIONS_FILE)
+    if os.path.exists(path):
+        os.remove(path)
+    for k, rows in kept.items():
+        write_generations(workdir, k, rows, log=False)
+
+
+def read_generations(workdir: str) -> dict[int, list[dict]]:
+    """{step: samples} of workdir/val_generations.jsonl ({} when none were logged)."""
+    path = os.path.join(workdir, GENERATIONS_FILE)
+    out: dict[int, list[dict]] = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                row = json.loads(line)
+                out.setdefault(row.pop("step"), []).append(row)
+    return out

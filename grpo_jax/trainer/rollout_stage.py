@@ -1,0 +1,455 @@
+"""Stages 1-2 of a GRPO step: sample n completions per prompt, decode and score them.
+
+    batch = rollout_stage(ctx, policy, next_prompts, rng, policy_version=v)
+
+`generate` samples (engines.Engine), `score` decodes and rewards, `sample_and_score` does both
+for one generation batch (plus DAPO's overlong penalty); with algorithm.filter_groups,
+`dynamic_sample` keeps drawing generation batches until enough informative groups are kept
+(DAPO); `estimator_extras` adds what the estimator needs beyond the rewards (remax's greedy
+baselines, gdpo's reward components). The result is a `batch.RolloutBatch`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpo_jax import config as config_lib
+from grpo_jax import distributed, registry, sharding
+from grpo_jax.data import prompts as prompts_lib
+from grpo_jax.rewards import functions as reward_fns
+from grpo_jax.rewards import pool as reward_pool_lib
+from grpo_jax.rollout import engines
+from grpo_jax.trainer import batch as batch_lib
+from grpo_jax.trainer import perf, programs
+
+
+def generate(
+    engine: engines.Engine,
+    params,
+    prompts: prompts_lib.PromptBatch,
+    rng,
+    sp: engines.SamplingParams,
+    *,
+    policy_version: int | None = None,
+):
+    """Stage 1: n completions per prompt (a sampler.Rollout, B = P * n rows).
+
+    `policy_version` (TrainState.step of `params`) lets an engine that holds its own copy of the
+    weights refuse a rollout sampled under other ones. A batch of which this process holds
+    only its rows (`prompts.rows`, several processes) becomes one global batch first.
+    """
+    ids, mask = prompts.prompt_ids_PT, prompts.prompt_mask_PT
+    if prompts.rows is not None:
+        if engine.mesh is None:
+            raise ValueError(
+                f"rollout engine {type(engine).__name__} samples a whole batch in one process; "
+                f"with {jax.process_count()} JAX processes use rollout.name=jax (the native "
+                "sampler on the global mesh)"
+            )
+        shd = sharding.batch_sharding(engine.mesh, 2)
+        ids, mask = distributed.to_global(ids, shd), distributed.to_global(mask, shd)
+    return engine.sample(params, ids, mask, rng, sp, policy_version)
+
+
+def full_prompts(prompts: prompts_lib.PromptBatch) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, mask) of all P prompts on this host (gathered from every process with `rows`)."""
+    if prompts.rows is None:
+        return prompts.prompt_ids_PT, prompts.prompt_mask_PT
+    return (
+        distributed.gather_rows(prompts.prompt_ids_PT),
+        distributed.gather_rows(prompts.prompt_mask_PT),
+    )
+
+
+def decode(tokenizer, response_ids_BT: np.ndarray, response_mask_BT: np.ndarray) -> list[str]:
+    """Valid response tokens -> text (special tokens such as EOS skipped, as verl)."""
+    lengths = response_mask_BT.sum(1)
+    return tokenizer.batch_decode(
+        [row[:n] for row, n in zip(response_ids_BT, lengths, strict=True)],
+        skip_special_tokens=True,
+    )
+
+
+def score(
+    reward_fn: reward_fns.RewardFn,
+    tokenizer,
+    response_ids_BT: np.ndarray,
+    response_mask_BT: np.ndarray,
+    prompts: prompts_lib.PromptBatch,
+    *,
+    n: int,
+    pool: reward_pool_lib.Pool | None = None,
+) -> tuple[list[str | None], reward_fns.RewardResult]:
+    """Stage 2: decode every completion (host tokens, B = P * n rows) and score it against its
+    prompt's example. Returns (texts, rewards).
+
+    With several processes (`prompts.rows`), each decodes and scores the completions of its own
+    prompts, and only the reward results are exchanged: `texts` holds this process's
+    completions and None for the others'.
+    """
+    ids, mask = response_ids_BT, response_mask_BT
+    start, stop = (0, len(prompts.examples)) if prompts.rows is None else prompts.rows
+    texts = decode(tokenizer, ids[start * n : stop * n], mask[start * n : stop * n])
+    examples = [ex for ex in prompts.examples[start:stop] for _ in range(n)]
+    result = reward_fns.score_batch(reward_fn, texts, examples, pool=pool)
+    if prompts.rows is not None:
+        result = reward_fns.RewardResult.concat(distributed.gather_objects([result]))
+        texts = [None] * (start * n) + texts + [None] * (len(ids) - stop * n)
+    return texts, result
+
+
+def rollout_sampling(run: config_lib.RunConfig) -> engines.SamplingParams:
+    """The training rollout's sampling settings (rollout.*)."""
+    r = run.rollout
+    return engines.SamplingParams(
+        r.n, run.data.max_response_length, r.temperature, r.top_p, r.top_k
+    )
+
+
+def overlong_penalty(
+    lengths_B, *, max_response_length: int, buffer_len: int, penalty_factor: float
+) -> np.ndarray:
+    """DAPO's soft overlong penalty (verl's DAPO reward manager): 0 up to max - buffer_len
+    tokens, then -penalty_factor x excess / buffer_len (reaching -penalty_factor at max)."""
+    excess_B = np.asarray(lengths_B, np.float64) - (max_response_length - buffer_len)
+    return np.minimum(-excess_B / buffer_len * penalty_factor, 0.0)
+
+
+def sample_and_score(
+    ctx: programs.StepContext,
+    params,
+    prompts: prompts_lib.PromptBatch,
+    rng,
+    timing: dict,
+    *,
+    policy_version: int | None = None,
+) -> batch_lib.RolloutBatch:
+    """Stages 1 and 2: n completions per prompt, decoded and scored (plus DAPO's overlong
+    penalty with reward.overlong_buffer.enable)."""
+    run, sp = ctx.run, rollout_sampling(ctx.run)
+    rollout = perf.timed(
+        timing,
+        "gen",
+        generate,
+        ctx.engine,
+        params,
+        prompts,
+        rng,
+        sp,
+        add=True,
+        policy_version=policy_version,
+    )
+    prompt_ids, prompt_mask = full_prompts(prompts)
+    host = batch_lib.HostRollout(
+        np.repeat(prompt_ids, sp.n, axis=0),
+        np.repeat(prompt_mask, sp.n, axis=0),
+        distributed.to_host(rollout.response_ids),
+        distributed.to_host(rollout.response_mask),
+    )
+    texts, result = perf.timed(
+        timing,
+        "reward",
+        score,
+        ctx.reward_fn,
+        ctx.tokenizer,
+        host.response_ids_BT,
+        host.response_mask_BT,
+        prompts,
+        n=sp.n,
+        pool=ctx.pool,
+        add=True,
+    )
+    ob = run.reward.overlong_buffer
+    if ob.enable:
+        penalty_B = overlong_penalty(
+            host.response_mask_BT.sum(1),
+            max_response_length=sp.max_new_tokens,
+            buffer_len=ob.len,
+            penalty_factor=ob.penalty_factor,
+        )
+        extras = dict(result.extras)
+        if "acc" not in extras:  # verl's DAPO reward manager: "acc" = the unpenalised score
+            extras["acc"] = list(result.scores_B)
+        if ob.log:
+            extras |= {"overlong_reward": penalty_B.tolist(), "overlong": (penalty_B < 0).tolist()}
+        result = dataclasses.replace(
+            result,
+            scores_B=[s + float(p) for s, p in zip(result.scores_B, penalty_B, strict=True)],
+            extras=extras,
+        )
+    examples = [ex for ex in prompts.examples for _ in range(sp.n)]
+    return batch_lib.RolloutBatch(rollout, host, texts, examples, result, sp.n)
+
+
+def group_values(batch: batch_lib.RolloutBatch, metric: str) -> np.ndarray:
+    """[groups, n] values of DAPO's filter metric (config.FilterGroupsConfig.metric)."""
+    if metric in ("seq_reward", "seq_final_reward") or (
+        metric == "acc" and "acc" not in batch.result.extras
+    ):
+        values = batch.result.scores_B
+    elif metric in batch.result.extras:
+        values = batch.result.extras[metric]
+        if any(v is None for v in values):
+            raise ValueError(
+                f"algorithm.filter_groups.metric={metric!r}: some samples' scores lack that key"
+            )
+    else:
+        raise ValueError(
+            f"algorithm.filter_groups.metric={metric!r} is neither 'acc', 'seq_reward', "
+            "'seq_final_reward' nor a key of the "
+            f"scorer's outputs ({sorted(batch.result.extras) or 'it returns plain floats'})"
+        )
+    return np.asarray(values, np.float64).reshape(batch.num_groups, batch.group_size)
+
+
+def informative_groups(values_GN: np.ndarray) -> np.ndarray:
+    """DAPO: whether each group's metric differs between its samples (bool [groups]).
+
+    A group is uniform when its values differ by at most 1e-6 x max(1, |mean|), so float noise
+    (a sum of rewards that should be equal) does not make it informative.
+    """
+    spread_G = values_GN.max(1) - values_GN.min(1)
+    return spread_G > 1e-6 * np.maximum(1.0, np.abs(values_GN.mean(1)))
+
+
+def select_groups(
+    batch: batch_lib.RolloutBatch, groups: Sequence[int], mesh
+) -> batch_lib.RolloutBatch:
+    """The rows of `groups` (renumbered 0..), device and host sides alike."""
+    n = batch.group_size
+    rows = np.concatenate([np.arange(g * n, (g + 1) * n) for g in groups]).astype(np.int32)
+    return _rebuild(
+        batch,
+        batch.host.take(rows),
+        batch.result.take(rows),
+        [batch.texts[i] for i in rows],
+        [batch.examples[i] for i in rows],
+        distributed.to_host(batch.rollout.log_probs)[rows],
+        mesh,
+    )
+
+
+def _rebuild(
+    like: batch_lib.RolloutBatch,
+    host: batch_lib.HostRollout,
+    result,
+    texts,
+    examples,
+    log_probs_BT,
+    mesh,
+    **counts,
+) -> batch_lib.RolloutBatch:
+    """A RolloutBatch over `host`'s rows, the rollout re-placed from the host arrays."""
+    put = functools.partial(distributed.to_device, mesh=mesh)
+    n = like.group_size
+    rollout = like.rollout.replace(
+        prompt_ids=put(host.prompt_ids_BP),
+        prompt_mask=put(host.prompt_mask_BP),
+        response_ids=put(host.response_ids_BT),
+        response_mask=put(host.response_mask_BT),
+        log_probs=put(np.asarray(log_probs_BT, np.float32)),
+        group_ids=put(np.repeat(np.arange(len(texts) // n, dtype=np.int32), n)),
+    )
+    return dataclasses.replace(
+        like, rollout=rollout, host=host, texts=texts, examples=examples, result=result, **counts
+    )
+
+
+def concat(parts: Sequence[batch_lib.RolloutBatch], mesh) -> batch_lib.RolloutBatch:
+    """Generation batches into one (prompts left-padded to the widest), groups renumbered."""
+    width = max(p.host.prompt_ids_BP.shape[1] for p in parts)
+
+    def left_pad(x):
+        return np.pad(x, ((0, 0), (width - x.shape[1], 0)))
+
+    host = batch_lib.HostRollout(
+        np.concatenate([left_pad(p.host.prompt_ids_BP) for p in parts]),
+        np.concatenate([left_pad(p.host.prompt_mask_BP) for p in parts]),
+        np.concatenate([p.host.response_ids_BT for p in parts]),
+        np.concatenate([p.host.response_mask_BT for p in parts]),
+    )
+    result = reward_fns.RewardResult.concat([p.result for p in parts])
+    log_probs = np.concatenate([distributed.to_host(p.rollout.log_probs) for p in parts])
+    return _rebuild(
+        parts[0],
+        host,
+        result,
+        [t for p in parts for t in p.texts],
+        [e for p in parts for e in p.examples],
+        log_probs,
+        mesh,
+        num_gen_batches=sum(p.num_gen_batches for p in parts),
+        num_filtered_groups=sum(p.num_filtered_groups for p in parts),
+    )
+
+
+def dynamic_sample(
+    ctx: programs.StepContext,
+    params,
+    next_prompts,
+    rng,
+    timing: dict,
+    *,
+    policy_version: int | None = None,
+) -> batch_lib.RolloutBatch:
+    """DAPO's dynamic sampling (algorithm.filter_groups): generation batches of
+    data.gen_batch_size prompts until data.train_batch_size informative groups are kept; the
+    surplus is dropped, as verl's DAPO trainer does.
+
+    Raises:
+      RuntimeError: algorithm.filter_groups.max_num_gen_batches batches did not give enough.
+    """
+    run, fg = ctx.run, ctx.run.algorithm.filter_groups
+    want, kept, filtered, have = run.data.train_batch_size, [], 0, 0
+    for i in itertools.count():
+        if fg.max_num_gen_batches and i >= fg.max_num_gen_batches:
+            raise RuntimeError(
+                f"DAPO dynamic sampling kept {have} of data.train_batch_size={want} groups after "
+                f"algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches} generation "
+                f"batches (the other {filtered} groups scored the same on all their samples): "
+                "raise the limit (0 = none), raise data.gen_batch_size, or check the reward"
+            )
+        part = sample_and_score(
+            ctx,
+            params,
+            next_prompts(run.gen_batch_size),
+            jax.random.fold_in(rng, i),
+            timing,
+            policy_version=policy_version,
+        )
+        keep = np.flatnonzero(informative_groups(group_values(part, fg.metric)))
+        filtered += part.num_groups - len(keep)
+        if len(keep):
+            kept.append(
+                select_groups(part, keep, ctx.mesh) if len(keep) < part.num_groups else part
+            )
+            have += len(keep)
+        if have >= want:
+            break
+    batch = concat(kept, ctx.mesh) if len(kept) > 1 else kept[0]
+    if batch.num_groups > want:
+        batch = select_groups(batch, range(want), ctx.mesh)
+    return dataclasses.replace(batch, num_gen_batches=i + 1, num_filtered_groups=filtered)
+
+
+def greedy_baselines(
+    ctx: programs.StepContext,
+    params,
+    batch: batch_lib.RolloutBatch,
+    rng,
+    timing: dict,
+    *,
+    policy_version: int | None = None,
+) -> np.ndarray:
+    """ReMax's baselines [B]: the score of one greedy (temperature 0) completion of each
+    prompt, repeated over the prompt's samples (verl's reward_baselines)."""
+    n = batch.group_size
+    first = np.arange(0, len(batch.texts), n)
+    rows = distributed.process_rows(len(first)) if jax.process_count() > 1 else None
+    held = first if rows is None else first[rows[0] : rows[1]]
+    prompts = prompts_lib.PromptBatch(
+        batch.host.prompt_ids_BP[held],
+        batch.host.prompt_mask_BP[held],
+        tuple(batch.examples[i] for i in first),
+        tuple(int(i) for i in first),
+        rows,
+    )
+    sp = engines.SamplingParams(1, ctx.run.data.max_response_length, 0.0)
+    greedy = perf.timed(
+        timing,
+        "gen_max",
+        generate,
+        ctx.engine,
+        params,
+        prompts,
+        rng,
+        sp,
+        policy_version=policy_version,
+    )
+    _, result = score(
+        ctx.reward_fn,
+        ctx.tokenizer,
+        distributed.to_host(greedy.response_ids),
+        distributed.to_host(greedy.response_mask),
+        prompts,
+        n=1,
+        pool=ctx.pool,
+    )
+    return np.repeat(np.asarray(result.scores_B, np.float32), n)
+
+
+def estimator_extras(
+    ctx: programs.StepContext,
+    params,
+    batch: batch_lib.RolloutBatch,
+    rng,
+    timing: dict,
+    *,
+    policy_version: int | None = None,
+) -> dict:
+    """The per-batch inputs of algorithm.adv_estimator beyond the token rewards (or {})."""
+    alg, mesh = ctx.run.algorithm, ctx.mesh
+    if alg.adv_estimator == "remax":
+        baselines = greedy_baselines(ctx, params, batch, rng, timing, policy_version=policy_version)
+        return {"reward_baselines": distributed.to_device(baselines, mesh)}
+    if alg.adv_estimator != "gdpo":
+        return {}
+    keys = registry.split_list(alg.gdpo_reward_keys)
+    result = batch.result
+    if keys:
+        missing = [
+            k for k in keys if k not in result.extras or any(v is None for v in result.extras[k])
+        ]
+        if missing:
+            raise ValueError(
+                f"algorithm.gdpo_reward_keys: {missing} are not returned for every sample by "
+                f"the reward function (its dict keys: {sorted(result.extras) or 'none'})"
+            )
+        columns = [result.extras[k] for k in keys]
+        weights = alg.gdpo_weight_values or (1.0,) * len(keys)
+    elif len(result.per_fn) > 1:  # one component per reward function
+        columns = [result.per_fn[name] for name in ctx.reward_fn.names]
+        weights = ctx.reward_fn.weights
+    else:
+        return {}
+    components_BK = np.asarray(columns, np.float32).T
+    return {
+        "reward_components": distributed.to_device(components_BK, mesh),
+        "reward_weights": jnp.asarray(weights, jnp.float32),
+    }
+
+
+def rollout_stage(
+    ctx: programs.StepContext,
+    policy,
+    next_prompts: Callable[[int], prompts_lib.PromptBatch],
+    rng,
+    *,
+    policy_version: int,
+    sampled_at: int = 0,
+) -> batch_lib.RolloutBatch:
+    """Stages 1-2 (and the estimator's extra rollouts): the step's prompts, n completions each,
+    their rewards. `policy` are the params that sample (an engine with its own copy checks
+    that it holds `policy_version`); `next_prompts(count)` gives the next prompts of the data
+    order (called once, or once per generation batch with algorithm.filter_groups)."""
+    run, timing = ctx.run, {}
+    if run.algorithm.filter_groups.enable:
+        batch = dynamic_sample(
+            ctx, policy, next_prompts, rng, timing, policy_version=policy_version
+        )
+    else:
+        prompts = next_prompts(run.data.train_batch_size)
+        batch = sample_and_score(ctx, policy, prompts, rng, timing, policy_version=policy_version)
+    extras = estimator_extras(
+        ctx, policy, batch, jax.random.fold_in(rng, 1 << 30), timing, policy_version=policy_version
+    )
+    return dataclasses.replace(
+        batch, extras=extras, timing=timing, policy_version=policy_version, sampled_at=sampled_at
+    )

@@ -1,0 +1,344 @@
+"""Stages 3-5 of a GRPO step: log-probs, advantages, the update.
+
+    state, row = train_stage(ctx, state, ref_params, batch, lr, kl_coef=...)
+
+`train_batch` lays a `batch.RolloutBatch` out as the update's model inputs; `log_probs` computes
+the old log-probs (when the run needs them) and the reference's; `advantages` turns the rewards
+into token rewards (minus the in-reward KL), applies rollout correction and the estimator;
+`update` runs actor.ppo_epochs x mini-batches of optimizer steps (padded micro-batches inside one
+jitted step, or packed token-budget micro-batches). The stages' device work is in
+`programs.Programs`; their scalar metrics are computed on the device and fetched once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpo_jax import config as config_lib
+from grpo_jax import distributed, sampler
+from grpo_jax import loss as loss_lib
+from grpo_jax.trainer import actor, metrics, packing, perf, programs
+from grpo_jax.trainer import batch as batch_lib
+
+
+def train_batch(rollout: sampler.Rollout, *, prompt_width: int, bucket: int) -> actor.TrainBatch:
+    """The update's model input: prompt + response, advantages still zero.
+
+    The update's prompt columns are the last bucket_length(prompt_width, bucket) of the
+    rollout's (the dropped ones are all padding, and a narrower rollout is left-padded), so
+    short prompts do not pay for the sampler's bucket and the compiled shapes stay few.
+    """
+    width = sampler.bucket_length(prompt_width, bucket)
+    short = max(0, width - rollout.prompt_ids.shape[1])  # e.g. batches joined by concat()
+
+    def prompt_columns(x):
+        return jnp.pad(x, ((0, 0), (short, 0)))[:, -width:]
+
+    mask = rollout.response_mask
+    return actor.TrainBatch(
+        input_ids_BS=jnp.concatenate([prompt_columns(rollout.prompt_ids), rollout.response_ids], 1),
+        attention_mask_BS=jnp.concatenate([prompt_columns(rollout.prompt_mask), mask], 1),
+        response_ids_BT=rollout.response_ids,
+        response_mask_BT=mask,
+        advantages_BT=jnp.zeros(mask.shape, jnp.float32),
+    )
+
+
+def _micro(packed: packing.Packed, m: int, mesh) -> actor.PackedMicro:
+    return actor.PackedMicro(
+        **{k: distributed.to_device(v, mesh) for k, v in packed.micro(m).items()}
+    )
+
+
+def log_probs(
+    progs: programs.Programs,
+    run: config_lib.RunConfig,
+    state: actor.TrainState,
+    ref_params,
+    batch: actor.TrainBatch,
+    host: batch_lib.HostRollout,
+    mesh,
+    timing: dict,
+    *,
+    rollout_log_probs_BT=None,
+    base_params=None,
+) -> tuple[actor.TrainBatch, dict]:
+    """Stage 3: the old log-probs (when the run needs them) and the reference log-probs.
+
+    With LoRA, `base_params` is the frozen base and state.params the adapters: the old pass
+    runs base + adapters, and `ref_params` is the base itself (adapters disabled, verl's LoRA
+    reference), not a copy.
+
+    With rollout.log_prob_use_dynamic_bsz both passes run over packed token-budget
+    micro-batches (packing.py), otherwise over padded micro-batches. With
+    algorithm.rollout_correction.bypass_mode the old log-probs are the engine's
+    (`rollout_log_probs_BT`) and there is no old pass. Returns the batch with them and the
+    metrics of the old pass (verl logs `actor/entropy` there, before the update, over the whole
+    batch).
+    """
+    needed = run.needs_old_log_probs or ref_params is not None
+    if run.algorithm.rollout_correction.bypass_mode:
+        if rollout_log_probs_BT is None:
+            raise ValueError(
+                "algorithm.rollout_correction.bypass_mode=True takes the rollout engine's "
+                "log-probs as the old ones, but this rollout has none"
+            )
+        batch = batch.replace(old_log_probs_BT=rollout_log_probs_BT)
+    packed = None
+    if run.rollout.log_prob_use_dynamic_bsz and needed:
+        packed = host.pack(progs.logprob_tokens, row_multiple=progs.dp, row_len=progs.row_len)
+
+    def run_pass(params, with_entropy):
+        if packed is None:
+            fn = progs.log_probs_entropy if with_entropy else progs.log_probs
+            return fn(params, batch)
+        fn = progs.packed_log_probs_entropy if with_entropy else progs.packed_log_probs
+        lp_BT = jnp.zeros(batch.response_mask_BT.shape, jnp.float32)
+        ent_BT = jnp.zeros_like(lp_BT)
+        for m in range(packed.num_micro):
+            lp_BT, ent_BT = fn(params, _micro(packed, m, mesh), lp_BT, ent_BT)
+        return lp_BT, ent_BT if with_entropy else None
+
+    out = {}
+    old_BT, ref_BT = batch.old_log_probs_BT, None
+    if run.needs_old_log_probs:
+        policy = actor.policy_params(base_params, state.params)
+        old_BT, ent_BT = perf.timed(timing, "old_log_prob", run_pass, policy, True)
+        out["actor/entropy"] = float(
+            loss_lib.agg_loss(
+                ent_BT,
+                batch.response_mask_BT,
+                run.actor.loss_agg_mode,
+                loss_scale_factor=run.actor.loss_scale_factor,
+            )
+        )
+    if ref_params is not None:
+        ref_BT, _ = perf.timed(timing, "ref", run_pass, ref_params, False)
+    return batch.replace(old_log_probs_BT=old_BT, ref_log_probs_BT=ref_BT), out
+
+
+def token_level_scores(scores_B: jax.Array, response_mask_BT: jax.Array) -> jax.Array:
+    """verl's token_level_scores: each sequence score at its last valid response token."""
+    length_B = jnp.sum(response_mask_BT, axis=1)
+    last_BT = jax.nn.one_hot(
+        jnp.maximum(length_B - 1, 0), response_mask_BT.shape[1], dtype=jnp.float32
+    )
+    return scores_B.astype(jnp.float32)[:, None] * last_BT
+
+
+def kl_in_reward(
+    scores_BT, old_BT, ref_BT, response_mask_BT, *, beta: float, kl_penalty: str
+) -> tuple[jax.Array, dict]:
+    """verl's apply_kl_penalty: token rewards = scores - beta * KL(old || ref) on the response.
+    Returns them and the metrics (the mean KL a device scalar)."""
+    kld_BT = loss_lib.kl_penalty(old_BT, ref_BT, kl_penalty) * response_mask_BT
+    length_B = jnp.sum(response_mask_BT, axis=1)
+    current_kl = jnp.mean(jnp.sum(kld_BT, 1) / jnp.maximum(length_B, 1))
+    return scores_BT - beta * kld_BT, {
+        "actor/reward_kl_penalty": current_kl,
+        "actor/reward_kl_penalty_coeff": beta,
+    }
+
+
+def next_kl_coef(
+    kl_ctrl: config_lib.KLCtrlConfig, kl_coef: float, current_kl: float, n_steps: int
+) -> float:
+    """algorithm.kl_ctrl after a step: "fixed" keeps the coefficient; "adaptive" is verl's
+    AdaptiveKLController, beta * (1 + clip(current_kl / target_kl - 1, -0.2, 0.2) * n / horizon)
+    with n the step's sequences."""
+    if kl_ctrl.type == "fixed":
+        return kl_coef
+    error = float(np.clip(current_kl / kl_ctrl.target_kl - 1.0, -0.2, 0.2))
+    return kl_coef * (1.0 + error * n_steps / kl_ctrl.horizon)
+
+
+def advantages(
+    progs: programs.Programs,
+    run: config_lib.RunConfig,
+    batch: actor.TrainBatch,
+    rollout: sampler.Rollout,
+    scores_B: Sequence[float],
+    mesh,
+    timing: dict,
+    *,
+    kl_coef: float | None = None,
+    extras: dict | None = None,
+) -> tuple[actor.TrainBatch, dict]:
+    """Stage 4 (verl's _compute_advantage): token-level rewards (minus the in-reward KL at
+    `kl_coef`, default algorithm.kl_ctrl.kl_coef), then rollout correction against the engine's
+    log-probs (weights and rejection mask, whenever the old log-probs were recomputed), then the
+    estimator's advantages. `extras`: the estimator's per-batch inputs (make_advantage)."""
+    mask_BT = batch.response_mask_BT
+    scores = distributed.to_device(np.asarray(scores_B, np.float32), mesh)
+    rewards_BT = token_level_scores(scores, mask_BT)
+    device = {}  # scalar metrics, fetched from the device once at the end
+    if run.algorithm.use_kl_in_reward:
+        rewards_BT, device = kl_in_reward(
+            rewards_BT,
+            batch.old_log_probs_BT,
+            batch.ref_log_probs_BT,
+            mask_BT,
+            beta=run.algorithm.kl_ctrl.kl_coef if kl_coef is None else kl_coef,
+            kl_penalty=run.algorithm.kl_penalty,
+        )
+    bypass = run.algorithm.rollout_correction.bypass_mode
+    if not bypass and batch.old_log_probs_BT is not None and rollout.log_probs is not None:
+        weights_BT, mask_BT, corr = perf.timed(
+            timing,
+            "rollout_correction",
+            progs.rollout_correction,
+            batch.old_log_probs_BT,
+            rollout.log_probs,
+            mask_BT,
+        )
+        device |= corr
+        batch = batch.replace(response_mask_BT=mask_BT, rollout_is_weights_BT=weights_BT)
+    adv_BT, returns_BT = perf.timed(
+        timing, "adv", progs.advantage, rewards_BT, mask_BT, rollout.group_ids, extras or {}
+    )
+    device |= metrics.advantage_stats(adv_BT, returns_BT, rewards_BT, mask_BT)
+    scalars = {k: float(v) for k, v in jax.device_get(device).items()}
+    old = None if run.on_policy and not bypass else batch.old_log_probs_BT
+    return batch.replace(advantages_BT=adv_BT, old_log_probs_BT=old), scalars
+
+
+def update(
+    progs: programs.Programs,
+    run: config_lib.RunConfig,
+    state: actor.TrainState,
+    batch: actor.TrainBatch,
+    lr,
+    host: batch_lib.HostRollout,
+    mesh,
+    *,
+    base_params=None,
+) -> tuple[actor.TrainState, dict]:
+    """Stage 5: actor.ppo_epochs x mini-batches of optimizer steps; metrics averaged.
+
+    With actor.use_dynamic_bsz each mini-batch is packed into token-budget micro-batches whose
+    gradients are summed (one compiled shape per packed shape, however many micro-batches),
+    otherwise it runs as padded micro-batches inside one jitted step. With LoRA, `base_params`
+    is the frozen base (state.params, the gradients and the optimizer state: the adapters only).
+    """
+    base = () if base_params is None else (base_params,)
+    updates = []
+    mini = progs.mini_rows
+    packs = {}
+    lr = jnp.float32(lr)
+    for _ in range(run.actor.ppo_epochs):
+        for i in range(run.mini_batches_per_step):
+            if not run.actor.use_dynamic_bsz:
+                index = jnp.int32(i)
+                state, m = progs.update(state, batch, index, lr, *base)
+                updates.append(m)
+                continue
+            if i not in packs:  # mini-batches are the same slices in every epoch
+                rows = host.rows(i * mini, (i + 1) * mini)
+                packs[i] = rows.pack(
+                    progs.update_tokens, row_multiple=progs.dp, row_len=progs.row_len
+                )
+            packed = packs[i]
+            mini_batch = jax.tree.map(lambda x, i=i: x[i * mini : (i + 1) * mini], batch)
+            grads = jax.tree.map(jnp.zeros_like, state.params)
+            summed = {}
+            for m in range(packed.num_micro):
+                micro = _micro(packed, m, mesh)
+                grads, m = progs.packed_grads(state.params, grads, micro, mini_batch, *base)
+                summed = m if not summed else jax.tree.map(jnp.add, summed, m)
+            state, opt_metrics = progs.apply(state, grads, summed["actor/loss"], lr)
+            updates.append({**summed, **opt_metrics, "actor/micro_batches": packed.num_micro})
+    updates = jax.device_get(updates)
+    record = {k: float(np.mean([u[k] for u in updates])) for k in updates[0]}
+    record["actor/update_skipped"] = sum(float(u["actor/update_skipped"]) for u in updates)
+    # verl's model FLOPs of every sequence, once per epoch (perf.estimate_flops)
+    seqlens = host.prompt_mask_BP.sum(1) + host.response_mask_BT.sum(1)
+    record["perf/actor_flops"] = run.actor.ppo_epochs * perf.estimate_flops(
+        progs.model_config, seqlens
+    )
+    return state, record
+
+
+def train_stage(
+    ctx: programs.StepContext,
+    state: actor.TrainState,
+    ref_params,
+    rollout_batch: batch_lib.RolloutBatch,
+    lr,
+    *,
+    kl_coef: float | None = None,
+) -> tuple[actor.TrainState, dict]:
+    """Stages 3-5 on a sampled batch: old and reference log-probs under `state` (the policy
+    being updated, whatever policy sampled the batch), advantages, the update; returns the new
+    state and the step's metrics."""
+    run, timing = ctx.run, dict(rollout_batch.timing)
+    rollout, host = rollout_batch.rollout, rollout_batch.host
+    batch = train_batch(
+        rollout,
+        prompt_width=int(host.prompt_mask_BP.sum(1).max()),
+        bucket=run.data.prompt_length_bucket,
+    )
+    batch, old_metrics = log_probs(
+        ctx.programs,
+        run,
+        state,
+        ref_params,
+        batch,
+        host,
+        ctx.mesh,
+        timing,
+        rollout_log_probs_BT=rollout.log_probs,
+        base_params=ctx.base_params,
+    )
+    batch, adv_metrics = advantages(
+        ctx.programs,
+        run,
+        batch,
+        rollout,
+        rollout_batch.result.scores_B,
+        ctx.mesh,
+        timing,
+        kl_coef=kl_coef,
+        extras=rollout_batch.extras,
+    )
+    t0 = time.perf_counter()
+    state, record = update(
+        ctx.programs, run, state, batch, lr, host, ctx.mesh, base_params=ctx.base_params
+    )
+    timing["timing_s/update_actor"] = time.perf_counter() - t0
+    # verl: actor/entropy is the pre-update policy's, from the old-log-prob pass (or, on-policy
+    # without that pass, from the update's own forward); the update pass's value is
+    # actor/entropy_loss, logged with actor.calculate_entropy.
+    update_entropy = record.pop("actor/entropy", None)
+    if run.actor.calculate_entropy and update_entropy is not None:
+        record["actor/entropy_loss"] = update_entropy
+    entropy = old_metrics.get("actor/entropy", update_entropy)
+    if entropy is not None:
+        record["actor/entropy"] = entropy
+    record |= adv_metrics | metrics.reward_metrics(rollout_batch.result)
+    record |= metrics.length_metrics(
+        host.response_mask_BT,
+        host.prompt_mask_BP,
+        max_response_length=run.data.max_response_length,
+        max_prompt_length=run.data.max_prompt_length,
+    )
+    if run.algorithm.filter_groups.enable:
+        record["train/num_gen_batches"] = rollout_batch.num_gen_batches
+        record["train/num_filtered_groups"] = rollout_batch.num_filtered_groups
+    prompt_B, response_B = host.prompt_mask_BP.sum(1), host.response_mask_BT.sum(1)
+    record |= perf.timing_per_token(
+        timing, prompt_tokens=int(prompt_B.sum()), response_tokens=int(response_B.sum())
+    )
+    record |= perf.global_seqlen(prompt_B + response_B, ctx.programs.dp)
+    record |= perf.memory()
+    record |= perf.mfu(
+        record.pop("perf/actor_flops"),
+        timing["timing_s/update_actor"],
+        devices=jax.device_count(),
+        peak_flops=perf.peak_flops_per_device(run.trainer.device_peak_tflops),
+    )
+    return state, record | timing
