@@ -18,7 +18,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from grpo_jax import config as config_lib
-from grpo_jax import distributed, loading, sharding
+from grpo_jax import distributed, loading, planner, sharding
 from grpo_jax import model as model_lib
 from grpo_jax.models import hf
 from grpo_jax.trainer import loop, metrics, plot, setup, validation
@@ -72,12 +72,6 @@ def check_workdir(workdir: str) -> None:
         ) from e
 
 
-def make_loss_config(c: ml_collections.ConfigDict):
-    """The update's static trainer.LossConfig from the `actor` section (+ rollout.temperature)."""
-    run = config_lib.from_dict(config_lib.RunConfig, c.to_dict())
-    return run.actor.loss_config(temperature=run.rollout.temperature)
-
-
 class _QuietLibraryInfo(logging.Filter):
     """Drops orbax's per-save INFO chatter from the terminal; warnings and errors still show."""
 
@@ -95,9 +89,7 @@ def main(argv):
         raise app.UsageError("--config is required, e.g. --config=configs/demo.py")
     run = check_config(c)
     if _PLAN.value:
-        import plan
-
-        print(plan.run(c, model_name=_PLAN_MODEL.value, hbm_gib=_PLAN_HBM.value))
+        print(planner.report(run, model_name=_PLAN_MODEL.value, hbm_gib=_PLAN_HBM.value))
         return
     distributed.maybe_initialize(mode=run.mesh.distributed)
     workdir = run.trainer.default_local_dir

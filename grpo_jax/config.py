@@ -408,8 +408,8 @@ class ActorConfig:
             kl_loss_type=self.kl_loss_type,
         )
 
-    def loss_config(self, *, temperature: float):
-        """The update's static `trainer.LossConfig` (plus the rollout temperature)."""
+    def _loss_config(self, *, temperature: float):
+        """The actor section's part of the update's LossConfig: RunConfig.loss_config completes it."""
 
         pl = self.policy_loss
         extra = {"clip_cov_ratio": pl.clip_cov_ratio, "clip_cov_lb": pl.clip_cov_lb,
@@ -1005,7 +1005,7 @@ class RunConfig:
     def loss_config(self):
         """The update's static `trainer.LossConfig`: actor.* plus what other sections add (the
         rollout temperature; the rollout-correction settings for the bypass_mode loss)."""
-        lc = self.actor.loss_config(temperature=self.rollout.temperature)
+        lc = self.actor._loss_config(temperature=self.rollout.temperature)
         if self.actor.policy_loss.loss_mode == "bypass_mode":
             rc = self.algorithm.rollout_correction
             settings = tuple(

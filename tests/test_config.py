@@ -234,14 +234,19 @@ def test_unknown_field_rejected_by_the_cli():
     assert "unknown config field 'kl_coef' in ['--config.actor.kl_coef']" in out.stderr
 
 
-def test_loss_config_from_actor_section():
-    lc = train.make_loss_config(gsm8k_drgrpo.get_config())
+def _loss_config(c):
+    """The LossConfig the update trains with (RunConfig.loss_config), from a config file."""
+    return config.from_dict(config.RunConfig, c.to_dict()).loss_config()
+
+
+def test_loss_config_is_the_one_the_update_trains_with():
+    lc = _loss_config(gsm8k_drgrpo.get_config())
     assert (lc.loss_agg_mode, lc.loss_scale_factor, lc.use_kl_loss) == (
         "seq-mean-token-sum-norm",
         1024.0,
         False,
     )
-    lc = train.make_loss_config(gsm8k.get_config())
+    lc = _loss_config(gsm8k.get_config())
     assert (lc.kl_loss_type, lc.kl_loss_coef, lc.clip_ratio, lc.temperature) == (
         "low_var_kl",
         0.001,
@@ -251,8 +256,19 @@ def test_loss_config_from_actor_section():
     # verl's ActorConfig sets both clip bounds to 0.2: clip_ratio alone changes neither.
     c = gsm8k.get_config()
     c.actor.clip_ratio = 0.28
-    lc = train.make_loss_config(c)
+    lc = _loss_config(c)
     assert (lc.clip_ratio_low, lc.clip_ratio_high) == (0.2, 0.2)
+    # What other sections add, which the actor section alone cannot: the bypass loss's
+    # rollout-correction settings, and the update's entropy when no old-log-prob pass runs.
+    c = gsm8k.get_config()
+    c.actor.policy_loss.loss_mode = "bypass_mode"
+    c.algorithm.rollout_correction.bypass_mode = True
+    c.algorithm.rollout_correction.loss_type = "reinforce"
+    run = config.from_dict(config.RunConfig, c.to_dict())
+    settings = dict(dict(run.loss_config().policy_loss_kwargs)["rollout_correction"])
+    assert settings["loss_type"] == "reinforce"
+    assert run.loss_config().calculate_entropy == (not run.needs_old_log_probs or
+                                                  run.actor.calculate_entropy)  # fmt: skip
 
 
 def test_library_defaults_are_verls():

