@@ -8,7 +8,7 @@ loop over rows and no reshape to ``[P, G]`` is involved.
 Shapes: B rollouts (P prompts x G samples each), T response tokens, P groups, K reward functions.
 
 Estimators, by verl's registered name (``algorithm.adv_estimator``; ``compute_advantage``
-dispatches on it, ``ADV_ESTIMATORS`` lists them; see ``verl-semantics.md`` section 2). The
+dispatches on it, ``ADV_ESTIMATORS`` lists them; see ``docs/verl-semantics.md`` section 2). The
 sequence score s is always the **unmasked** sum over T of ``token_level_rewards``; "singleton"
 is a group with one member; std is the unbiased (n-1) standard deviation:
 

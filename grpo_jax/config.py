@@ -4,7 +4,7 @@ This module owns every knob of a run, its default and its checks. The sections a
 verl 0.9.1's (`actor_rollout_ref.actor.X` -> `actor.X`, `actor_rollout_ref.rollout.X` ->
 `rollout.X`, `data.X`, `algorithm.X`, `trainer.X`, `custom_reward_function.X`), so a verl run
 script ports line by line (README "verl override mapping"); the defaults are verl's
-(verl-semantics.md section 7) unless a comment says otherwise. `configs/common.py` turns
+(docs/verl-semantics.md section 7) unless a comment says otherwise. `configs/common.py` turns
 `RunConfig()` into the ml_collections tree that `train.py --config.X=...` overrides, so this file
 is the single list of fields; library users build the dataclasses directly.
 
@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from grpo_jax import advantage, loss, registry, sampler
+from grpo_jax import model as model_lib
 from grpo_jax import rollout_correction as rc
 from grpo_jax.data import prompts, readers
 from grpo_jax.models import lora
@@ -258,12 +259,7 @@ class ModelSpec:
         c.choice(
             "gradient_checkpointing_policy",
             self.gradient_checkpointing_policy,
-            (
-                "nothing_saveable",
-                "dots_with_no_batch_dims_saveable",
-                "dots_except_mlp_in_saveable",
-                "dots_saveable",
-            ),
+            model_lib.REMAT_POLICIES,
         )
         c.need(self.lora_rank >= 0, "lora_rank", self.lora_rank, "must be >= 0 (0 = no LoRA)")
         c.need(self.lora_alpha > 0, "lora_alpha", self.lora_alpha, "must be > 0")
@@ -462,45 +458,17 @@ class ValKwargs:
         return self.temperature if self.do_sample else 0.0
 
 
-@dataclasses.dataclass(frozen=True)
-class VLLMSettings:
-    """Section `rollout.vllm`: the sidecar server (vllm_sidecar.VLLMConfig, field by field).
-
-    `extra_args` is shell-split and `env` is "NAME=VALUE,..." so both travel as strings
-    through the command line; `sidecar_config()` parses them.
+class _VLLMSection:
+    """Section `rollout.vllm`: the sidecar server. Its fields are vllm_sidecar.VLLMConfig's (see
+    there what each means), but for `extra_args` (shell-split) and `env` ("NAME=VALUE,...")
+    written as strings, so both travel through the command line; `url` may list several
+    servers, comma-separated, and `num_servers` starts that many (grpo_jax/rollout/vllm_pool.py);
+    the tensor parallelism is rollout.tensor_model_parallel_size (verl's name).
     """
 
-    python: str = ""  # interpreter of the vLLM venv (starts a server); exclusive with url
-    # attach to running servers instead: "http://10.0.0.5:8000", or several, comma-separated
-    url: str = ""
-    # servers started (python) or attached (url), each fed every weight push; the prompts of a
-    # batch are split between them (grpo_jax/rollout/vllm_pool.py)
-    num_servers: int = 1
-    host: str = "127.0.0.1"  # interface a started server listens on
-    port: int = 0  # port of a started server; 0 = pick a free one
-    gpu_memory_utilization: float = 0.4  # vLLM's GPU memory fraction (JAX shares the GPU)
-    dtype: str = "bfloat16"  # "auto" | "float32" | "bfloat16" | "float16"
-    max_model_len: int = 0  # prompt + response limit; 0 = the model's max positions
-    seed: int = 0  # server --seed
-    extra_args: str = ""  # more server flags, shell-split (CPU: "--enforce-eager")
-    env: str = ""  # "NAME=VALUE,..." for the server (CPU: "VLLM_CPU_KVCACHE_SPACE=1")
-    startup_timeout_s: float = 600.0  # start/restart deadline until /health answers
-    request_timeout_s: float = 600.0  # one generation request (one prompt, n samples)
-    sync_timeout_s: float = 300.0  # one weight reload
-    max_restarts: int = 3  # restarts of a dead server per call before failing
-    restart_backoff_s: float = 5.0  # first back-off, doubled each restart
-    stop_timeout_s: float = 30.0  # SIGTERM -> SIGKILL grace period
-    max_concurrent_requests: int = 64  # prompts in flight at once
-    weight_transfer: str = "disk"  # "disk" (export + reload) | "nccl" (GPU, in memory; falls back)
-    # With LoRA (model.lora_rank > 0): push "merged" weights (base + scale * A @ B, through
-    # weight_transfer) or the "adapter" alone (PEFT files + /v1/load_lora_adapter; the server
-    # runs with --enable-lora and keeps the base it started from)
-    lora_sync: str = "merged"
-
-    def sidecar_config(self, *, tensor_parallel_size: int = 1):
-        """The vllm_sidecar.VLLMConfig (raises ValueError naming a bad value); the tensor
-        parallelism comes from rollout.tensor_model_parallel_size (verl's name)."""
-
+    def sidecar_config(self, *, tensor_parallel_size: int = 1) -> vllm_sidecar.VLLMConfig:
+        """The vllm_sidecar.VLLMConfig of the first server (raises ValueError naming a bad
+        value)."""
         env = []
         for item in registry.split_list(self.env):
             name, sep, value = item.partition("=")
@@ -519,14 +487,35 @@ class VLLMSettings:
         return vllm_sidecar.VLLMConfig(**fields)
 
     @property
-    def urls(self) -> list[str]:
+    def urls(self) -> tuple[str, ...]:
         return registry.split_list(self.url)
 
     def sidecar_configs(self, *, tensor_parallel_size: int = 1) -> list:
         """One vllm_sidecar.VLLMConfig per server (num_servers, or each url)."""
-
         one = self.sidecar_config(tensor_parallel_size=tensor_parallel_size)
         return vllm_pool.server_configs(one, self.num_servers, self.urls)
+
+
+def _vllm_section_fields():
+    """rollout.vllm's fields: vllm_sidecar.VLLMConfig's, written once there."""
+    types = typing.get_type_hints(vllm_sidecar.VLLMConfig)
+    fields = []
+    for f in dataclasses.fields(vllm_sidecar.VLLMConfig):
+        if f.name == "tensor_parallel_size":  # rollout.tensor_model_parallel_size
+            continue
+        if f.name in ("extra_args", "env"):  # strings on the command line, parsed above
+            fields.append((f.name, str, dataclasses.field(default="")))
+        else:
+            fields.append((f.name, types[f.name], dataclasses.field(default=f.default)))
+        if f.name == "url":
+            fields.append(("num_servers", int, dataclasses.field(default=1)))
+    return fields
+
+
+VLLMSettings = dataclasses.make_dataclass(
+    "VLLMSettings", _vllm_section_fields(), bases=(_VLLMSection,), frozen=True
+)
+VLLMSettings.__module__, VLLMSettings.__doc__ = __name__, _VLLMSection.__doc__
 
 
 @dataclasses.dataclass(frozen=True)

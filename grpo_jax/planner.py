@@ -454,7 +454,7 @@ class Planner:
 
     def _memo(self, key, compile_fn) -> PhaseMemory:
         # Each compile takes seconds to minutes; the report and the searches reuse results.
-        # Traced inside use_mesh so that the model's sharding.constrain calls see the mesh.
+        # Traced inside use_mesh so that the model's activation constraints see the mesh.
         if key not in self._compiled:
             with sharding.use_mesh(self.mesh, self.rules):
                 self._compiled[key] = compile_fn(*key[1:])

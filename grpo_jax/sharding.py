@@ -2,10 +2,9 @@
 
 Owns: the mesh axes ``AXES = ("data", "fsdp", "tensor")`` and ``make_mesh``; the logical-axis
 rules table ``LOGICAL_RULES`` (overridable through ``config.mesh.rules``); and the shardings
-derived from it for parameters, optimizer state, batches and the KV cache. It knows no model
-internals: parameter layouts come from ``model.logical_axes(config)`` (a pytree of
-``PartitionSpec``s over logical names), optimizer state is matched to parameters by tree path,
-and KV-cache layouts come from the house-style shape suffixes of the cache's field names.
+derived from it for parameters, optimizer state and batches. It knows no model internals:
+parameter layouts come from ``model.logical_axes(config)`` (a pytree of ``PartitionSpec``s over
+logical names), and optimizer state is matched to parameters by tree path.
 
 Parallelism (levanter's parameter-vs-compute split, maxtext's pure-fsdp rules):
   * FSDP (ZeRO-3): every parameter's ``embed`` dimension is split over ``fsdp``; XLA all-gathers
@@ -319,59 +318,6 @@ def tx_state_shardings(tx: Any, abstract_params: Any, param_sharding_tree: Any, 
     return opt_state_shardings(abstract_opt_state, abstract_params, param_sharding_tree, mesh)
 
 
-# House-style shape letters of activation/cache arrays -> logical names.
-_LETTER_TO_LOGICAL = {
-    "L": "layers",
-    "B": "batch",
-    "P": "batch",
-    "T": "seq",
-    "S": "seq",
-    "R": None,  # response length / GQA repeat: never split
-    "K": "act_kv_heads",
-    "N": "act_heads",
-    "H": None,
-    "D": "act_embed",
-    "F": "act_mlp",
-    "V": "act_vocab",
-}
-
-
-def suffix_logical_spec(name: str, ndim: int) -> PartitionSpec:
-    """Logical spec read from a house-style shape suffix, e.g. ``k_LBSKH`` -> layers,batch,seq,...
-
-    A 0-d array needs no suffix (replicated).
-
-    Raises:
-      ValueError: if a non-scalar name has no suffix of ``ndim`` known letters.
-    """
-    if ndim == 0:
-        return PartitionSpec()
-    suffix = name.rsplit("_", 1)[-1] if "_" in name else ""
-    if len(suffix) != ndim or any(c not in _LETTER_TO_LOGICAL for c in suffix):
-        raise ValueError(f"array {name!r} with {ndim} dims needs a shape suffix like _LBSKH")
-    return PartitionSpec(*(_LETTER_TO_LOGICAL[c] for c in suffix))
-
-
-def suffix_shardings(tree: Any, mesh: Mesh, rules: Rules = LOGICAL_RULES) -> Any:
-    """Shardings for a dataclass/dict pytree (KV cache, rollout) from its fields' shape suffixes.
-
-    Batch (``B``) axes go over ``("data", "fsdp")`` and ``K``/``N`` heads over ``tensor``, exactly
-    as the training activations, so the sampler and trainer share one mesh and one layout.
-    """
-
-    def spec(path, leaf):
-        keys = _path_keys(path)
-        return suffix_logical_spec(str(keys[-1]) if keys else "", len(leaf.shape))
-
-    logical = jax.tree_util.tree_map_with_path(spec, tree)
-    return logical_to_mesh_sharding(logical, mesh, rules, shapes=tree)
-
-
-def kv_cache_shardings(cache: Any, mesh: Mesh, rules: Rules = LOGICAL_RULES) -> Any:
-    """Shardings for a ``model.KVCache`` (or its ``jax.eval_shape``) on ``mesh``."""
-    return suffix_shardings(cache, mesh, rules)
-
-
 @contextlib.contextmanager
 def use_mesh(mesh: Mesh, rules: Rules = LOGICAL_RULES):
     """``jax.set_mesh(mesh)`` plus ``flax.linen.logical_axis_rules(rules)``.
@@ -382,29 +328,6 @@ def use_mesh(mesh: Mesh, rules: Rules = LOGICAL_RULES):
     """
     with jax.set_mesh(mesh), nn.logical_axis_rules(validate_rules(rules)):
         yield mesh
-
-
-def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
-    """Pins activation ``x`` to its logical layout, e.g. ``("batch", "seq", "act_embed")``.
-
-    The strict counterpart of ``nn.with_logical_constraint`` for code outside model.py, using the
-    rules of the enclosing ``use_mesh``: an unknown logical name raises instead of replicating.
-
-    Why activations need constraints: with FSDP the weights are split on ``embed`` over ``fsdp``
-    and the batch over ``("data", "fsdp")``. Left alone, XLA's propagation often keeps the weight
-    layout and all-reduces partial sums, which leaves activations replicated over ``fsdp``: every
-    device computes the whole batch (plan.py measured 2.4-7x the memory for Qwen2.5-7B on 8
-    devices). Constraining them to ``batch`` makes XLA all-gather one layer's weights at a time.
-
-    Outside any mesh (plain single-device use) there is nothing to shard and ``x`` is returned.
-    """
-    if jax.sharding.get_abstract_mesh().empty:
-        return x
-    if len(logical_axes) != x.ndim:
-        raise ValueError(f"logical axes {tuple(logical_axes)} do not match x.ndim={x.ndim}")
-    rules = validate_rules(nn.get_logical_axis_rules())
-    spec = logical_to_mesh_spec(PartitionSpec(*logical_axes), rules)
-    return jax.lax.with_sharding_constraint(x, spec)
 
 
 def shard_fn(mesh: Mesh, rules: Rules = LOGICAL_RULES) -> Callable[[Any, Any], Any]:

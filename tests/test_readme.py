@@ -1,4 +1,5 @@
-"""The README's "Training from Python" snippet runs as written, then resumes, in one interpreter.
+"""The README's snippets run as written: "Training from Python" (then a resume, in one
+interpreter) and "The maths alone".
 
 The snippet is a laptop's or a notebook's: one device. The test suite's own process has 8 fake
 CPU devices (conftest.py), on which the default data-parallel mesh would hold 8 copies of the
@@ -40,10 +41,21 @@ print(json.dumps({"first": first, "last": again.history[-1],
 """
 
 
-def _snippet() -> str:
+def _snippet(section: str = "## Training from Python") -> str:
     with open(os.path.join(ROOT, "README.md")) as f:
-        section = f.read().split("## Training from Python", 1)[1]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+        text = f.read().split(section, 1)[1]
+    return re.search(r"```python\n(.*?)```", text, re.S).group(1)
+
+
+def test_the_maths_alone_snippet_runs():
+    namespace = {}
+    exec(compile(_snippet("## The maths alone"), "README.md", "exec"), namespace)
+    assert float(namespace["value"]) == float(namespace["value"])  # finite, not NaN
+    assert set(namespace["metrics"]) >= {"actor/pg_loss", "actor/kl_loss"}
+    # Groups {1, 0} and {1, 0} in reward: mean 0.5, unbiased std sqrt(0.5), so the advantages
+    # are +-0.5 / (sqrt(0.5) + 1e-6) (verl's epsilon).
+    adv, want = namespace["adv"], 0.5 / (0.5**0.5 + 1e-6)
+    assert abs(float(adv[0, 0]) - want) < 1e-6 and abs(float(adv[1, 0]) + want) < 1e-6
 
 
 @pytest.mark.slow

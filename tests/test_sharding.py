@@ -171,23 +171,6 @@ def test_opt_state_leaf_matching_no_param_raises():
         sharding.opt_state_shardings(bogus_state, abstract, p_sh, mesh)
 
 
-def test_suffix_shardings_for_a_cache_like_tree():
-    mesh = sharding.make_mesh((2, 2, 2))
-    cache = {
-        "k_LBSKH": jax.ShapeDtypeStruct((2, 4, 16, 2, 8), jnp.float32),
-        "mask_BS": jax.ShapeDtypeStruct((4, 16), jnp.int32),
-        "pos_B": jax.ShapeDtypeStruct((4,), jnp.int32),
-        "index": jax.ShapeDtypeStruct((), jnp.int32),
-    }
-    sh = sharding.kv_cache_shardings(cache, mesh)
-    assert sh["k_LBSKH"].spec == P(None, ("data", "fsdp"), None, "tensor", None)
-    assert sh["mask_BS"].spec == P(("data", "fsdp"), None)
-    assert sh["pos_B"].spec == P(("data", "fsdp"))
-    assert sh["index"].spec == P()
-    with pytest.raises(ValueError, match="needs a shape suffix"):
-        sharding.kv_cache_shardings({"keys": jax.ShapeDtypeStruct((2, 4), jnp.float32)}, mesh)
-
-
 def test_auto_mesh_matmul_under_set_mesh_equals_unsharded():
     # jax>=0.10 defaults to explicit axes; our Auto mesh must let FSDP weights meet batch-sharded
     # activations without per-op out_sharding, inside jax.set_mesh as train.py uses it.
@@ -550,29 +533,6 @@ def test_checkpoint_saved_on_one_mesh_restores_onto_another(tmp_path):
         lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), state_a, state_b
     )
     assert float(np.abs(np.asarray(state_b["opt_state"][0].mu["final_norm"]["scale"])).max()) > 0
-
-
-def test_constrain_pins_activation_layout_inside_use_mesh():
-    mesh = sharding.make_mesh((2, 2, 2))
-    x_BTD = jnp.arange(4 * 3 * 8, dtype=jnp.float32).reshape(4, 3, 8)
-    assert sharding.constrain(x_BTD, ("batch", "seq", "act_embed")) is x_BTD  # no mesh: as is
-    fn = jax.jit(lambda x: sharding.constrain(2 * x, ("batch", "seq", "act_embed")))
-    with sharding.use_mesh(mesh):
-        out = fn(x_BTD)
-    want = jax.sharding.NamedSharding(mesh, P(("data", "fsdp"), None, None))
-    assert out.sharding.is_equivalent_to(want, 3)
-    assert {s.data.shape for s in out.addressable_shards} == {(1, 3, 8)}
-    np.testing.assert_array_equal(np.asarray(out), 2 * np.asarray(x_BTD))
-    # Rules given to use_mesh reach constrain (config.mesh.rules).
-    rules = (("batch", "data"), ("seq", None), ("act_embed", "tensor"))
-    with sharding.use_mesh(mesh, rules):
-        out = jax.jit(lambda x: sharding.constrain(2 * x, ("batch", "seq", "act_embed")))(x_BTD)
-    assert out.sharding.is_equivalent_to(
-        jax.sharding.NamedSharding(mesh, P("data", None, "tensor")), 3
-    )
-    assert {s.data.shape for s in out.addressable_shards} == {(2, 3, 4)}
-    with pytest.raises(ValueError, match="do not match x.ndim=3"), sharding.use_mesh(mesh):
-        sharding.constrain(x_BTD, ("batch", "seq"))
 
 
 def test_model_activations_are_batch_sharded_under_fsdp():

@@ -57,3 +57,36 @@ def test_plot_on_demand(tmp_path):
     empty.mkdir()
     with pytest.raises(ValueError, match="no metrics"):
         plot.plot(str(empty))
+
+
+def _event_tags(logdir) -> set[str]:
+    """The scalar tags in a tensorboardX event file (TFRecord framing: u64 length, u32 crc,
+    the Event proto, u32 crc)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    tags = set()
+    for name in os.listdir(logdir):
+        data = open(os.path.join(logdir, name), "rb").read()
+        pos = 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length])
+            tags |= {v.tag for v in event.summary.value}
+            pos += 12 + length + 4
+    return tags
+
+
+def test_tensorboard_gets_legal_tags_and_metrics_jsonl_verls_keys(tmp_path, caplog):
+    # verl's validation keys carry "@", which TensorBoard rejects (it logged a warning per key
+    # at every validation and renamed them itself).
+    w = metrics.Writer(str(tmp_path), tensorboard=True)
+    with caplog.at_level("INFO", logger="tensorboardX"):
+        w.write(2, {"val-core/openai/gsm8k/acc/mean@1": 0.5, "actor/pg_loss": -0.1})
+    w.close()
+    assert "illegal" not in caplog.text
+    assert _event_tags(tmp_path / "tensorboard") == {
+        "val-core/openai/gsm8k/acc/mean_at_1", "actor/pg_loss"}  # fmt: skip
+    assert metrics.read(str(tmp_path)) == [
+        {"step": 2, "actor/pg_loss": -0.1, "val-core/openai/gsm8k/acc/mean@1": 0.5}]  # fmt: skip

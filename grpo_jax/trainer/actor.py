@@ -1,13 +1,14 @@
 """The GRPO update: train state, batch, optimizer, log-prob passes and the jitted train step.
 
-Owns the device side of one GRPO step after the rewards are known (verl-semantics.md sections 1
+Owns the device side of one GRPO step after the rewards are known (docs/verl-semantics.md sections 1
 and 6, verl 0.9.1 engine workers):
 
 * `TrainState(step, params, opt_state)` and `TrainBatch` (prompt + response tokens, advantages,
   old and reference log-probs) are pytrees; `train_step` is a pure top-level function that
-  train.py jits with the state donated.
+  the run's programs (trainer/programs.py) jit with the state donated.
 * One `train_step` call is one optimizer step on one mini-batch (a slice of the batch chosen by
-  `mini_batch_index`); train.py runs ppo_epochs x mini-batches as a plain Python loop.
+  `mini_batch_index`); the update stage (trainer/train_stage.py) runs ppo_epochs x mini-batches
+  as a plain Python loop.
   Inside, the mini-batch is split into micro-batches whose gradients are summed in a
   `lax.scan`. Each micro-batch loss is normalised with the mini-batch's global counts
   (`batch_num_tokens` = valid tokens of the whole mini-batch, `global_batch_size` = its
@@ -202,7 +203,8 @@ def compute_log_probs(
 ):
     """Log-probs (and entropy) of every response of `batch`, micro-batch by micro-batch.
 
-    Used for the old log-probs (when off-policy) and the reference log-probs; train.py jits it.
+    Used for the old log-probs (when off-policy) and the reference log-probs; the run's programs
+    jit it.
 
     Returns:
       (log_probs_BT, entropy_BT or None), float32.
@@ -377,7 +379,7 @@ def train_step(
     """One PPO/GRPO optimizer step on mini-batch `mini_batch_index` of `batch` (padded rows).
 
     Args:
-      state: donated by train.py.
+      state: donated (the run's programs jit it with donate_argnums=0).
       batch: the whole step's batch (B rows); not donated (reused by later mini-batches).
       mini_batch_index: int32 scalar; rows [i * mini_batch_size, (i + 1) * mini_batch_size).
       lr: float32 scalar learning rate of this training step.

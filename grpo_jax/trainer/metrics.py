@@ -9,6 +9,7 @@ restored checkpoint are dropped first, so a resumed run's file equals an uninter
 import json
 import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -96,6 +97,12 @@ def read(workdir: str) -> list[dict]:
     return records
 
 
+def tensorboard_tag(key: str) -> str:
+    """A metric key as a legal TensorBoard tag ([-/\\w.] only): verl's "val-core/.../mean@4"
+    becomes "val-core/.../mean_at_4"; metrics.jsonl keeps the key itself."""
+    return re.sub(r"[^-/\w.]", "_", key.replace("@", "_at_"))
+
+
 class Writer:
     """Appends metric records; `enabled=False` (non-main processes) makes it a no-op by design."""
 
@@ -133,7 +140,7 @@ class Writer:
             os.fsync(f.fileno())
         if self._tb is not None:
             for k, v in values.items():
-                self._tb.add_scalar(k, float(v), int(step))
+                self._tb.add_scalar(tensorboard_tag(k), float(v), int(step))
             self._tb.flush()
 
     def close(self) -> None:
