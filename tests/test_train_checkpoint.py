@@ -1,6 +1,8 @@
 """Checkpoint save/restore of state + host metadata, and fallback past an unreadable latest step."""
 
+import json
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -47,3 +49,64 @@ def test_roundtrip_keep_and_fallback(tmp_path):
 def test_max_to_keep_must_be_positive(tmp_path):
     with pytest.raises(ValueError, match="checkpoint.max_to_keep must be >= 1, got 0"):
         checkpoint.manager(str(tmp_path), max_to_keep=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# A checkpoint written before the codebase moved into subpackages
+
+
+def _state_digest(tree) -> tuple[str, dict, dict]:
+    """sha256 over every leaf (path, dtype, bytes), and per-leaf sums and |sums| (float64)."""
+    import hashlib
+
+    h, sums, abs_sums = hashlib.sha256(), {}, {}
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        x, name = np.asarray(x), jax.tree_util.keystr(path)
+        h.update(name.encode())
+        h.update(str(x.dtype).encode())
+        h.update(x.tobytes())
+        sums[name] = float(np.sum(x, dtype=np.float64))
+        abs_sums[name] = float(np.sum(np.abs(x), dtype=np.float64))
+    return h.hexdigest(), sums, abs_sums
+
+
+def test_a_checkpoint_written_before_the_move_resumes_as_it_would_have(tmp_path):
+    """tests/fixtures/pre_wings_smoke holds the step-2 checkpoint and metrics of
+    `train.py --config=configs/gsm8k.py:smoke` (3 steps, save_freq 1) written by grpo_jax d4b0d38,
+    the last commit of the flat layout, and step3.json the state that code saved after step 3.
+    Today's code resumes from step 2 and must save the same step-3 state: bit for bit on the CPU
+    that wrote the fixture (its ISA is recorded), within float32 rounding elsewhere (step 3 runs
+    on this CPU's kernels), and the same step-3 metrics."""
+    import shutil
+    import subprocess
+
+    import numerics
+    import orbax.checkpoint as ocp
+    from conftest import machine_line
+
+    fixture = os.path.join(os.path.dirname(__file__), "fixtures", "pre_wings_smoke")
+    want = json.load(open(os.path.join(fixture, "step3.json")))
+    workdir = tmp_path / "run"
+    shutil.copytree(fixture, workdir, ignore=shutil.ignore_patterns("step3.json"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = want["command"].replace("<dir>", str(workdir)).split()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, *cmd[1:]], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=900, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resumed from step 2" in out.stderr
+    state = ocp.StandardCheckpointer().restore(str(workdir / "checkpoints" / "3" / "state"))
+    digest, sums, abs_sums = _state_digest(state)
+    assert sorted(sums) == sorted(want["leaf_sums"])  # the same tree, path by path
+    if machine_line().split(";")[0] == want["machine"]:
+        assert digest == want["state_sha256"]
+    else:  # another CPU's rounding in step 3 only (tests/numerics.py)
+        names = sorted(sums)
+        numerics.assert_close([sums[n] for n in names], [want["leaf_sums"][n] for n in names],
+                              ulps=1024, scale=[want["leaf_abs_sums"][n] for n in names])  # fmt: skip
+    rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    got = {k: v for k, v in rows[3].items() if not k.startswith(("timing", "perf/"))}
+    assert got.keys() == want["row"].keys()
+    for k, v in want["row"].items():
+        numerics.assert_close(got[k], v, ulps=1024, scale=max(abs(v), 1.0), err_msg=k)
