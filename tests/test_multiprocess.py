@@ -136,9 +136,9 @@ def test_two_processes_train_as_one(tmp_path):
     assert measured(two[0]) == measured(two[1])  # both processes end with the same state
     got, want = two[0], one
     # Each leaf's sum after 3 steps whose gradients were reduced over 2 processes instead of 1
-    # (tests/numerics.py): rounding at the scale of the sum of the leaf's |values| (measured
-    # below 1 ulp on AVX2 and AVX-512 CPUs).
-    numerics.assert_close(got["param_sums"], want["param_sums"], ulps=64,
+    # (tests/numerics.py): rounding at the scale of the sum of the leaf's |values| (measured up
+    # to 26 ulps under scripts/test_cpu_variants.sh; a doubled row share: 1.7e6).
+    numerics.assert_close(got["param_sums"], want["param_sums"], ulps=256,
                           scale=want["param_abs"], err_msg="param sums")  # fmt: skip
     numerics.assert_close(got["param_abs"], want["param_abs"], ulps=64, err_msg="param |sums|")
     assert [r["step"] for r in got["history"]] == [0, 1, 2]
