@@ -33,8 +33,8 @@ import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from grpo_jax import cli, planner  # noqa: E402
 from grpo_jax import config as config_lib  # noqa: E402
-from grpo_jax import planner  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "train.py config file.")
 _MODEL = flags.DEFINE_string("model", "", f"model preset: {', '.join(planner.PRESETS)}")
@@ -53,7 +53,8 @@ def main(argv):
     if _CONFIG.value is None:
         raise app.UsageError("--config is required, e.g. --config=configs/gsm8k.py")
     if _DEVICES.value and len(jax.devices()) != _DEVICES.value:
-        raise app.UsageError(f"--devices={_DEVICES.value} but JAX sees {len(jax.devices())} devices")
+        seen = len(jax.devices())
+        raise app.UsageError(f"--devices={_DEVICES.value} but JAX sees {seen} devices")
     if _DEVICE.value and _HBM_GIB.present:
         raise app.UsageError("give --device or --hbm_gib, not both")
     run = config_lib.from_dict(config_lib.RunConfig, _CONFIG.value.to_dict())
@@ -64,4 +65,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

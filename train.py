@@ -17,8 +17,8 @@ import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
+from grpo_jax import cli, distributed, loading, planner, sharding
 from grpo_jax import config as config_lib
-from grpo_jax import distributed, loading, planner, sharding
 from grpo_jax import model as model_lib
 from grpo_jax.models import hf
 from grpo_jax.trainer import loop, metrics, plot, setup, validation
@@ -162,19 +162,5 @@ def report(workdir: str, *, samples: int = 2) -> str:
     return "\n".join(lines)
 
 
-def parse_flags(argv):
-    """absl flag parsing that turns an unknown `--config.a.b` override into a clear error."""
-    try:
-        return flags.FLAGS(argv)
-    except (AttributeError, KeyError) as e:
-        key = str(e).strip("\"'")
-        bad = [a.split("=")[0] for a in argv[1:] if a.startswith("--config.") and key in a]
-        raise SystemExit(
-            f"unknown config field {key!r} in {bad or argv[1:]}: the config is locked, every "
-            f"field is declared in grpo_jax/config.py (verl names; see README 'verl override "
-            f"mapping')"
-        ) from e
-
-
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags)
+    cli.run(main)

@@ -30,7 +30,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from grpo_jax import advantage, loss, registry, sampler
+from grpo_jax import advantage, errors, loss, registry, sampler
 from grpo_jax import model as model_lib
 from grpo_jax import rollout_correction as rc
 from grpo_jax.data import prompts, readers
@@ -40,7 +40,7 @@ from grpo_jax.rollout import vllm_pool, vllm_sidecar
 from grpo_jax.trainer import actor as actor_lib
 
 
-class ConfigError(ValueError):
+class ConfigError(errors.InputError):
     """An invalid config; `problems` lists each one as 'dotted.field=value: why'."""
 
     def __init__(self, problems: Sequence[str]):
@@ -240,8 +240,9 @@ class ModelSpec:
     # "dots_except_mlp_in_saveable" (those but the MLP's gate/up), "dots_saveable" (every
     # matmul output).
     gradient_checkpointing_policy: str = "nothing_saveable"
-    # LoRA (grpo_jax/models/lora.py; verl's actor_rollout_ref.model.*): rank r of the adapters trained
-    # on the frozen base; 0 = full fine-tuning. The reference is then the base, adapters off.
+    # LoRA (grpo_jax/models/lora.py; verl's actor_rollout_ref.model.*): rank r of the adapters
+    # trained on the frozen base; 0 = full fine-tuning. The reference is then the base, adapters
+    # off.
     lora_rank: int = 0
     lora_alpha: float = 16.0  # the adapters' scale is lora_alpha / lora_rank
     # "all-linear" (every projection but the output head, as PEFT) or comma-separated names out
@@ -282,9 +283,6 @@ class ModelSpec:
 
 # ---------------------------------------------------------------------------------------------
 # actor
-
-
-
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
@@ -354,7 +352,8 @@ class ActorConfig:
     ppo_mini_batch_size: int = 256  # prompts per optimizer step (x rollout.n sequences)
     ppo_micro_batch_size_per_gpu: int = 8  # sequences per device per accumulation step
     use_dynamic_bsz: bool = False  # pack sequences into token-budget micro-batches instead
-    ppo_max_token_len_per_gpu: int = 16384  # that budget, tokens per device (grpo_jax/trainer/packing.py)
+    # that budget, tokens per device (grpo_jax/trainer/packing.py)
+    ppo_max_token_len_per_gpu: int = 16384
     ppo_epochs: int = 1  # passes over the batch (mu)
     clip_ratio: float = 0.2  # epsilon; verl's ActorConfig sets low/high explicitly (below)
     clip_ratio_low: float = 0.2  # epsilon_low (verl default 0.2, not clip_ratio)
@@ -405,7 +404,8 @@ class ActorConfig:
         )
 
     def _loss_config(self, *, temperature: float):
-        """The actor section's part of the update's LossConfig: RunConfig.loss_config completes it."""
+        """The actor section's part of the update's LossConfig (RunConfig.loss_config completes
+        it)."""
 
         pl = self.policy_loss
         extra = {"clip_cov_ratio": pl.clip_cov_ratio, "clip_cov_lb": pl.clip_cov_lb,
@@ -751,7 +751,8 @@ class OverlongBufferConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
-    """Section `reward`: the reward functions, how they are combined and run (grpo_jax/rewards/functions.py).
+    """Section `reward`: the reward functions, how they are combined and run
+    (grpo_jax/rewards/functions.py).
 
     A function is named "module:function" and may have any of three signatures, told apart by
     its parameter names: verl's `compute_score(data_source, solution_str, ground_truth,

@@ -10,7 +10,10 @@ read (grpo_jax.model.load); `special_ids` for the EOS and pad ids both engines u
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -19,12 +22,33 @@ from grpo_jax import config as config_lib
 from grpo_jax import model as model_lib
 from grpo_jax import sharding
 from grpo_jax.data import demo_task, prompts, readers
+from grpo_jax.errors import InputError
 from grpo_jax.rewards import functions as reward_fns
+
+
+def looks_like_hub_id(path: str) -> bool:
+    """'name' or 'org/name' as the Hugging Face hub spells repo ids; a path that starts with
+    '/', '.' or '~', has more than one '/', or names a .gguf file is a local path."""
+    if path.startswith(("/", ".", "~")) or path.lower().endswith(".gguf"):
+        return False
+    return re.fullmatch(r"[\w.-]+(/[\w.-]+)?", path) is not None
+
+
+def check_model_path(spec: config_lib.ModelSpec) -> None:
+    """model.path names something that exists here, or a hub id (fetched on first use)."""
+    if spec.path and not os.path.exists(spec.path) and not looks_like_hub_id(spec.path):
+        raise InputError(
+            f"model.path={spec.path!r} does not exist: give an HF checkpoint directory or a "
+            ".gguf file (a hub id such as 'Qwen/Qwen2.5-0.5B-Instruct' is fetched, which needs "
+            "network access)"
+        )
 
 
 def tokenizer(spec: config_lib.ModelSpec):
     """The tokenizer: built-in characters, the GGUF file's own, or AutoTokenizer(model.path)."""
     spec.check_source()
+    if spec.tokenizer != "char":
+        check_model_path(spec)
     if spec.tokenizer == "char":
         return demo_task.char_tokenizer()
     if spec.path.endswith(".gguf"):
@@ -33,7 +57,22 @@ def tokenizer(spec: config_lib.ModelSpec):
         return gguf.load_tokenizer(spec.path)
     import transformers
 
-    return transformers.AutoTokenizer.from_pretrained(spec.path)
+    with _hub_errors(spec.path):
+        return transformers.AutoTokenizer.from_pretrained(spec.path)
+
+
+@contextlib.contextmanager
+def _hub_errors(path: str):
+    """An OSError reading or fetching model.path (transformers', the GGUF reader's), as the
+    field's error."""
+    try:
+        yield
+    except OSError as e:
+        if os.path.exists(path):
+            where = "a local checkpoint"
+        else:
+            where = "an HF hub id (fetching needs network access)"
+        raise InputError(f"model.path={path!r}: cannot load it as {where}: {e}") from e
 
 
 def model(
@@ -50,9 +89,11 @@ def model(
     spec.check_source()
     dtype, param_dtype = jnp.dtype(spec.dtype), jnp.dtype(spec.param_dtype)
     if spec.source == "hf":
-        cfg, params = model_lib.load(
-            spec.path, dtype=param_dtype, shardings=sharding.shard_fn(mesh, rules)
-        )
+        check_model_path(spec)
+        with _hub_errors(spec.path):
+            cfg, params = model_lib.load(
+                spec.path, dtype=param_dtype, shardings=sharding.shard_fn(mesh, rules)
+            )
         cfg = dataclasses.replace(
             cfg,
             dtype=dtype,
@@ -60,7 +101,7 @@ def model(
             remat_policy=spec.gradient_checkpointing_policy,
         )
         if len(tok) > cfg.vocab_size:
-            raise ValueError(
+            raise InputError(
                 f"the tokenizer of model.path={spec.path!r} has {len(tok)} tokens, more than the "
                 f"model's vocabulary of {cfg.vocab_size}"
             )
@@ -110,7 +151,11 @@ def examples(cfg: config_lib.DataConfig, split: str) -> list[prompts.Example]:
     kw = {"on_malformed": cfg.on_malformed, "layout": layout(cfg)}
     hub_split = cfg.train_split if split == "train" else cfg.val_split
     if cfg.source in ("files", "jsonl"):
-        rows = readers.read_files(cfg.paths if split == "train" else cfg.val_paths, **kw)
+        field = "data.path" if split == "train" else "data.val_path"
+        try:
+            rows = readers.read_files(cfg.paths if split == "train" else cfg.val_paths, **kw)
+        except InputError as e:
+            raise InputError(f"{field}: {e}") from e
     elif cfg.source == "hf":
         rows = readers.read_hf(cfg.paths[0], split=hub_split, name=cfg.hf_name, **kw)
     elif cfg.source == "tfds":

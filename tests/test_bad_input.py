@@ -282,6 +282,76 @@ def test_cli_rejects_wrong_type_and_unknown_field(tmp_path, arg, expected):
     TRIED["config values"] += 1
 
 
+def _last_line(r) -> str:
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def _cli_case(tmp_path, case):
+    """(train.py args, the one line it must end with) for each input mistake a newcomer makes."""
+    bad_parquet = tmp_path / "train.parquet"
+    bad_parquet.write_text("question,answer\n1+1,2\n")  # a CSV named .parquet
+    gguf = tmp_path / "model.gguf"
+    return {
+        "typo": (["--config.actor.clip_ration=0.3"],
+                 "unknown config field actor.clip_ration (did you mean actor.clip_ratio?)"),
+        "typo_section": (["--config.actr.clip_ratio=0.3"],
+                         "unknown config field actr (did you mean actor?)"),
+        "not_parquet": (
+            ["--config.data.source=files", f"--config.data.path={bad_parquet}",
+             f"--config.data.val_path={bad_parquet}"],
+            f"error: data.path: data file '{bad_parquet}' is not a readable parquet file",
+        ),
+        "missing_data": (
+            ["--config.data.source=files", f"--config.data.path={tmp_path / 'nope.parquet'}",
+             f"--config.data.val_path={bad_parquet}"],
+            f"error: data.path: data file '{tmp_path / 'nope.parquet'}' does not exist",
+        ),
+        "missing_model_dir": (
+            ["--config.model.source=hf", "--config.model.tokenizer=hf",
+             "--config.model.path=/nonexistent"],
+            "model.path='/nonexistent' does not exist: give an HF checkpoint directory or a "
+            ".gguf file",
+        ),
+        "missing_gguf": (
+            ["--config.model.source=hf", "--config.model.tokenizer=hf",
+             f"--config.model.path={gguf}"],
+            f"model.path='{gguf}' does not exist",
+        ),
+    }[case]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["typo", "typo_section", "not_parquet", "missing_data", "missing_model_dir", "missing_gguf"],
+)
+def test_cli_input_mistake_is_one_line_without_traceback(tmp_path, case):
+    args, expected = _cli_case(tmp_path, case)
+    r = _train([f"--config.trainer.default_local_dir={tmp_path / 'run'}", *args])
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert expected in _last_line(r), r.stderr[-3000:]
+    assert "\\n" not in r.stderr and "\\'" not in r.stderr  # no escaped message text
+    TRIED["config values"] += 1
+
+
+def test_cli_crash_keeps_its_traceback():
+    """Only input errors are shortened: any other exception is a crash and propagates."""
+    from grpo_jax import cli, errors
+
+    def crash(argv):
+        raise RuntimeError("a bug, not an input")
+
+    def bad_input(argv):
+        raise errors.InputError("data.path='x' does not exist")
+
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.run(crash, argv=["train.py"])
+    with pytest.raises(SystemExit) as e:
+        cli.run(bad_input, argv=["train.py"])
+    assert str(e.value.code) == "error: data.path='x' does not exist"
+
+
 # ------------------------------------------------------------------------------------------
 # DATA ROWS
 # ------------------------------------------------------------------------------------------

@@ -109,7 +109,7 @@ def test_parse_arg_big_vision_semantics():
 def test_shipped_configs_validate(get):
     c = get()
     if c.model.source == "hf" and not c.model.path:
-        c.model.path = "/some/model"  # the only required field without a default
+        c.model.path = "org/model"  # the only required field without a default (a hub id)
     run = train.check_config(c)
     assert isinstance(run, config.RunConfig)
 
@@ -231,7 +231,7 @@ def test_unknown_field_rejected_by_the_cli():
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
     assert out.returncode != 0
-    assert "unknown config field 'kl_coef' in ['--config.actor.kl_coef']" in out.stderr
+    assert "unknown config field actor.kl_coef (" in out.stderr
 
 
 def _loss_config(c):

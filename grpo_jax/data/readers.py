@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from grpo_jax.data import prompts
+from grpo_jax.errors import InputError
 from grpo_jax.rewards import scorers
 
 GSM8K_SOURCE = "openai/gsm8k"
@@ -173,10 +174,10 @@ def parse_rows(
         more = f" (and {len(bad) - 20} more)" if len(bad) > 20 else ""
         msg = f"{source}: {len(bad)} malformed row(s): {listing}{more}"
         if on_malformed == "error":
-            raise ValueError(msg + " (set data.on_malformed='skip' to drop them)")
+            raise InputError(msg + " (set data.on_malformed='skip' to drop them)")
         logging.warning("%s; skipped", msg)
     if not examples:
-        raise ValueError(f"{source}: no valid rows")
+        raise InputError(f"{source}: no valid rows")
     return examples
 
 
@@ -184,7 +185,11 @@ def read_jsonl_rows(path: str) -> list[Any]:
     """The rows of a jsonl file; an unparsable line becomes an error string (malformed)."""
     rows = []
     with open(path, encoding="utf-8") as f:
-        for text in f:
+        try:
+            lines = f.readlines()
+        except UnicodeDecodeError as e:
+            raise InputError(f"data file {path!r} is not UTF-8 text, so not jsonl ({e})") from e
+        for text in lines:
             if not text.strip():
                 rows.append("empty line")
                 continue
@@ -200,22 +205,31 @@ def read_jsonl_rows(path: str) -> list[Any]:
 
 def read_rows(path: str) -> list[Any]:
     """The rows of one local file, by extension: .parquet, .jsonl, .json (a list of rows)."""
-    if not os.path.exists(path):
-        raise ValueError(f"data file {path!r} does not exist")
+    if not os.path.isfile(path):
+        raise InputError(f"data file {path!r} does not exist (or is not a file)")
     ext = os.path.splitext(path)[1].lower()
     if ext == ".parquet":
-        import pyarrow.parquet as pq  # installed with `datasets`
+        import pyarrow  # installed with `datasets`
+        import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        try:
+            return pq.read_table(path).to_pylist()
+        except (pyarrow.ArrowException, OSError) as e:
+            raise InputError(f"data file {path!r} is not a readable parquet file ({e})") from e
     if ext == ".jsonl":
         return read_jsonl_rows(path)
     if ext == ".json":
-        with open(path, encoding="utf-8") as f:
-            rows = json.load(f)
+        try:
+            with open(path, encoding="utf-8") as f:
+                rows = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise InputError(f"data file {path!r} is not valid JSON ({e})") from e
         if not isinstance(rows, list):
-            raise ValueError(f"{path}: a .json dataset must be a list of rows")
+            raise InputError(f"{path}: a .json dataset must be a list of rows")
         return rows
-    raise ValueError(f"data file {path!r}: unknown format {ext!r} (use .parquet, .jsonl or .json)")
+    raise InputError(
+        f"data file {path!r}: unknown format {ext!r} (use .parquet, .jsonl or .json)"
+    )
 
 
 def read_files(
