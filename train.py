@@ -21,7 +21,7 @@ from grpo_jax import cli, distributed, loading, planner, sharding
 from grpo_jax import config as config_lib
 from grpo_jax import model as model_lib
 from grpo_jax.models import hf
-from grpo_jax.trainer import loop, metrics, plot, setup, validation
+from grpo_jax.trainer import loop, metrics, perf, plot, setup, validation
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (configs/*.py[:arg]).", lock_config=True
@@ -92,6 +92,8 @@ def main(argv):
         print(planner.report(run, model_name=_PLAN_MODEL.value, hbm_gib=_PLAN_HBM.value))
         return
     distributed.maybe_initialize(mode=run.mesh.distributed)
+    cache = perf.use_compilation_cache(run.trainer.compilation_cache_dir)
+    logging.info("compilation cache: %s", cache or "off (trainer.compilation_cache_dir='')")
     workdir = run.trainer.default_local_dir
     check_workdir(workdir)
     is_main = distributed.is_main_process()

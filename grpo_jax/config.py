@@ -850,6 +850,11 @@ class TrainerConfig:
     # the policy it updates; a batch beyond it is sampled again.
     async_rollout: bool = False
     max_staleness: int = 1
+    # JAX's persistent compilation cache, which train.py turns on: programs compiled by one run
+    # are read back by the next (keyed by the program, compile options, XLA flags and the
+    # jax/jaxlib versions, so a change to any of them compiles afresh). "" = off; the
+    # JAX_COMPILATION_CACHE_DIR environment variable, when set, takes precedence.
+    compilation_cache_dir: str = "~/.cache/grpo_jax/jax_compilation_cache"
 
     def __post_init__(self):
         c = _Checks("trainer")

@@ -111,17 +111,20 @@ def test_estimate_flops_is_verls_formula(verl):
     assert perf.peak_flops_per_device(0.18) == pytest.approx(0.18e12)
 
 
-def test_compile_seconds_count_new_programs_only():
+def test_compile_stats_count_new_programs_only(tmp_path):
     @jax.jit
     def fn(x):
         return jnp.sin(x) * 3.0 + 1.0
 
-    before = perf.compile_seconds()
-    fn(jnp.ones((7, 5))).block_until_ready()  # a shape no other test compiles
-    compiled = perf.compile_seconds()
-    assert compiled > before
-    fn(jnp.zeros((7, 5))).block_until_ready()  # the same program: no compile
-    assert perf.compile_seconds() == compiled
+    before = perf.compile_stats()
+    fn(np.ones((7, 5), np.float32)).block_until_ready()  # a shape no other test compiles
+    compiled = perf.compile_stats()
+    assert compiled.seconds > before.seconds and (compiled - before).programs == 1
+    fn(np.zeros((7, 5), np.float32)).block_until_ready()  # the same program: no compile
+    assert perf.compile_stats() == compiled
+    assert (compiled - before).metrics() == {
+        "perf/compiled_programs": 1, "perf/compile_cache_hits": 0
+    }
 
 
 def test_memory_metrics_report_process_peak():

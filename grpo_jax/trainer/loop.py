@@ -444,7 +444,7 @@ def _steps(
     elsewhere = ctx.engine.mesh not in (None, ctx.mesh)
     try:
         for i in range(start, steps):
-            t_step, compiled = time.perf_counter(), perf.compile_seconds()
+            t_step, compiled = time.perf_counter(), perf.compile_stats()
             done = i + 1
             timing = {}
             version = int(jax.device_get(loop.state.step))
@@ -490,14 +490,15 @@ def _steps(
             row["training/epoch"] = loop.position.epoch
             row["training/global_step"] = i + 1
             timing["timing_s/step"] = time.perf_counter() - t_step  # verl: validation excluded
-            timing["timing_s/compile"] = perf.compile_seconds() - compiled
+            compiled = perf.compile_stats() - compiled
+            timing["timing_s/compile"] = compiled.seconds
             tests = t.test_freq > 0 and (done % t.test_freq == 0 or done == steps)
             if evaluate is not None and tests:
                 if ahead is not None:
                     ahead.wait()  # the batch in flight, on the same engine, finishes first
                 last_val = perf.timed(timing, "testing", evaluate, loop.state, done)
                 row |= last_val
-            row |= timing
+            row |= timing | compiled.metrics()
             row["perf/time_per_step"] = timing["timing_s/step"]
             row["perf/throughput"] = (
                 row["perf/total_num_tokens"] / timing["timing_s/step"] / jax.device_count()

@@ -28,6 +28,8 @@ verl/workers/engine_workers.py):
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import resource
 import threading
 import time
@@ -35,6 +37,8 @@ from collections.abc import Mapping
 
 import jax
 import numpy as np
+
+from grpo_jax import errors
 
 # Dense bf16 peak TFLOP/s per device, by jax Device.device_kind (vendor data sheets).
 PEAK_TFLOPS = {
@@ -92,43 +96,113 @@ def global_seqlen(seq_lengths_B, dp: int) -> dict[str, float]:
 def memory() -> dict[str, float]:
     """perf/max_memory_* from the local devices' allocator stats, and the process peak RSS."""
     gib = 1024**3
-    out = {"perf/cpu_memory_used_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gib}
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    out = {"perf/cpu_memory_used_gb": peak_rss / gib}
     stats = [d.memory_stats() for d in jax.local_devices()]
     stats = [s for s in stats if s]
     if stats:
-        out["perf/max_memory_allocated_gb"] = max(s.get("peak_bytes_in_use", 0) for s in stats) / gib
+        peak = max(s.get("peak_bytes_in_use", 0) for s in stats)
+        out["perf/max_memory_allocated_gb"] = peak / gib
         out["perf/max_memory_reserved_gb"] = max(
             s.get("bytes_reserved", s.get("bytes_limit", 0)) for s in stats
         ) / gib
     return out
 
 
-# jax.monitoring events whose durations are compilation (trace, lowering, XLA compile).
+# jax.monitoring events whose durations are compilation (trace, lowering, XLA compile); the last
+# fires once per new XLA program, read from the persistent cache or compiled.
 _COMPILE_EVENTS = frozenset({
     "/jax/core/compile/jaxpr_trace_duration",
     "/jax/core/compile/jaxpr_to_mlir_module_duration",
     "/jax/core/compile/backend_compile_duration",
 })  # fmt: skip
-_compile = {"seconds": 0.0}
+_PROGRAM_EVENT = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileStats:
+    """What this process has compiled since grpo_jax.trainer.perf was imported (any thread)."""
+
+    seconds: float = 0.0  # tracing, lowering and XLA compiles (cache reads included)
+    programs: int = 0  # new XLA programs: compiled, or read from the persistent cache
+    cache_hits: int = 0  # of those, read from the persistent compilation cache
+
+    def __sub__(self, other: CompileStats) -> CompileStats:
+        return CompileStats(
+            self.seconds - other.seconds,
+            self.programs - other.programs,
+            self.cache_hits - other.cache_hits,
+        )
+
+    def metrics(self) -> dict[str, float]:
+        """A step's `perf/compiled_programs` and `perf/compile_cache_hits` (its seconds are
+        `timing_s/compile`)."""
+        return {
+            "perf/compiled_programs": self.programs,
+            "perf/compile_cache_hits": self.cache_hits,
+        }
+
+
+_compile = CompileStats()
 _compile_lock = threading.Lock()
 
 
 def _on_duration(event: str, seconds: float, **_) -> None:
+    global _compile
     if event in _COMPILE_EVENTS:
         with _compile_lock:
-            _compile["seconds"] += seconds
+            _compile = dataclasses.replace(
+                _compile,
+                seconds=_compile.seconds + seconds,
+                programs=_compile.programs + (event == _PROGRAM_EVENT),
+            )
+
+
+def _on_event(event: str, **_) -> None:
+    global _compile
+    if event == _CACHE_HIT_EVENT:
+        with _compile_lock:
+            _compile = dataclasses.replace(_compile, cache_hits=_compile.cache_hits + 1)
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_duration)
+jax.monitoring.register_event_listener(_on_event)
+
+
+def compile_stats() -> CompileStats:
+    """This process's compilation so far: a step's difference gives its `timing_s/compile`
+    (the part of its time a longer run, or a later run with the persistent cache, does not pay
+    again) and how many programs it added."""
+    with _compile_lock:
+        return _compile
 
 
 def compile_seconds() -> float:
-    """Seconds this process has spent tracing, lowering and compiling jitted programs (any
-    thread) since this module was imported, from jax.monitoring's compile events: a step's
-    difference is its `timing_s/compile`, the part of its time that a longer run does not pay
-    again."""
-    with _compile_lock:
-        return _compile["seconds"]
+    """compile_stats().seconds."""
+    return compile_stats().seconds
+
+
+def use_compilation_cache(directory: str) -> str | None:
+    """Turns on JAX's persistent compilation cache in `directory` (trainer.compilation_cache_dir;
+    "" = off), unless JAX_COMPILATION_CACHE_DIR is set, which JAX has already applied. Every
+    program that compiles for a second or more is stored; a later process with the same
+    program, compile options, XLA flags and jax/jaxlib versions reads it instead of compiling.
+    Returns the directory in use, or None."""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return os.environ["JAX_COMPILATION_CACHE_DIR"]
+    if not directory:
+        return None
+    path = os.path.abspath(os.path.expanduser(directory))
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise errors.InputError(
+            f"trainer.compilation_cache_dir={directory!r} cannot be created ({e}); point it "
+            "at a writable directory or set it to '' to turn the cache off"
+        ) from e
+    jax.config.update("jax_compilation_cache_dir", path)
+    return path
 
 
 def peak_flops_per_device(override_tflops: float = 0.0) -> float | None:
