@@ -62,9 +62,9 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax import config as config_lib
+from grpo_jax import errors, sampler, sharding
 from grpo_jax import model as model_lib
-from grpo_jax import sampler, sharding
-from grpo_jax.models import lora
+from grpo_jax.models import gguf, lora
 from grpo_jax.trainer import actor as actor_lib
 from grpo_jax.trainer import packing, programs, setup
 
@@ -1037,19 +1037,21 @@ def from_run(run: config_lib.RunConfig, *, model_name: str = "", mesh=None) -> P
     remat = bool(run.model.enable_gradient_checkpointing)
     if model_name:
         cfg = preset_config(model_name, dtype=dtype, param_dtype=param_dtype, remat=remat)
-    elif run.model.path and os.path.isdir(run.model.path):
-        cfg = dataclasses.replace(
-            model_lib.ModelConfig.from_hf(run.model.path),
-            dtype=dtype,
-            param_dtype=param_dtype,
-            remat=remat,
-        )
+    elif run.model.path and (
+        os.path.isdir(run.model.path) or run.model.path.lower().endswith(".gguf")
+    ):
+        if os.path.isdir(run.model.path):
+            read = model_lib.ModelConfig.from_hf(run.model.path)
+        else:  # the GGUF file's header, no weights read
+            read = gguf.read_config(run.model.path)
+        cfg = dataclasses.replace(read, dtype=dtype, param_dtype=param_dtype, remat=remat)
     else:
-        raise ValueError(
+        raise errors.InputError(
             "plan: give --model=<preset> (train.py: --plan_model=<preset>; one of "
             + ", ".join(sorted(PRESETS))
             + ") or a local "
-            f"HF checkpoint directory in config.model.path (got {run.model.path!r})"
+            f"HF checkpoint directory or .gguf file in config.model.path (got "
+            f"{run.model.path!r})"
         )
     # What a rematerialised layer keeps changes the update's memory (loading.py does the same).
     cfg = dataclasses.replace(cfg, remat_policy=run.model.gradient_checkpointing_policy)
