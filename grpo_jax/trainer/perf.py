@@ -28,6 +28,7 @@ verl/workers/engine_workers.py):
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import resource
@@ -93,6 +94,25 @@ def global_seqlen(seq_lengths_B, dp: int) -> dict[str, float]:
     }
 
 
+def _glibc():
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:  # not glibc (macOS, musl): nothing to trim
+        return None
+
+
+_LIBC = _glibc()
+
+
+def trim_host_memory() -> None:
+    """Hands the C heap's free pages back to the OS (glibc's malloc_trim). XLA:CPU's buffers
+    are malloc'ed; those a stage frees stay in glibc's arenas, counted in the resident memory,
+    until something trims them, so the next stage's peak adds to the last one's leftovers."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
 def memory() -> dict[str, float]:
     """perf/max_memory_* from the local devices' allocator stats, and the process peak RSS."""
     gib = 1024**3
@@ -127,12 +147,14 @@ class CompileStats:
     seconds: float = 0.0  # tracing, lowering and XLA compiles (cache reads included)
     programs: int = 0  # new XLA programs: compiled, or read from the persistent cache
     cache_hits: int = 0  # of those, read from the persistent compilation cache
+    names: tuple[str, ...] = ()  # the jitted functions of those programs, in order
 
     def __sub__(self, other: CompileStats) -> CompileStats:
         return CompileStats(
             self.seconds - other.seconds,
             self.programs - other.programs,
             self.cache_hits - other.cache_hits,
+            self.names[len(other.names) :],
         )
 
     def metrics(self) -> dict[str, float]:
@@ -148,14 +170,16 @@ _compile = CompileStats()
 _compile_lock = threading.Lock()
 
 
-def _on_duration(event: str, seconds: float, **_) -> None:
+def _on_duration(event: str, seconds: float, fun_name: str = "?", **_) -> None:
     global _compile
     if event in _COMPILE_EVENTS:
+        new = event == _PROGRAM_EVENT
         with _compile_lock:
             _compile = dataclasses.replace(
                 _compile,
                 seconds=_compile.seconds + seconds,
-                programs=_compile.programs + (event == _PROGRAM_EVENT),
+                programs=_compile.programs + new,
+                names=_compile.names + ((fun_name,) if new else ()),
             )
 
 
