@@ -16,15 +16,15 @@ strict-format reward alone would be 0 for every sample). Settings: 8 prompts x n
 few steps from a pretrained model), one optimizer step per batch, fp32, greedy validation
 every 4 steps; two validation completions are logged each time and printed at the end.
 
-Measured (default seed, `python scripts/check_demo.py --config.trainer.test_freq=2` on this
-repository's 2-core CPU, float32, commit of 2026-12-01): greedy accuracy on the 48 held-out sums
-0.06 before training -> 0.21 (step 2), 0.27 (4), 0.44 (6), 0.44 (8), 0.63 (10), **0.73 after 12
-steps**; the "####" format 0.00 -> 0.96. 539 s wall for the whole run, compilation and the seven
-validations included (steps 31-42 s after the first, 51 s; peak 7.0 GB). What it learns: to
-open with "####" and end with the sum, e.g. '17+11' -> 'The final answer is 17 + 11 = 22.'
-before, '#### 17 + 11 = 28' after. The flexible scorer reads the last number, so that counts as
-correct; verl's strict GSM8K scorer reads the first number after "####" (17 here), so the
-strict reward stays low: this demo teaches the format bonus and the sums, not the GSM8K format.
+Measured (`/usr/bin/time -v python scripts/check_demo.py --config.trainer.seed=1` on this
+repository's 2-core CPU, float32, 2026-12-03, empty compilation cache): greedy accuracy on the 48
+held-out sums 0.06 before training -> 0.42 (step 4), 0.54 (8), **0.71 after 12 steps**; the
+"####" format 0.00 -> 1.00; 481 s wall for the whole run, compilation and the four validations
+included, peak RSS 5.6 GB (seed 0: 0.06 -> 0.69). What it learns: to write the sum and a "####"
+line, e.g. '17+11' -> 'The final answer is 17 + 11 = 22.' before, '#### 17 + 11 = 28' after. The
+flexible scorer reads the last number; verl's strict GSM8K scorer reads the first number after
+"####", so the strict reward stays lower: this demo teaches the sums and the format bonus, not
+the GSM8K format.
 
 The `:tiny` variant is the earlier demo: a random 2-layer transformer with a character
 tokenizer learns a 25-question addition table after a 70-step supervised warm-up (0.29 ->
