@@ -14,7 +14,8 @@ method="flexible" (the last number equals the sum: "acc") plus 0.1 for a "#### <
 so the run rewards both the sums and writing "####" (the model never writes it unprompted, so a
 strict-format reward alone would be 0 for every sample). Settings: 8 prompts x n=8, 48 new
 tokens, lr 1e-5, no KL term (a few steps from a pretrained model), one optimizer step per batch,
-fp32, greedy validation every 4 steps; two validation completions are logged each time and printed at the end.
+fp32, greedy validation every 4 steps; two validation completions are logged each time and
+printed at the end.
 
 Measured (`/usr/bin/time -v python scripts/check_demo.py --config.trainer.seed=1` on this
 repository's 2-core CPU, float32, 2026-12-03, empty compilation cache): greedy accuracy on the 48
