@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from grpo_jax.trainer import metrics
+from grpo_jax.trainer import metrics, perf
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,5 +40,10 @@ def test_second_run_reads_every_program_from_the_cache(tmp_path):
     for a, b in zip(first, second, strict=True):  # the cached programs compute the same
         for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean"):
             assert a[key] == b[key], key
-    off = _train(tmp_path / "c", "")  # trainer.compilation_cache_dir="" turns it off
-    assert sum(r["perf/compile_cache_hits"] for r in off) == 0
+
+
+def test_empty_directory_turns_the_cache_off(monkeypatch):
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    assert perf.use_compilation_cache("") is None  # trainer.compilation_cache_dir=""
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/somewhere")
+    assert perf.use_compilation_cache("~/other") == "/somewhere"  # the variable wins

