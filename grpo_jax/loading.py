@@ -47,10 +47,9 @@ def check_model_path(spec: config_lib.ModelSpec) -> None:
 def tokenizer(spec: config_lib.ModelSpec):
     """The tokenizer: built-in characters, the GGUF file's own, or AutoTokenizer(model.path)."""
     spec.check_source()
-    if spec.tokenizer != "char":
-        check_model_path(spec)
     if spec.tokenizer == "char":
         return demo_task.char_tokenizer()
+    check_model_path(spec)
     if spec.path.endswith(".gguf"):
         from grpo_jax.models import gguf
 

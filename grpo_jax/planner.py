@@ -1035,23 +1035,23 @@ def from_run(run: config_lib.RunConfig, *, model_name: str = "", mesh=None) -> P
     model.path (a local directory)."""
     dtype, param_dtype = jnp.dtype(run.model.dtype), jnp.dtype(run.model.param_dtype)
     remat = bool(run.model.enable_gradient_checkpointing)
+    path = run.model.path
     if model_name:
         cfg = preset_config(model_name, dtype=dtype, param_dtype=param_dtype, remat=remat)
-    elif run.model.path and (
-        os.path.isdir(run.model.path) or run.model.path.lower().endswith(".gguf")
-    ):
-        if os.path.isdir(run.model.path):
-            read = model_lib.ModelConfig.from_hf(run.model.path)
-        else:  # the GGUF file's header, no weights read
-            read = gguf.read_config(run.model.path)
-        cfg = dataclasses.replace(read, dtype=dtype, param_dtype=param_dtype, remat=remat)
+    elif path and os.path.isdir(path):
+        cfg = dataclasses.replace(
+            model_lib.ModelConfig.from_hf(path), dtype=dtype, param_dtype=param_dtype, remat=remat
+        )
+    elif path and path.lower().endswith(".gguf"):  # the file's header, no weights read
+        cfg = dataclasses.replace(
+            gguf.read_config(path), dtype=dtype, param_dtype=param_dtype, remat=remat
+        )
     else:
         raise errors.InputError(
             "plan: give --model=<preset> (train.py: --plan_model=<preset>; one of "
             + ", ".join(sorted(PRESETS))
             + ") or a local "
-            f"HF checkpoint directory or .gguf file in config.model.path (got "
-            f"{run.model.path!r})"
+            f"HF checkpoint directory or .gguf file in config.model.path (got {path!r})"
         )
     # What a rematerialised layer keeps changes the update's memory (loading.py does the same).
     cfg = dataclasses.replace(cfg, remat_policy=run.model.gradient_checkpointing_policy)

@@ -15,7 +15,7 @@ verl/workers/engine_workers.py):
   when the backend reports memory stats: GPU and TPU do, CPU does not). `perf/cpu_memory_used_gb`
   is the process's peak resident memory (verl: the machine's used memory).
 * `timing_s/compile` (grpo_jax's, not verl's): the seconds the step spent tracing, lowering and
-  compiling (`compile_seconds`), included in `timing_s/step`; a new prompt-length bucket or
+  compiling (`compile_stats`), included in `timing_s/step`; a new prompt-length bucket or
   packed micro-batch shape compiles once in a run.
 * `timing_s/<stage>`: the wall seconds of a stage (`timed`), its device work included.
 * `perf/mfu/actor`: the update's FLOPs / (its seconds x devices x peak FLOP/s per device). The
@@ -166,28 +166,25 @@ class CompileStats:
         }
 
 
-_compile = CompileStats()
+# Running totals since import; compile_stats() snapshots them.
+_compile = {"seconds": 0.0, "programs": 0, "cache_hits": 0}
+_compile_names: list[str] = []
 _compile_lock = threading.Lock()
 
 
 def _on_duration(event: str, seconds: float, fun_name: str = "?", **_) -> None:
-    global _compile
     if event in _COMPILE_EVENTS:
-        new = event == _PROGRAM_EVENT
         with _compile_lock:
-            _compile = dataclasses.replace(
-                _compile,
-                seconds=_compile.seconds + seconds,
-                programs=_compile.programs + new,
-                names=_compile.names + ((fun_name,) if new else ()),
-            )
+            _compile["seconds"] += seconds
+            if event == _PROGRAM_EVENT:
+                _compile["programs"] += 1
+                _compile_names.append(fun_name)
 
 
 def _on_event(event: str, **_) -> None:
-    global _compile
     if event == _CACHE_HIT_EVENT:
         with _compile_lock:
-            _compile = dataclasses.replace(_compile, cache_hits=_compile.cache_hits + 1)
+            _compile["cache_hits"] += 1
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_duration)
@@ -199,12 +196,7 @@ def compile_stats() -> CompileStats:
     (the part of its time a longer run, or a later run with the persistent cache, does not pay
     again) and how many programs it added."""
     with _compile_lock:
-        return _compile
-
-
-def compile_seconds() -> float:
-    """compile_stats().seconds."""
-    return compile_stats().seconds
+        return CompileStats(**_compile, names=tuple(_compile_names))
 
 
 def use_compilation_cache(directory: str) -> str | None:
