@@ -1207,7 +1207,14 @@ def logprobs_and_entropy_chunked(
 
 
 def logprobs_and_entropy_from_hidden(
-    h_BTD, unembed, labels, *, chunk_size=1024, temperature=1.0, calculate_entropy=True
+    h_BTD,
+    unembed,
+    labels,
+    *,
+    chunk_size=1024,
+    temperature=1.0,
+    calculate_entropy=True,
+    valid=None,
 ):
     """Log-probs and entropy straight from final hidden states, never building [B, T, V].
 
@@ -1226,9 +1233,13 @@ def logprobs_and_entropy_from_hidden(
             equal chunks, zero-padded by fewer rows than there are chunks).
         temperature: Python float > 0; logits are divided by it.
         calculate_entropy: also return the entropy.
+        valid: optional [B, T] bool, the rows that are wanted. A chunk with no valid row is
+            not unembedded (forward or backward; its outputs are 0), so a fixed-size input
+            whose wanted rows come first costs about what its valid rows do (packed slots).
 
     Returns:
-        (log_probs [B, T] float32, entropy [B, T] float32 or None).
+        (log_probs [B, T] float32, entropy [B, T] float32 or None); with `valid`, the rows
+        of skipped chunks are 0.
     """
     inv_temperature = check_temperature(temperature)
     if h_BTD.shape[:-1] != labels.shape:
@@ -1248,11 +1259,20 @@ def logprobs_and_entropy_from_hidden(
         z_rV = unembed(h_rD)
         return _logprob_entropy_rows(z_rV, labels_r, rows, inv_temperature)
 
-    _, (lp_Cr, ent_Cr) = jax.lax.scan(
-        lambda carry, x: (carry, chunk(*x)),
-        None,
-        (h_ND.reshape(chunks, rows, dim), labels_N.reshape(chunks, rows)),
-    )
+    def skip(h_rD, labels_r):
+        zeros = jnp.zeros((rows,), jnp.float32)
+        return zeros, zeros
+
+    xs = (h_ND.reshape(chunks, rows, dim), labels_N.reshape(chunks, rows))
+    if valid is None:
+        body = lambda carry, x: (carry, chunk(*x))  # noqa: E731
+    else:
+        if valid.shape != labels.shape:
+            raise ValueError(f"valid {valid.shape} does not match labels {labels.shape}")
+        any_C = jnp.pad(valid.reshape(num), (0, pad)).reshape(chunks, rows).any(1)
+        xs = (*xs, any_C)
+        body = lambda carry, x: (carry, jax.lax.cond(x[2], chunk, skip, x[0], x[1]))  # noqa: E731
+    _, (lp_Cr, ent_Cr) = jax.lax.scan(body, None, xs)
     lp_BT = lp_Cr.reshape(-1)[:num].reshape(batch, length)
     ent_BT = ent_Cr.reshape(-1)[:num].reshape(batch, length) if calculate_entropy else None
     return lp_BT, ent_BT

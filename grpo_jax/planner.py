@@ -481,7 +481,9 @@ class Planner:
     def _packed_train(self, tokens_per_device: int) -> PhaseMemory:
         params = self.state.params  # the gradients have the trained params' shapes and shardings
         base = (self.base,) if self.lora else ()
+        # The [B, T] fields only, as train_stage.update passes them.
         mini_batch = self._batch(self.w.mini_rows)
+        mini_batch = mini_batch.replace(input_ids_BS=None, attention_mask_BS=None)
         micro = self._micro(tokens_per_device)
         fn = self.programs().packed_grads
         return PhaseMemory.of(fn.lower(params, params, micro, mini_batch, *base).compile())

@@ -20,7 +20,9 @@ token):
      step copies neither (3x less time per step than stacked forms for SmolLM2-135M on CPU).
   4. With compaction (the default) the loop runs in phases: whenever the live rows fit half
      the slots, the finished rows' slots are dropped (`model.take_rows`), so they stop costing
-     decode steps.
+     decode steps. Every call walks the whole ladder of slot counts (B, B/2, ... down to
+     MIN_COMPACT_SLOTS), the phases after the last token with no decode step, so the first
+     call compiles every program of its batch shape and later calls compile none.
 
 Sampling semantics (the same as HF `generate` and vLLM):
   * temperature == 0 is greedy (argmax); top-k / top-p are then irrelevant.
@@ -670,7 +672,10 @@ def _sample_compacting(
     """Decodes in phases: whenever the live rows fit half the slots, the cache is compacted.
 
     Each phase is one compiled while_loop over the current slot count (B, B/2, ..., down to
-    `min_slots`); the host only reads the live count between phases.
+    `min_slots`); the host only reads the live count between phases. Once every row is done
+    (or max_new_tokens are drawn) the remaining phases still run, each compacting (every row's
+    output is flushed first) and exiting its loop at once: the same programs run in every call
+    of a batch shape, whenever its rows finish, so only the first call compiles.
     """
     programs = _programs(_platform(prompt_ids_PT))
     state = programs["start"](st, params, prompt_ids_PT, prompt_mask_PT, rng)
@@ -680,8 +685,7 @@ def _sample_compacting(
         nxt = _next_size(size, multiple)
         can_shrink = nxt < size and nxt >= min_slots
         state = _decode_jit(st, params, state, jnp.int32(nxt if can_shrink else 0))
-        live = int(jnp.sum(~state.done_S))
-        if int(state.t) >= st.max_new_tokens or live == 0 or not can_shrink:
+        if not can_shrink:
             break
         state, size, compacted = _compact(state, size=nxt), nxt, True
     rollout = programs["rollout"](

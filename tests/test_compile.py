@@ -1,6 +1,8 @@
-"""Compiles that pay once: JAX's persistent compilation cache, on by default in train.py
-(trainer.compilation_cache_dir), serves a second run every program the first one compiled,
-and the run it serves computes the same numbers bitwise."""
+"""Compiles that pay once: a run compiles every program in its first step (a bounded set of
+shapes: prompt-length buckets, the sampler's compaction ladder, packing's row counts), and
+JAX's persistent compilation cache, on by default in train.py (trainer.compilation_cache_dir),
+serves a second run every program the first one compiled; the run it serves computes the same
+numbers bitwise."""
 
 import os
 import subprocess
@@ -9,6 +11,21 @@ import sys
 from grpo_jax.trainer import metrics, perf
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# gsm8k.py:smoke with packed micro-batches in every pass (update, old and reference log-probs)
+# under a 4-row budget and 48-token responses that the random model ends at random lengths:
+# the steps pack different row counts (micro-batches of 1, 2 or 4 rows) and the sampler's rows
+# finish at different times.
+WORKLOAD = (
+    "--config.trainer.total_training_steps=6",
+    "--config.trainer.save_freq=-1",
+    "--config.data.max_response_length=48",
+    "--config.actor.use_dynamic_bsz=True",
+    "--config.actor.ppo_max_token_len_per_gpu=512",
+    "--config.rollout.log_prob_use_dynamic_bsz=True",
+    "--config.rollout.log_prob_max_token_len_per_gpu=512",
+)
 
 
 def _train(workdir, cache, *args):
@@ -28,13 +45,19 @@ def _train(workdir, cache, *args):
     return [row for row in metrics.read(str(workdir)) if "perf/compiled_programs" in row]
 
 
-def test_second_run_reads_every_program_from_the_cache(tmp_path):
+def test_only_the_first_step_compiles_and_a_second_run_reads_the_cache(tmp_path):
     cache = tmp_path / "cache"
-    first = _train(tmp_path / "a", cache)
-    assert sum(r["perf/compiled_programs"] for r in first) > 0
+    first = _train(tmp_path / "a", cache, *WORKLOAD)
+    assert [r["step"] for r in first] == [1, 2, 3, 4, 5, 6]
+    assert first[0]["perf/compiled_programs"] > 0
+    # The bounded shape set: no step after the first meets a new program.
+    assert [r["perf/compiled_programs"] for r in first[1:]] == [0] * 5
+    # ... although the steps differ: response lengths, packed micro-batches per mini-batch.
+    assert len({r["response_length/mean"] for r in first}) > 1
+    assert len({r["actor/micro_batches"] for r in first}) > 1
     assert sum(r["perf/compile_cache_hits"] for r in first) == 0
     assert os.listdir(cache)  # the programs were written
-    second = _train(tmp_path / "b", cache)
+    second = _train(tmp_path / "b", cache, *WORKLOAD)
     programs = sum(r["perf/compiled_programs"] for r in second)
     assert programs > 0 and sum(r["perf/compile_cache_hits"] for r in second) == programs
     for a, b in zip(first, second, strict=True):  # the cached programs compute the same

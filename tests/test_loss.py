@@ -942,6 +942,43 @@ def test_from_hidden_matches_dense_value_and_gradients(chunk_size):
         numerics.assert_close(g, r, ulps=CHUNK_ULPS, err_msg=name)
 
 
+def test_from_hidden_skips_chunks_without_valid_rows():
+    # 4 chunks of 5 rows; rows 0-6 wanted (chunks 0, 1), chunks 2 and 3 hold none: their rows
+    # read 0 and take no gradient, and the wanted rows match the unmasked values and gradients.
+    rng = np.random.default_rng(3)
+    h = jnp.asarray(rng.normal(0, 1, (2, 10, 8)), jnp.float32)
+    w = jnp.asarray(rng.normal(0, 1, (8, 17)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 17, (2, 10)), jnp.int32)
+    valid = jnp.arange(20).reshape(2, 10) < 7
+    g_lp = jnp.asarray(rng.normal(0, 1, (2, 10)), jnp.float32) * valid
+    g_ent = jnp.asarray(rng.normal(0, 1, (2, 10)), jnp.float32) * valid
+
+    def run(h, w, valid):
+        lp, ent = loss.logprobs_and_entropy_from_hidden(
+            h, lambda x: x @ w, labels, chunk_size=5, temperature=1.3, valid=valid
+        )
+        return jnp.sum(g_lp * lp) + jnp.sum(g_ent * ent), (lp, ent)
+
+    (value, (lp, ent)), grads = jax.value_and_grad(run, argnums=(0, 1), has_aux=True)(h, w, valid)
+    (ref, (lp_all, ent_all)), ref_grads = jax.value_and_grad(run, argnums=(0, 1), has_aux=True)(
+        h, w, None
+    )
+    chunk_valid = np.asarray(valid).reshape(4, 5).any(1).repeat(5).reshape(2, 10)
+    np.testing.assert_array_equal(np.asarray(lp)[~chunk_valid], 0.0)
+    np.testing.assert_array_equal(np.asarray(ent)[~chunk_valid], 0.0)
+    numerics.assert_close(np.asarray(lp)[chunk_valid], np.asarray(lp_all)[chunk_valid], ulps=4)
+    numerics.assert_close(value, ref, ulps=CHUNK_ULPS, scale=150.0)
+    for g, r, name in zip(grads, ref_grads, ("h", "w"), strict=True):
+        numerics.assert_close(g, r, ulps=CHUNK_ULPS, err_msg=name)
+    np.testing.assert_array_equal(np.asarray(grads[0])[~chunk_valid], 0.0)
+    # Nothing valid: every chunk is skipped, so even the wanted rows' cotangents reach nothing.
+    none = jnp.zeros((2, 10), bool)
+    _, (g_h, g_w) = jax.value_and_grad(run, argnums=(0, 1), has_aux=True)(h, w, none)
+    assert not np.asarray(g_h).any() and not np.asarray(g_w).any()
+    with pytest.raises(ValueError, match="valid"):
+        run(h, w, valid[:, :5])
+
+
 def test_chunked_paths_bound_memory():
     # B*T = 4096 rows, V = 2048: one float32 [N, V] array is 32 MiB. From hidden states nothing
     # [N, V] may be live; from logits, only the gradient output itself (not a temp).

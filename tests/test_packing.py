@@ -79,9 +79,11 @@ def test_pack_places_every_token_once_within_budget(group):
         assert L == 16 and R % 2 == 0 and R * L <= 32
         G, N = micro.slot_bt_GN.shape
         assert G == 2 and R % G == 0  # one slot pool per row group (data device)
-        # Pooled slots: no more slots than the busiest group's response tokens, to SLOT_STEPS.
-        quantum = -(-(R // G) * L // packing.SLOT_STEPS)
-        assert N - quantum < (micro.slot_bt_GN < B * T).sum(-1).max() <= N
+        # Pooled slots: one per position of the group's rows (a shape of the rows alone),
+        # the used ones first.
+        assert N == (R // G) * L
+        used_GN = micro.slot_bt_GN < B * T
+        np.testing.assert_array_equal(used_GN, np.sort(used_GN, axis=1)[:, ::-1])
         rows_used += int((micro.segments_RL > 0).any(1).sum())
         for g in range(G):
             for n in range(N):
@@ -127,7 +129,8 @@ def test_micro_rows_fill_the_budget_and_round_only_the_last():
             assert all(s % multiple == 0 and 1 <= s <= cap for s in sizes)
             assert sum(sizes) >= rows and sum(sizes[:-1]) < rows  # no empty micro-batch
             assert sum(sizes) - rows <= max(sizes[-1] / 2, multiple)  # only the rounding
-            shapes = {packing.micro_rows(r, cap, multiple)[-1] for r in range(1, 200)}
+            shapes = {s for r in range(1, 200) for s in packing.micro_rows(r, cap, multiple)}
+            assert shapes == set(packing.row_options(cap, multiple))  # what precompile builds
             assert len(shapes) <= 4  # bounded compiled shapes
 
 

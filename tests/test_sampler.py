@@ -380,6 +380,35 @@ def test_compaction_gives_the_same_rollout_and_drops_finished_rows(tiny, monkeyp
     numerics.assert_close(got.log_probs, want.log_probs, ulps=LOGP_ULPS)
 
 
+def test_every_call_walks_the_whole_ladder_so_only_the_first_compiles(tiny, monkeypatch):
+    """Calls whose rows end at different times run the same programs: each compacts down to
+    MIN_COMPACT_SLOTS (after the last token, phases without decode steps), so the second call
+    of a batch shape compiles nothing, however its rows end."""
+    from grpo_jax.trainer import perf
+
+    config, params = tiny
+    kw = dict(n=4, max_new_tokens=24, eos_token_ids=tuple(range(10, 26)), pad_token_id=7)
+    slots = []
+    real = sampler._decode_jit
+
+    def counting(st, params, state, stop_at):
+        slots.append(state.done_S.shape[0])
+        return real(st, params, state, stop_at)
+
+    monkeypatch.setattr(sampler, "_decode_jit", counting)
+    lengths, ladders = [], []
+    for seed in (8, 9):
+        ids_PT, mask_PT = _left_padded([5, 3, 4, 5, 2, 5, 1, 4], 5, config.vocab_size, seed=seed)
+        before, slots[:] = perf.compile_stats(), []
+        out = sampler.sample(config, params, ids_PT, mask_PT, jax.random.key(seed), **kw)
+        compiled = perf.compile_stats() - before
+        lengths.append(np.asarray(out.response_mask).sum(1))
+        ladders.append(list(slots))
+    assert ladders == [[32, 16, 8, 4]] * 2
+    assert not np.array_equal(lengths[0], lengths[1])  # the rows ended differently
+    assert compiled.programs == 0, compiled.names
+
+
 def test_early_stop_when_every_row_ends_at_once(tiny):
     config, params = tiny
     ids_PT, mask_PT = _left_padded([3, 6], 6, config.vocab_size, seed=6)
@@ -427,8 +456,9 @@ def test_prefill_runs_once_on_prompt_rows_and_no_retrace(tiny, monkeypatch):
     sampler.sample(
         config, other_params, b_PT, b_mask_PT, jax.random.key(1), weights_version=3, **kwargs
     )
-    # One trace in all; the prefill sees the P=2 prompts (not P*n=10 rows), decode all 10 rows.
-    assert calls == [("prefill", (2, 64)), ("decode", (10,))]
+    # One trace in all; the prefill sees the P=2 prompts (not P*n=10 rows), decode all 10 rows,
+    # then the 5 slots of the ladder's next phase (after the last token: traced, never run).
+    assert calls == [("prefill", (2, 64)), ("decode", (10,)), ("decode", (5,))]
 
 
 def test_batch_sharded_over_a_mesh_matches_unsharded(tiny):

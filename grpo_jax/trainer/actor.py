@@ -44,6 +44,7 @@ import optax
 from grpo_jax import loss as loss_lib
 from grpo_jax import model as model_lib
 from grpo_jax.models import lora as lora_lib
+from grpo_jax.trainer import packing
 
 LR_SCHEDULES = ("constant", "cosine")
 
@@ -461,11 +462,15 @@ def packed_log_probs(
     temperature: float,
     chunk_size: int,
     calculate_entropy: bool,
+    num_bt: int,
 ):
     """Log-probs (and entropy) of every response slot of a packed micro-batch: [G, N] each.
 
-    Only the positions that predict a response token are unembedded (chunked), never the
-    prompt positions or the padding."""
+    Only the slots' positions are unembedded, in packing.SLOT_CHUNKS chunks (or more, of at
+    most `chunk_size` rows), and chunks holding no response token (slot_bt_GN = B x T, the
+    empty slots after each group's used ones) are skipped: about the response tokens' cost,
+    never the prompt positions' or the padding's. Empty slots' values are 0. `num_bt`: B x T
+    of the [B, T] layout the slots index (the empty slots' slot_bt)."""
     h_RLD = model_lib.hidden_states_packed(
         model_config,
         params,
@@ -478,13 +483,15 @@ def packed_log_probs(
     G = micro.slot_pos_GN.shape[0]  # row groups: each gathers from its own rows (device-local)
     h_GxD = h_RLD.reshape(G, (R // G) * L, D)
     h_GND = jnp.take_along_axis(h_GxD, micro.slot_pos_GN[..., None], axis=1)
+    slots = h_GND.shape[0] * h_GND.shape[1]
     return loss_lib.logprobs_and_entropy_from_hidden(
         h_GND,
         functools.partial(model_lib.unembed, model_config, params),
         micro.slot_label_GN,
-        chunk_size=chunk_size,
+        chunk_size=min(chunk_size, max(1, slots // packing.SLOT_CHUNKS)),
         temperature=temperature,
         calculate_entropy=calculate_entropy,
+        valid=micro.slot_bt_GN < num_bt,
     )
 
 
@@ -518,6 +525,7 @@ def packed_log_probs_into(
         temperature=temperature,
         chunk_size=chunk_size,
         calculate_entropy=calculate_entropy,
+        num_bt=lp_BT.size,
     )
     lp_BT = lp_BT + scatter_slots(lp_GN, micro.slot_bt_GN, lp_BT.shape)
     if calculate_entropy:
@@ -564,6 +572,7 @@ def packed_micro_grads(
             temperature=lc.temperature,
             chunk_size=lc.chunk_size,
             calculate_entropy=_wants_entropy(lc),
+            num_bt=mask_all_BT.size,
         )
         lp_BT = scatter_slots(lp_GN, micro.slot_bt_GN, shape)
         ent_BT = None if ent_GN is None else scatter_slots(ent_GN, micro.slot_bt_GN, shape)

@@ -29,19 +29,23 @@ attention over ragged sequences; under XLA's static shapes the equivalent is pac
     (model.hidden_states_packed).
   * Only the positions that predict a response token are unembedded. The slots are pooled per
     row group (the `row_multiple` = data devices groups of R / G consecutive rows, one group a
-    device, so the gather stays on the device): `slots` per group, the most response tokens of
-    any group rounded up to an eighth of the group's R / G x L positions (`SLOT_STEPS`). A slot
-    indexes its group's positions flattened, (row in group) x L + position. Pooling matters:
-    a GSM8K row of 768 holds a prompt and two or three answers, so per-row slots were a whole
-    row and the vocabulary projection ran on every position; pooled, it runs on about the
-    response tokens (11,520 -> 7,200 slots a step on SmolLM2 / GSM8K-like lengths, 8 x 4).
+    device, so the gather stays on the device): a group has one slot per position of its rows
+    (N = R / G x L), its response tokens first and empty slots after them. A slot indexes its
+    group's positions flattened, (row in group) x L + position. The unembedding runs over the
+    slots in `SLOT_CHUNKS` chunks and skips the chunks that hold no response token
+    (actor.packed_log_probs), so it costs about the response tokens rounded up to an eighth of
+    the positions, while the slot count, a compiled shape, depends on the rows alone. Pooling
+    matters: a GSM8K row of 768 holds a prompt and two or three answers, so per-row slots were a
+    whole row and the vocabulary projection ran on every position; pooled, it runs on about the
+    response tokens (11,520 -> 7,200 positions a step on SmolLM2 / GSM8K-like lengths, 8 x 4).
     Each slot names its (b, t) in the [B, T] response layout, so the losses, which work on
     [B, T], see exactly the unpadded values.
 
-Compiled shapes: row_len is fixed by the run, a micro-batch's rows take one of 4 values and its
-slots one of `SLOT_STEPS` for each, and the micro-batch count does not matter (the update and
-the log-prob passes loop over micro-batches in Python), so each of the two passes compiles at
-most 4 x `SLOT_STEPS` variants in a whole run.
+Compiled shapes: row_len is fixed by the run, a micro-batch's rows take one of the 4 values of
+`row_options` (and its slots follow from them), and the micro-batch count does not matter (the
+update and the log-prob passes loop over micro-batches in Python), so each pass compiles at most
+4 variants in a whole run; the trainer compiles all of them in its first step
+(train_stage.precompile), so no later step compiles for a new packed shape.
 
 Shapes: B sequences, T response width, M micro-batches, R rows, L row length, G row groups,
 N slots per group.
@@ -54,7 +58,8 @@ import dataclasses
 import numpy as np
 
 LEN_BUCKET = 128
-SLOT_STEPS = 8
+# The packed slots are unembedded in this many chunks; chunks without a response token are skipped.
+SLOT_CHUNKS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +73,8 @@ class Micro:
       prefixes_RL: int32, the segment a token's sequence continues: its prompt's segment (a
         prompt token's own), 0 on padding.
       slot_pos_GN: int32, the position in row group g (row within the group x L + position)
-        whose hidden state predicts the response token of slot n (0 on empty slots).
+        whose hidden state predicts the response token of slot n (0 on empty slots); N = the
+        group's positions, R / G x L, the used slots first.
       slot_label_GN: int32, that response token (0 on empty slots).
       slot_bt_GN: int32, b * T + t of that token in the [B, T] layout; B * T on empty slots.
       num_tokens: real tokens in the micro-batch (for metrics and the budget).
@@ -128,14 +134,26 @@ def row_length(max_prompt_length: int, max_response_length: int, max_tokens: int
     return max(candidates, key=lambda n: (max_tokens // n * n, -n))
 
 
+def row_options(cap: int, multiple: int) -> list[int]:
+    """The rows a micro-batch can have under a cap of `cap` rows: ceil(cap / 2^k), k = 0..3,
+    rounded up to multiples of `multiple` (at most four values: the compiled shapes)."""
+    return sorted({min(cap, _round_up(-(-cap // 2**k), multiple)) for k in range(4)})
+
+
+def micro_cap(max_tokens: int, row_len: int, multiple: int) -> int:
+    """The most rows of `row_len` tokens a micro-batch holds under the budget `max_tokens`
+    (all data devices), a multiple of `multiple` (0: not even one row per device)."""
+    return (max_tokens // row_len) // multiple * multiple
+
+
 def micro_rows(num_rows: int, cap: int, multiple: int) -> list[int]:
     """Rows of each micro-batch: full micro-batches of `cap` rows, then one holding the rest,
-    of the smallest of ceil(cap / 2^k), k = 0..3 (multiples of `multiple`), that holds it.
+    of the smallest of `row_options` that holds it.
 
     Four values a run at most (bounded compiled shapes); the empty rows computed are those of
     the last micro-batch's rounding only.
     """
-    options = sorted({min(cap, _round_up(-(-cap // 2**k), multiple)) for k in range(4)})
+    options = row_options(cap, multiple)
     full, rest = divmod(num_rows, cap)
     if rest == 0:
         return [cap] * full
@@ -172,7 +190,6 @@ def pack(
     max_tokens: int,
     row_multiple: int = 1,
     row_len: int | None = None,
-    slot_steps: int = SLOT_STEPS,
     share_prompts: bool = True,
 ) -> Packed:
     """Packs B left-padded prompts + right-padded responses into token-budget micro-batches.
@@ -186,8 +203,6 @@ def pack(
         device gets the same number of rows).
       row_len: tokens per row (the run's `row_length`); None = the longest sequence rounded up
         to LEN_BUCKET.
-      slot_steps: the slots per row group take one of this many values (multiples of the
-        group's positions / slot_steps).
       share_prompts: sequences with the same prompt tokens share one copy of the prompt in a
         row (their responses attend to it); False packs every sequence whole.
 
@@ -203,7 +218,7 @@ def pack(
     row_len = _round_up(longest, LEN_BUCKET) if row_len is None else row_len
     if longest > row_len:
         raise ValueError(f"a sequence of {longest} tokens does not fit a packed row of {row_len}")
-    cap = (max_tokens // row_len) // row_multiple * row_multiple
+    cap = micro_cap(max_tokens, row_len, row_multiple)
     if cap < 1:
         raise ValueError(
             f"the token budget of {max_tokens} tokens per micro-batch holds no row of "
@@ -250,9 +265,7 @@ def pack(
 
     micros = []
     for m, size in enumerate(sizes):
-        group_len = group_rows[m] * row_len
-        busiest = max(int(resp_per_bin[m * groups + g]) for g in range(groups))
-        slots = min(group_len, _round_up(max(busiest, 1), -(-group_len // slot_steps)))
+        slots = group_rows[m] * row_len
         tokens = np.zeros((size, row_len), np.int32)
         positions = np.zeros((size, row_len), np.int32)
         segments = np.zeros((size, row_len), np.int32)

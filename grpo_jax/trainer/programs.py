@@ -52,6 +52,8 @@ class Programs:
       update_tokens / logprob_tokens: the token budgets of a packed micro-batch (global).
       row_len: the packed row length (packing.row_length of the run's prompt + response).
       dp: the data devices (data x fsdp); packed rows per micro-batch are a multiple of it.
+      precompiled: the packed programs already compiled for every micro-batch shape of the run
+        (train_stage.compile_packed_shapes; filled by the first step).
     """
 
     model_config: model_lib.ModelConfig
@@ -72,6 +74,7 @@ class Programs:
     logprob_tokens: int
     row_len: int
     dp: int
+    precompiled: set = dataclasses.field(default_factory=set, compare=False, repr=False)
 
 
 def make_programs(

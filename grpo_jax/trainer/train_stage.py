@@ -12,6 +12,7 @@ jitted step, or packed token-budget micro-batches). The stages' device work is i
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -53,6 +54,41 @@ def _micro(packed: packing.Packed, m: int, mesh) -> actor.PackedMicro:
     return actor.PackedMicro(
         **{k: distributed.to_device(v, mesh) for k, v in packed.micro(m).items()}
     )
+
+
+def _micro_like(micro: actor.PackedMicro, rows: int, row_len: int) -> actor.PackedMicro:
+    """The abstract packed micro-batch of `rows` rows with `micro`'s dtypes and shardings."""
+    groups = micro.slot_pos_GN.shape[0]
+    shapes = {"RL": (rows, row_len), "GN": (groups, rows // groups * row_len)}
+
+    def like(name):
+        x = getattr(micro, name)
+        return jax.ShapeDtypeStruct(shapes[name[-2:]], x.dtype, sharding=x.sharding)
+
+    return actor.PackedMicro(**{f.name: like(f.name) for f in dataclasses.fields(micro)})
+
+
+def compile_packed_shapes(
+    progs: programs.Programs, name: str, fn, micro: actor.PackedMicro, args_with, *, max_tokens
+) -> None:
+    """Compiles `fn` for every packed micro-batch shape the run can make, the first time it
+    runs: the rows of packing.row_options under the budget `max_tokens` (the slots follow
+    from the rows). The later steps meet no new packed shape, so they compile nothing, and
+    with the persistent compilation cache a later run reads them all in its first step.
+
+    Args:
+      name: the program's key in progs.precompiled (once per run).
+      micro: the micro-batch about to run (its dtypes and shardings are the template).
+      args_with: (abstract micro) -> the positional arguments of `fn` (the others real arrays:
+        lowering neither runs nor donates them).
+    """
+    if name in progs.precompiled:
+        return
+    progs.precompiled.add(name)
+    cap = packing.micro_cap(max_tokens, progs.row_len, progs.dp)
+    for rows in packing.row_options(cap, progs.dp):
+        if rows != micro.tokens_RL.shape[0]:
+            fn.lower(*args_with(_micro_like(micro, rows, progs.row_len))).compile()
 
 
 def log_probs(
@@ -101,7 +137,16 @@ def log_probs(
         lp_BT = jnp.zeros(batch.response_mask_BT.shape, jnp.float32)
         ent_BT = jnp.zeros_like(lp_BT)
         for m in range(packed.num_micro):
-            lp_BT, ent_BT = fn(params, _micro(packed, m, mesh), lp_BT, ent_BT)
+            micro = _micro(packed, m, mesh)
+            compile_packed_shapes(
+                progs,
+                f"packed_log_probs/{with_entropy}",
+                fn,
+                micro,
+                lambda like: (params, like, lp_BT, ent_BT),  # noqa: B023 - called at once
+                max_tokens=progs.logprob_tokens,
+            )
+            lp_BT, ent_BT = fn(params, micro, lp_BT, ent_BT)
         return lp_BT, ent_BT if with_entropy else None
 
     out = {}
@@ -243,13 +288,27 @@ def update(
                     progs.update_tokens, row_multiple=progs.dp, row_len=progs.row_len
                 )
             packed = packs[i]
-            mini_batch = jax.tree.map(lambda x, i=i: x[i * mini : (i + 1) * mini], batch)
+            # The [B, T] fields only: the packed micro-batches carry the tokens, so the
+            # program's shapes do not depend on the prompt width.
+            mini_batch = jax.tree.map(
+                lambda x, i=i: x[i * mini : (i + 1) * mini],
+                batch.replace(input_ids_BS=None, attention_mask_BS=None),
+            )
             grads = jax.tree.map(jnp.zeros_like, state.params)
             summed = {}
             for m in range(packed.num_micro):
                 micro = _micro(packed, m, mesh)
+                compile_packed_shapes(
+                    progs,
+                    "packed_grads",
+                    progs.packed_grads,
+                    micro,
+                    lambda like: (state.params, grads, like, mini_batch, *base),  # noqa: B023
+                    max_tokens=progs.update_tokens,
+                )
                 grads, m = progs.packed_grads(state.params, grads, micro, mini_batch, *base)
-                summed = m if not summed else jax.tree.map(jnp.add, summed, m)
+                # Added from zeros even for one micro-batch: the same programs every step.
+                summed = jax.tree.map(jnp.add, summed or jax.tree.map(jnp.zeros_like, m), m)
             state, opt_metrics = progs.apply(state, grads, summed["actor/loss"], lr)
             updates.append({**summed, **opt_metrics, "actor/micro_batches": packed.num_micro})
     updates = jax.device_get(updates)
