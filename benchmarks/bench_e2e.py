@@ -88,6 +88,16 @@ PACKED_FLAGS = (
     "--config.model.enable_gradient_checkpointing=True",
     "--config.model.gradient_checkpointing_policy=dots_except_mlp_in_saveable",
 )  # fmt: skip
+# --no-packing: padded micro-batches and no remat (configs/gsm8k.py turns both on).
+UNPACKED_FLAGS = (
+    "--config.actor.use_dynamic_bsz=False", "--config.rollout.log_prob_use_dynamic_bsz=False",
+    "--config.model.enable_gradient_checkpointing=False",
+)  # fmt: skip
+
+
+def grpo_jax_flags(args) -> list[str]:
+    """The packing / remat flags of the run (before --extra)."""
+    return list(UNPACKED_FLAGS if args.no_packing else PACKED_FLAGS)
 
 
 def _median(values):
@@ -113,7 +123,7 @@ def _jax_side(args, gguf, workdir) -> dict:
         "--config.trainer.save_freq=-1", "--config.checkpoint.save_last=False",
         "--config.checkpoint.export_hf=False", "--config.trainer.progress_bar=False",
         "--config.trainer.tensorboard=False", f"--config.trainer.default_local_dir={workdir}",
-        *([] if args.no_packing else PACKED_FLAGS), *_lora_flags(args), *args.extra,
+        *grpo_jax_flags(args), *_lora_flags(args), *args.extra,
     ]  # fmt: skip
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # one device: the whole machine (no fake devices)
@@ -247,7 +257,7 @@ def main():
             "dtype": args.dtype, "steps_per_run": args.steps,
             "trl_steps_per_run": args.trl_steps or args.steps, "rounds": args.rounds,
             "trl_first": args.trl_first,
-            "grpo_jax_flags": [*([] if args.no_packing else PACKED_FLAGS), *args.extra],
+            "grpo_jax_flags": [*grpo_jax_flags(args), *args.extra],
             "trl_micro_batch": args.trl_micro,
             "grpo_jax_lora": (
                 {"rank": args.lora_rank, "flags": _lora_flags(args)} if args.lora_rank else None

@@ -155,7 +155,7 @@ def main():
     tok = gguf_lib.load_tokenizer(gguf)
     arrays = _rollout(args, cfg, params, tok)
 
-    flags = [] if args.no_packing else list(bench_e2e.PACKED_FLAGS)
+    flags = bench_e2e.grpo_jax_flags(args)
     c = gsm8k.get_config()
     overrides = {
         "data.train_batch_size": args.prompts, "actor.ppo_mini_batch_size": args.prompts,

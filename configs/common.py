@@ -101,6 +101,9 @@ def make_smoke(c: ml_collections.ConfigDict) -> None:
     c.actor.ppo_mini_batch_size = 2
     c.actor.ppo_micro_batch_size_per_gpu = 5  # rollout.n = 5 (recipe): 2 micro-batches
     c.rollout.log_prob_micro_batch_size_per_gpu = 10
+    # Token budgets (where the recipe packs) of 4 rows of 128 tokens: several micro-batches.
+    c.actor.ppo_max_token_len_per_gpu = 512
+    c.rollout.log_prob_max_token_len_per_gpu = 512
     c.trainer.total_training_steps = 2
     c.trainer.test_freq = -1
     c.trainer.save_freq = 1

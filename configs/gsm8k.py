@@ -11,7 +11,9 @@ Expected (verl docs/algo/baseline.md): Qwen2.5-0.5B-Instruct 49.6 -> ~54-57 % va
 (strict "####" extraction) after 15 epochs on 8 GPUs; not yet reproduced with grpo_jax.
 
 Recipe: rollout.n 5, use_kl_loss with kl_loss_coef 0.001 (low_var_kl), token-mean, clip 0.2,
-lr 1e-6, prompts 512 / responses 1024 tokens, 1024 prompts per step, mini-batch 256 prompts.
+lr 1e-6, prompts 512 / responses 1024 tokens, 1024 prompts per step, mini-batch 256 prompts,
+token-budget micro-batches of 24000 tokens per device (use_dynamic_bsz, which verl's log-prob
+passes inherit) and gradient checkpointing, as run_qwen2-7b_seq_balance.sh sets them.
 Deviations from the GRPO paper (verl's choices, kept): token-mean aggregation instead of the
 paper's per-sequence mean; the KL term is k3 ("low_var_kl") with verl's clamps.
 """
@@ -42,6 +44,13 @@ def get_config(arg=None):
     c.actor.kl_loss_type = "low_var_kl"
     c.actor.loss_agg_mode = "token-mean"
     c.actor.optim.lr = 1e-6
+    c.actor.use_dynamic_bsz = True
+    c.actor.ppo_max_token_len_per_gpu = 24000
+    # verl's log-prob passes default to the actor's settings (rollout.log_prob_use_dynamic_bsz
+    # and log_prob_max_token_len_per_gpu interpolate them); here they are set alike.
+    c.rollout.log_prob_use_dynamic_bsz = True
+    c.rollout.log_prob_max_token_len_per_gpu = 24000
+    c.model.enable_gradient_checkpointing = True
     c.rollout.n = 5
     c.algorithm.adv_estimator = "grpo"
     c.trainer.total_epochs = 15

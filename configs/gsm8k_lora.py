@@ -40,6 +40,9 @@ def get_config(arg=None):
         c.actor.ppo_mini_batch_size = 64
         c.actor.ppo_micro_batch_size_per_gpu = 32
         c.rollout.log_prob_micro_batch_size_per_gpu = 32
+        # That log's command gives micro-batch sizes, not token budgets: padded micro-batches.
+        c.actor.use_dynamic_bsz = False
+        c.rollout.log_prob_use_dynamic_bsz = False
         c.trainer.total_epochs = 1
         c.trainer.default_local_dir = "runs/gsm8k_lora"
     else:

@@ -48,6 +48,7 @@ from collections.abc import Sequence
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from grpo_jax import model as model_lib
 
@@ -124,6 +125,23 @@ def bucket_length(t: int, multiple: int = _DEFAULT_BUCKET_MULTIPLE) -> int:
     if t < 1:
         raise ValueError(f"prompt length must be >= 1, got {t}")
     return -(-t // multiple) * multiple
+
+
+def bucket_prompts(prompt_ids_PT, prompt_mask_PT, *, pad_token_id: int):
+    """Left-pads a [P, Tp] prompt batch to [P, bucket_length(Tp)] (ids pad_token_id, mask 0).
+
+    `sample` does this itself; an engine holding host (numpy) prompts calls it before moving
+    them to the devices, so batches of different widths in one bucket run no width-specific
+    device program (numpy in, numpy out; jax arrays are padded with jnp)."""
+    width = prompt_ids_PT.shape[1]
+    pad_cols = bucket_length(width) - width
+    if not pad_cols:
+        return prompt_ids_PT, prompt_mask_PT
+    xp = jnp if isinstance(prompt_ids_PT, jax.Array) else np
+    return (
+        xp.pad(prompt_ids_PT, ((0, 0), (pad_cols, 0)), constant_values=pad_token_id),
+        xp.pad(prompt_mask_PT, ((0, 0), (pad_cols, 0))),
+    )
 
 
 def row_keys(rng: jax.Array, num_rows: int) -> jax.Array:
@@ -414,11 +432,7 @@ def sample(
         pad_token_id=pad_token_id,
     )
 
-    width = prompt_ids.shape[1]
-    pad_cols = bucket_length(width) - width
-    if pad_cols:
-        prompt_ids = jnp.pad(prompt_ids, ((0, 0), (pad_cols, 0)), constant_values=pad_token_id)
-        prompt_mask = jnp.pad(prompt_mask, ((0, 0), (pad_cols, 0)))
+    prompt_ids, prompt_mask = bucket_prompts(prompt_ids, prompt_mask, pad_token_id=pad_token_id)
     st = _Static(
         config,
         n,

@@ -36,6 +36,23 @@ def test_bucket_length_rounds_up_to_the_multiple():
     assert sampler.bucket_length(5, multiple=1) == 5
 
 
+def test_bucket_prompts_pads_host_batches_on_the_host():
+    # Widths 46 and 47 share the 64 bucket: host prompts are padded with numpy (no device
+    # program per width), device prompts with jnp, to the same values.
+    for width in (46, 47, 64):
+        ids = np.arange(2 * width, dtype=np.int32).reshape(2, width) + 1
+        mask = np.ones((2, width), np.int32)
+        got_ids, got_mask = sampler.bucket_prompts(ids, mask, pad_token_id=-5)
+        assert isinstance(got_ids, np.ndarray) and got_ids.shape == (2, 64)
+        np.testing.assert_array_equal(got_ids[:, 64 - width :], ids)
+        assert (got_ids[:, : 64 - width] == -5).all() and got_mask.sum() == mask.sum()
+        dev_ids, dev_mask = sampler.bucket_prompts(
+            jnp.asarray(ids), jnp.asarray(mask), pad_token_id=-5
+        )
+        np.testing.assert_array_equal(dev_ids, got_ids)
+        np.testing.assert_array_equal(dev_mask, got_mask)
+
+
 @pytest.mark.parametrize("t, multiple", [(0, 64), (-3, 64), (5, 0)])
 def test_bucket_length_rejects_bad_arguments(t, multiple):
     with pytest.raises(ValueError):

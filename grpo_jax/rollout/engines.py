@@ -153,6 +153,10 @@ class NativeEngine:
             rng = jax.device_put(rng, sharding.replicated(self.mesh))  # the loop's key
         elif lora.split(params)[1] is not None:
             params = lora.merge(self.model_config, params)
+        if not isinstance(prompt_ids_PT, jax.Array):  # bucketed on the host: no device pad
+            prompt_ids_PT, prompt_mask_PT = sampler.bucket_prompts(
+                prompt_ids_PT, prompt_mask_PT, pad_token_id=self.pad_id
+            )
         ids, mask = (
             x if isinstance(x, jax.Array) else distributed.to_device(x, self.mesh)
             for x in (prompt_ids_PT, prompt_mask_PT)
