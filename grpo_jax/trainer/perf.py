@@ -202,13 +202,18 @@ def compile_stats() -> CompileStats:
 def use_compilation_cache(directory: str) -> str | None:
     """Turns on JAX's persistent compilation cache in `directory` (trainer.compilation_cache_dir;
     "" = off), unless JAX_COMPILATION_CACHE_DIR is set, which JAX has already applied. Every
-    program that compiles for a second or more is stored; a later process with the same
-    program, compile options, XLA flags and jax/jaxlib versions reads it instead of compiling.
-    Returns the directory in use, or None."""
-    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        return os.environ["JAX_COMPILATION_CACHE_DIR"]
-    if not directory:
+    program is stored, however fast it compiled (JAX's default keeps those of a second or more;
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS, when set, wins): a run compiles dozens of
+    small programs, together seconds; a later process with the same program, compile options,
+    XLA flags and jax/jaxlib versions reads it instead of compiling. Returns the directory in
+    use, or None."""
+    from_env = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if not from_env and not directory:
         return None
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    if from_env:
+        return from_env
     path = os.path.abspath(os.path.expanduser(directory))
     try:
         os.makedirs(path, exist_ok=True)
