@@ -22,6 +22,7 @@ reports its steps' `timing_s/compile` and the median step time without it, with 
     python benchmarks/bench_e2e.py --steps 5 --trl-steps 3   # grpo_jax past its compiles
     python benchmarks/bench_e2e.py --n 8 --max_new_tokens 512 --dtype bfloat16
     python benchmarks/bench_e2e.py --jax-only --no-packing   # padded micro-batches, no remat
+    python benchmarks/bench_e2e.py --jax-only --recipe   # configs/gsm8k.py's own budgets
     python benchmarks/bench_e2e.py --jax-only --lora-rank 32   # the LoRA row (alpha = rank)
 
 grpo_jax runs with PACKED_FLAGS (below): packed token-budget micro-batches for the update and
@@ -96,7 +97,9 @@ UNPACKED_FLAGS = (
 
 
 def grpo_jax_flags(args) -> list[str]:
-    """The packing / remat flags of the run (before --extra)."""
+    """The packing / remat flags of the run (before --extra): none with --recipe."""
+    if getattr(args, "recipe", False):
+        return []
     return list(UNPACKED_FLAGS if args.no_packing else PACKED_FLAGS)
 
 
@@ -211,6 +214,10 @@ def main():
     p.add_argument("--trl-first", action="store_true", help="TRL runs first in odd rounds")
     p.add_argument("--extra", action="append", default=[], help="more train.py flags")
     p.add_argument("--no-packing", action="store_true", help="padded micro-batches, no remat")
+    p.add_argument(
+        "--recipe", action="store_true",
+        help="configs/gsm8k.py's own packing and remat (24000-token budgets), no PACKED_FLAGS",
+    )  # fmt: skip
     p.add_argument("--lora-rank", type=int, default=0, help="grpo_jax LoRA rank (0 = full FT)")
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: rank)")
     args = p.parse_args()
