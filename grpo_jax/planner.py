@@ -393,6 +393,10 @@ class Planner:
         return self._variants[overrides]
 
     def _arr(self, shape, dtype):
+        # Rows that do not split over the data devices (a packed mini-batch of 10 sequences
+        # on 4) stay whole on each device, as the trainer's slice of the step batch does.
+        if shape[0] % self.dp:
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.replicated(self.mesh))
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.batch_sharding(self.mesh, 2))
 
     def _batch(self, rows: int) -> actor_lib.TrainBatch:

@@ -31,8 +31,13 @@ def _run(c) -> config.RunConfig:
 
 def _smoke_config(shape=(2, 2, 2)):
     """The smoke config with batch sizes that split over dp = 4: 8 prompts x n=2 = 16 rows,
-    mini-batches of 4 prompts (8 rows), micro-batches of 1 row per device (4 rows)."""
+    mini-batches of 4 prompts (8 rows), micro-batches of 1 row per device (4 rows), padded and
+    without remat (gsm8k.py packs and checkpoints, as verl's recipe; the cases about packing
+    and remat turn them on)."""
     c = gsm8k.get_config("smoke")
+    c.actor.use_dynamic_bsz = False
+    c.rollout.log_prob_use_dynamic_bsz = False
+    c.model.enable_gradient_checkpointing = False
     c.mesh.shape = shape
     c.data.train_batch_size = 8
     c.rollout.n = 2
