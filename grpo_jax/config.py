@@ -834,7 +834,9 @@ class TrainerConfig:
 
     default_local_dir: str = "runs/grpo"  # workdir: metrics, checkpoints, plot, HF export
     total_epochs: int = 30  # passes over the train set
-    total_training_steps: int | None = None  # None = epochs x steps per epoch
+    # None = epochs x steps per epoch; a larger value still ends at the epochs (verl) but stays
+    # the lr schedule's horizon (trainer/setup.py total_steps)
+    total_training_steps: int | None = None
     save_freq: int = -1  # checkpoint every N steps; -1 = never (see checkpoint.save_last)
     test_freq: int = -1  # validate every N steps and at the last step; -1 = never
     val_before_train: bool = True  # validate before the first step
