@@ -356,8 +356,10 @@ class ActorConfig:
     ppo_max_token_len_per_gpu: int = 16384
     ppo_epochs: int = 1  # passes over the batch (mu)
     clip_ratio: float = 0.2  # epsilon; verl's ActorConfig sets low/high explicitly (below)
-    clip_ratio_low: float = 0.2  # epsilon_low (verl default 0.2, not clip_ratio)
-    clip_ratio_high: float = 0.2  # epsilon_high (DAPO clip-higher: 0.28)
+    # epsilon_low / epsilon_high (DAPO clip-higher: high 0.28). verl's default is 0.2 each, not
+    # clip_ratio; None (verl's YAML null) means clip_ratio, as every verl policy loss reads it.
+    clip_ratio_low: float | None = 0.2
+    clip_ratio_high: float | None = 0.2
     clip_ratio_c: float = 3.0  # dual-clip c (> 1), negative advantages only
     tau_pos: float = 1.0  # sapo: the gate's temperature for positive advantages
     tau_neg: float = 1.05  # sapo: ... for negative advantages
@@ -384,8 +386,10 @@ class ActorConfig:
             self.loss_scale_factor,
             "must be > 0 or None",
         )
-        for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
-            c.need(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
+        c.need(self.clip_ratio > 0, "clip_ratio", self.clip_ratio, "must be > 0")
+        for name in ("clip_ratio_low", "clip_ratio_high"):
+            value = getattr(self, name)
+            c.need(value is None or value > 0, name, value, "must be > 0 or None (clip_ratio)")
 
         kwargs = self._loss_kwargs()
         try:
@@ -830,7 +834,9 @@ class TrainerConfig:
 
     default_local_dir: str = "runs/grpo"  # workdir: metrics, checkpoints, plot, HF export
     total_epochs: int = 30  # passes over the train set
-    total_training_steps: int | None = None  # None = epochs x steps per epoch
+    # None = epochs x steps per epoch; a larger value still ends at the epochs (verl) but stays
+    # the lr schedule's horizon (trainer/setup.py total_steps)
+    total_training_steps: int | None = None
     save_freq: int = -1  # checkpoint every N steps; -1 = never (see checkpoint.save_last)
     test_freq: int = -1  # validate every N steps and at the last step; -1 = never
     val_before_train: bool = True  # validate before the first step

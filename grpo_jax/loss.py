@@ -515,11 +515,14 @@ def _kl_cov_token_losses(old_BT, lp_BT, adv_BT, mask_BT, *, kl_cov_ratio, ppo_kl
     return loss_BT, {"actor/ppo_kl": _masked_mean(abs_kl_BT, mask_BT)}
 
 
-def _geo_mean_loss(old_BT, lp_BT, adv_BT, mask_BT, weights_BT, *, clip_low, clip_high):
+def _geo_mean_loss(
+    old_BT, lp_BT, adv_BT, mask_BT, weights_BT, *, clip_low, clip_high, local_batch_size
+):
     """GMPO (arXiv 2507.20673): geometric mean of sign-aware clipped token ratios per sequence.
 
-    Returns (pg_loss, metrics); pg_loss is the plain mean over all B rows of -A_seq ratio_seq
-    (verl ignores ``loss_agg_mode`` and the global-batch arguments here)."""
+    Returns (pg_loss, metrics); pg_loss is the sum over the B rows of -A_seq ratio_seq divided by
+    ``local_batch_size`` (None: B), verl's plain mean over the micro-batch's sequences (verl
+    ignores ``loss_agg_mode`` and the global-batch arguments here). Fully masked rows add 0."""
     log_ratio_BT = lp_BT - old_BT  # verl leaves the +-20 clamp commented out
     sign_BT = jnp.sign(adv_BT)
     clamped_BT = _clamp(log_ratio_BT, -clip_low, clip_high)
@@ -541,7 +544,8 @@ def _geo_mean_loss(old_BT, lp_BT, adv_BT, mask_BT, weights_BT, *, clip_low, clip
         "actor/ppo_kl": _masked_mean(-log_ratio_BT, mask_BT),
         "actor/pg_clipfrac_lower": _masked_mean(was_clipped_BT & (adv_BT < 0), mask_BT),
     }
-    return jnp.mean(loss_B), metrics
+    rows = loss_B.shape[0] if local_batch_size is None else local_batch_size
+    return jnp.sum(loss_B) / rows, metrics
 
 
 def _sapo_token_losses(old_BT, lp_BT, adv_BT, mask_BT, *, tau_pos, tau_neg):
@@ -621,11 +625,11 @@ def register_policy_loss(name):
     of scalars. ``kwargs`` holds every other keyword of ``compute_policy_loss`` (``clip_ratio``,
     ``clip_ratio_low`` and ``clip_ratio_high`` resolved to floats, ``clip_ratio_c``,
     ``rollout_is_weights``, ``dp_size``, ``batch_num_tokens``, ``global_batch_size``,
-    ``loss_scale_factor``, the built-in losses' settings, ``rng``) plus any extra keyword the
-    caller gave, the way verl hands every loss the whole actor config: take what you need and
-    accept the rest with ``**kwargs``. The arrays arrive as given (not zeroed at padding);
-    ``agg_loss(loss_BT, response_mask, loss_agg_mode, dp_size=..., ...)`` aggregates like the
-    built-ins. The function is returned unchanged.
+    ``loss_scale_factor``, ``local_batch_size``, the built-in losses' settings, ``rng``) plus
+    any extra keyword the caller gave, the way verl hands every loss the whole actor config:
+    take what you need and accept the rest with ``**kwargs``. The arrays arrive as given (not
+    zeroed at padding); ``agg_loss(loss_BT, response_mask, loss_agg_mode, dp_size=..., ...)``
+    aggregates like the built-ins. The function is returned unchanged.
 
     Args:
         name: a non-empty string that is neither built in (``POLICY_LOSS_MODES``) nor registered
@@ -654,6 +658,7 @@ def compute_policy_loss(
     batch_num_tokens=None,
     global_batch_size=None,
     loss_scale_factor=None,
+    local_batch_size=None,
     clip_cov_ratio=0.0002,
     clip_cov_lb=1.0,
     clip_cov_ub=5.0,
@@ -689,10 +694,12 @@ def compute_policy_loss(
       flat index). Metric ``actor/ppo_kl`` is the masked mean of |lp - old| here.
     * ``geo_mean`` (GMPO, arXiv 2507.20673): per token log r (unclamped) clipped to eps_high
       above for A > 0 and to -eps_low below for A < 0; per sequence ratio = exp(masked mean),
-      advantage = masked mean of A, loss = plain mean over the B rows of -A_seq ratio_seq.
-      Ignores ``loss_agg_mode`` and the global-batch arguments (as verl); token IS weights
-      become their per-sequence geometric mean. Metrics: clipped fraction with A > 0
-      (``pg_clipfrac``) and with A < 0 (``pg_clipfrac_lower``).
+      advantage = masked mean of A, loss = plain mean over the micro-batch's sequences of
+      -A_seq ratio_seq: the sum over the B rows / ``local_batch_size`` (None: B). Ignores
+      ``loss_agg_mode`` and the global-batch arguments (as verl, so micro-batch gradients summed
+      by the engine scale with the micro-batch count); token IS weights become their
+      per-sequence geometric mean. Metrics: clipped fraction with A > 0 (``pg_clipfrac``) and
+      with A < 0 (``pg_clipfrac_lower``).
     * ``sapo`` (arXiv 2511.20347): L = -A sigmoid(tau (r - 1)) 4 / tau, tau = ``tau_pos`` where
       A > 0 else ``tau_neg``. Always aggregated with ``seq-mean-token-mean`` (verl ignores
       ``loss_agg_mode``; the global-batch arguments still apply). Clip fractions are 0.
@@ -726,6 +733,9 @@ def compute_policy_loss(
         policy_loss_mode: one of ``policy_loss_mode_names()``.
         dp_size, batch_num_tokens, global_batch_size, loss_scale_factor: see ``agg_loss``
             (verl's ``global_batch_info``).
+        local_batch_size: the sequences of the micro-batch these [B, T] arrays hold, when they
+            are a larger layout whose other rows are fully masked (packed micro-batches); the
+            divisor of geo_mean's plain mean. None: B.
         clip_cov_ratio, clip_cov_lb, clip_cov_ub: clip_cov settings (config
             ``actor.policy_loss.*``; verl defaults 2e-4, 1, 5).
         kl_cov_ratio, ppo_kl_coef: kl_cov settings (verl defaults 2e-4, 0.1).
@@ -777,6 +787,7 @@ def compute_policy_loss(
             tau_neg=tau_neg,
             dro_beta=dro_beta,
             rng=rng,
+            local_batch_size=local_batch_size,
             **global_batch_info,
             **kwargs,
         )
@@ -827,7 +838,10 @@ def compute_policy_loss(
                 old_BT, lp_BT, adv_BT, mask_BT, kl_cov_ratio=kl_cov_ratio, ppo_kl_coef=ppo_kl_coef
             )
         case "geo_mean":
-            return _geo_mean_loss(old_BT, lp_BT, adv_BT, mask_BT, weights_BT, **clips)
+            return _geo_mean_loss(
+                old_BT, lp_BT, adv_BT, mask_BT, weights_BT, **clips,
+                local_batch_size=local_batch_size,
+            )  # fmt: skip
         case "sapo":
             loss_BT, metrics = _sapo_token_losses(
                 old_BT, lp_BT, adv_BT, mask_BT, tau_pos=tau_pos, tau_neg=tau_neg
@@ -1313,6 +1327,7 @@ def actor_loss(
     batch_num_tokens=None,
     global_batch_size=None,
     loss_scale_factor=None,
+    local_batch_size=None,
     policy_loss_kwargs=None,
 ):
     """verl's actor loss: pg_loss - entropy_coeff * entropy_loss (+ kl_loss_coef * kl_loss).
@@ -1334,6 +1349,8 @@ def actor_loss(
         kl_loss_coef: its weight beta (config ``actor.kl_loss_coef``).
         kl_loss_type: ``kl_penalty`` estimator (config ``actor.kl_loss_type``).
         dp_size, batch_num_tokens, global_batch_size, loss_scale_factor: see ``agg_loss``.
+        local_batch_size: see ``compute_policy_loss`` (geo_mean's divisor; the other terms use
+            the global-batch arguments).
         policy_loss_kwargs: the per-loss settings passed on to ``compute_policy_loss`` (e.g.
             ``{"clip_cov_ratio": 2e-4}``, ``{"tau_pos": 1.0, "tau_neg": 1.05}``,
             ``{"dro_beta": 0.1}``, ``{"rng": key}``, or a registered loss's own keywords).
@@ -1369,6 +1386,7 @@ def actor_loss(
         clip_ratio_c=clip_ratio_c,
         rollout_is_weights=rollout_is_weights,
         policy_loss_mode=policy_loss_mode,
+        local_batch_size=local_batch_size,
         **global_batch_info,
         **(policy_loss_kwargs or {}),
     )

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -12,7 +13,7 @@ sys.path.insert(0, ROOT)
 import train  # noqa: E402
 from configs import common, demo, gsm8k, gsm8k_dapo, gsm8k_drgrpo, gsm8k_lora  # noqa: E402
 from configs import math as math_config  # noqa: E402
-from grpo_jax import config  # noqa: E402
+from grpo_jax import config, loss  # noqa: E402
 
 
 def _set(c, dotted, value):
@@ -269,6 +270,44 @@ def test_loss_config_is_the_one_the_update_trains_with():
     assert settings["loss_type"] == "reinforce"
     assert run.loss_config().calculate_entropy == (not run.needs_old_log_probs or
                                                   run.actor.calculate_entropy)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "low, high, want",
+    [
+        # One token per advantage sign, old log-prob 0, clip_ratio = 0.1:
+        #   A = +1, r = 1.15: the high side clips at 1 + eps_high, L = -min(r, 1 + eps_high);
+        #   A = -1, r = 0.85: the low side clips at 1 - eps_low, L = max(r, 1 - eps_low)
+        #   (the dual clip, 3, does not bind); token-mean of the two.
+        (None, None, (-1.1 + 0.9) / 2),  # both null: both read clip_ratio 0.1
+        (None, 0.2, (-1.15 + 0.9) / 2),  # low null -> 0.1; high 0.2 leaves r = 1.15 unclipped
+        (0.2, None, (-1.1 + 0.85) / 2),  # high null -> 0.1; low 0.2 leaves r = 0.85 unclipped
+    ],
+)
+def test_null_clip_ratio_low_high_fall_back_to_clip_ratio(low, high, want):
+    # verl's YAML may set actor.clip_ratio_low / clip_ratio_high to null; every policy loss then
+    # reads actor.clip_ratio (core_algos.compute_policy_loss_vanilla: `clip_ratio_low if not
+    # None else clip_ratio`).
+    c = gsm8k.get_config()
+    c.actor.clip_ratio = 0.1
+    c.actor.clip_ratio_low = low
+    c.actor.clip_ratio_high = high
+    lc = _loss_config(c)
+    assert (lc.clip_ratio, lc.clip_ratio_low, lc.clip_ratio_high) == (0.1, low, high)
+    lp = np.log(np.array([[1.15, 0.85]], np.float32))
+    value, _ = loss.actor_loss(
+        np.zeros_like(lp),
+        lp,
+        np.array([[1.0, -1.0]], np.float32),
+        np.ones_like(lp),
+        policy_loss_mode=lc.policy_loss_mode,
+        loss_agg_mode=lc.loss_agg_mode,
+        clip_ratio=lc.clip_ratio,
+        clip_ratio_low=lc.clip_ratio_low,
+        clip_ratio_high=lc.clip_ratio_high,
+        clip_ratio_c=lc.clip_ratio_c,
+    )
+    np.testing.assert_allclose(float(value), want, rtol=1e-6)
 
 
 def test_library_defaults_are_verls():

@@ -3,7 +3,8 @@
 The reference is the padded computation on one micro-batch (trainer.train_step with the whole
 mini-batch as its micro-batch; padding never contributes there either): the packed loss,
 gradients and metrics, summed over however many micro-batches the token budget makes, must
-equal it for every loss_agg_mode, on mixed prompt and response lengths.
+equal it for every loss_agg_mode, on mixed prompt and response lengths. geo_mean, which verl
+averages per micro-batch, must equal the padded update of each micro-batch's sequences, summed.
 """
 
 import functools
@@ -251,3 +252,59 @@ def test_packed_update_equals_the_unpadded_one_in_every_agg_mode(params, agg, gr
         want = float(want_m[key])
         numerics.assert_close(got_m[key], want, ulps=METRIC_ULPS, scale=max(abs(want), 1.0),
                               err_msg=key)  # fmt: skip
+
+
+def _padded_sub_batch_update(params, batch, rows, lc):
+    """The padded update (train_step) on the sequences `rows` alone, as one micro-batch."""
+    sub = jax.tree.map(lambda x: x[rows], batch)
+    n = len(rows)
+    state = actor.init_state(params, _SGD)
+    new, metrics = jax.jit(
+        functools.partial(
+            actor.train_step,
+            model_config=CFG,
+            loss_config=lc,
+            tx=_SGD,
+            mini_batch_size=n,
+            micro_batch_size=n,
+        )
+    )(state, sub, jnp.int32(0), jnp.float32(1.0))
+    return jax.tree.map(lambda a, b: a - b, params, new.params), metrics
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_packed_geo_mean_is_verls_mean_per_micro_batch(params, group):
+    # verl's geo_mean (GMPO) loss is torch.mean over the micro-batch's sequences, whatever the
+    # global-batch arguments, and the engine sums the micro-batch losses' gradients unscaled:
+    # the update is the sum over micro-batches m of the padded update of m's sequences alone
+    # (with equal micro-batches, M times the mini-batch mean). The token budget makes
+    # micro-batches of 3, 3 and 2 sequences here, so each weighs its sequences differently (a
+    # mean over the whole mini-batch is off by about M = 3).
+    prompt_ids, prompt_mask, resp_ids, resp_mask = _rollout(4, group)
+    batch = _padded_batch(prompt_ids, prompt_mask, resp_ids, resp_mask)
+    old, _ = actor.compute_log_probs(
+        CFG, params, batch, micro_batch_size=B, temperature=1.0, chunk_size=16,
+        calculate_entropy=False,
+    )  # fmt: skip
+    old = old + 0.3 * jnp.asarray(np.random.default_rng(4).normal(size=(B, T)), jnp.float32)
+    batch = batch.replace(old_log_probs_BT=old * batch.response_mask_BT)
+    lc = actor.LossConfig(policy_loss_mode="geo_mean", chunk_size=16)
+
+    packed = packing.pack(prompt_ids, prompt_mask, resp_ids, resp_mask, max_tokens=32, row_len=16)
+    step = jax.jit(functools.partial(actor.packed_micro_grads, model_config=CFG, loss_config=lc))
+    grads = want_g = jax.tree.map(jnp.zeros_like, params)
+    got_pg = want_pg = 0.0
+    sizes = []
+    for m in range(packed.num_micro):
+        micro = actor.PackedMicro(**{k: jnp.asarray(v) for k, v in packed.micro(m).items()})
+        grads, metrics = step(params, grads, micro, batch)
+        got_pg += float(metrics["actor/pg_loss"])
+        slot_bt = packed.micro(m)["slot_bt_GN"]
+        rows = np.unique(slot_bt[slot_bt < B * T] // T)
+        g, ref = _padded_sub_batch_update(params, batch, rows, lc)
+        want_g = jax.tree.map(jnp.add, want_g, g)
+        want_pg += float(ref["actor/pg_loss"])
+        sizes.append(len(rows))
+    assert len(sizes) > 1 and len(set(sizes)) > 1 and sum(sizes) == B  # uneven micro-batches
+    numerics.assert_trees_close(grads, want_g, ulps=GRAD_ULPS, err_msg="grad")
+    numerics.assert_close(got_pg, want_pg, ulps=METRIC_ULPS, scale=max(abs(want_pg), 1.0))

@@ -9,8 +9,8 @@ import numpy as np
 import optax
 import pytest
 
-from grpo_jax import model
-from grpo_jax.trainer import actor
+from grpo_jax import config, model
+from grpo_jax.trainer import actor, setup
 
 CFG = model.ModelConfig.tiny()
 # Gradients of the same loss computed in another order (micro-batches, a jax.grad of the
@@ -201,6 +201,31 @@ def test_lr_schedule_values():
     assert float(c(3)) == pytest.approx(1e-6)
     with pytest.raises(ValueError, match=r"constant.*cosine.*'linear'"):
         actor.lr_schedule(lr=1.0, warmup_steps=0, total_steps=1, kind="linear")
+
+
+@pytest.mark.parametrize(
+    "epochs, total_training_steps, want_steps, want_total",
+    [
+        # 23 prompts, 5 a batch: 4 full batches an epoch (the last 3 prompts dropped).
+        (2, None, 8, 8),  # epochs x batches per epoch
+        (2, 3, 3, 3),  # total_training_steps below the epochs' 8 steps: it ends the run
+        (2, 8, 8, 8),
+        # Above them the epochs end the run (verl's loop also stops when its epoch count,
+        # (global_steps - 1) // steps_per_epoch, reaches total_epochs), but 100 stays the
+        # learning-rate schedule's horizon and the step verl counts as the last.
+        (2, 100, 8, 100),
+    ],
+)
+def test_run_length_is_verls(epochs, total_training_steps, want_steps, want_total):
+    run = config.RunConfig(
+        data=config.DataConfig(train_batch_size=5),
+        actor=config.ActorConfig(ppo_mini_batch_size=5),
+        trainer=config.TrainerConfig(
+            total_epochs=epochs, total_training_steps=total_training_steps
+        ),
+    )
+    assert setup.total_steps(run, 23) == want_steps
+    assert setup.total_training_steps(run, 23) == want_total
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,8 @@ and 6, verl 0.9.1 engine workers):
   (`batch_num_tokens` = valid tokens of the whole mini-batch, `global_batch_size` = its
   sequences), so the summed gradient is exactly that of the mini-batch loss: token-mean is a
   true token mean over the mini-batch, as in verl 0.9.1's engine workers (not the legacy
-  mean of micro-batch means). The mesh gives a global view, so dp_size is 1 here.
+  mean of micro-batch means). The mesh gives a global view, so dp_size is 1 here. geo_mean
+  is the exception: verl takes its plain mean over each micro-batch's sequences.
 * Log-probs come from `model.hidden_states` and `loss.logprobs_and_entropy_from_hidden`
   (chunked over token rows, never a [B, T, V] array), from logits divided by the rollout
   temperature as verl does.
@@ -324,12 +325,17 @@ def _combine(metrics_M: dict, share_M) -> dict:
     }
 
 
-def _objective(lc: LossConfig, lp_BT, ent_BT, batch: TrainBatch, mask_BT, *, num_tokens, rows):
+def _objective(
+    lc: LossConfig, lp_BT, ent_BT, batch: TrainBatch, mask_BT, *, num_tokens, rows,
+    micro_rows=None,
+):  # fmt: skip
     """verl's actor loss of one micro-batch, normalised by the mini-batch's global counts.
 
     `mask_BT` is the micro-batch's share of the response mask; with the global counts
     (`num_tokens` valid tokens, `rows` sequences of the mini-batch) the micro-batch losses sum
-    exactly to the mini-batch loss (verl 0.9.1's engine workers).
+    exactly to the mini-batch loss (verl 0.9.1's engine workers). The exception is geo_mean,
+    whose loss verl averages over the micro-batch's own sequences: `micro_rows` of them when
+    `batch` is a larger layout (packed micro-batches), else all of its rows.
     """
     old_BT = batch.old_log_probs_BT
     if old_BT is None:  # on-policy: ratio 1 in value, gradient of log pi (verl skips old)
@@ -354,6 +360,7 @@ def _objective(lc: LossConfig, lp_BT, ent_BT, batch: TrainBatch, mask_BT, *, num
         batch_num_tokens=num_tokens,
         global_batch_size=rows,
         loss_scale_factor=lc.loss_scale_factor,
+        local_batch_size=micro_rows,
         rollout_is_weights=batch.rollout_is_weights_BT,
         policy_loss_kwargs=dict(lc.policy_loss_kwargs),
     )
@@ -548,7 +555,9 @@ def packed_micro_grads(
     `batch` is the mini-batch in the [B, T] response layout (advantages, old and reference
     log-probs, mask); the micro-batch's log-probs are scattered into it, and the loss sees only
     its own sequences (mask) with the mini-batch's global counts, so the micro-batch
-    contributions add up to exactly the unpadded mini-batch loss and gradient. With LoRA,
+    contributions add up to exactly the unpadded mini-batch loss and gradient. geo_mean, which
+    verl averages over each micro-batch's sequences (the engine sums the micro-batch
+    gradients), divides by this micro-batch's sequence count, as `train_step` does. With LoRA,
     `params` are the adapters and `base` the frozen base (see `train_step`).
 
     Returns:
@@ -563,6 +572,9 @@ def packed_micro_grads(
         jnp.ones(micro.slot_bt_GN.shape, jnp.float32), micro.slot_bt_GN, shape
     )
     mask_BT = mask_all_BT * in_micro_BT
+    # This micro-batch's sequences: those with a response token in it (an empty response has
+    # no slot, so it counts in no micro-batch; its geo_mean loss is 0 all the same).
+    micro_rows = jnp.sum(jnp.max(in_micro_BT, axis=1))
 
     def loss_fn(params):
         lp_GN, ent_GN = packed_log_probs(
@@ -576,7 +588,10 @@ def packed_micro_grads(
         )
         lp_BT = scatter_slots(lp_GN, micro.slot_bt_GN, shape)
         ent_BT = None if ent_GN is None else scatter_slots(ent_GN, micro.slot_bt_GN, shape)
-        return _objective(lc, lp_BT, ent_BT, batch, mask_BT, num_tokens=num_tokens, rows=rows)
+        return _objective(
+            lc, lp_BT, ent_BT, batch, mask_BT, num_tokens=num_tokens, rows=rows,
+            micro_rows=micro_rows,
+        )  # fmt: skip
 
     (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
     share = jnp.sum(mask_BT) / jnp.maximum(num_tokens, 1)

@@ -15,7 +15,8 @@
   warm-up   optional supervised steps on reference answers, then a fresh optimizer;
   loop      per step: the next prompts, `rollout_stage.rollout_stage` (sample and score) and
             `train_stage.train_stage` (log-probs, advantages, update), validation every
-            trainer.test_freq steps and at the last step (verl: none with test_freq=-1), a
+            trainer.test_freq steps and at the last step (verl: none with test_freq=-1, and
+            none when total_epochs ends the run before trainer.total_training_steps), a
             checkpoint every trainer.save_freq steps (and after the last step with
             checkpoint.save_last), one metrics.jsonl line, the callbacks;
   async     (trainer.async_rollout, grpo_jax/rollout/async_rollout.py) the next step's rollout stage
@@ -165,8 +166,10 @@ def _train(
         else None
     )
     steps = setup.total_steps(run, len(train_set))
+    # verl's total_training_steps: the schedule's horizon even when the epochs end the run first
+    last_step = setup.total_training_steps(run, len(train_set))
     eos_ids, pad_id = loading.special_ids(tokenizer, model_config)
-    tx, schedule = setup.make_optimizer(run, steps)
+    tx, schedule = setup.make_optimizer(run, last_step)
     layout = setup.state_layout(run, model_config, mesh, rules, tx)
     model_config, state_sh = layout.model_config, layout.state_shardings
     state, params = setup.init_state(run, layout, params, tx)
@@ -294,6 +297,7 @@ def _train(
             schedule,
             start_step,
             steps,
+            last_step,
             mngr,
             writer,
             evaluate if val_set is not None else None,
@@ -407,8 +411,11 @@ class _PromptReader:
 
 
 def _steps(
-    run, ctx, loop, train_set, schedule, start, steps, mngr, writer, evaluate, callbacks, is_main
+    run, ctx, loop, train_set, schedule, start, steps, last_step, mngr, writer, evaluate,
+    callbacks, is_main,
 ) -> list[dict]:
+    """Steps start + 1 .. steps; `last_step` is verl's total_training_steps (validated at; past
+    `steps` when the epochs end the run first, so that run has no last-step validation)."""
     import tqdm
 
     bar = tqdm.tqdm(
@@ -494,7 +501,7 @@ def _steps(
             timing["timing_s/step"] = time.perf_counter() - t_step  # verl: validation excluded
             compiled = perf.compile_stats() - compiled
             timing["timing_s/compile"] = compiled.seconds
-            tests = t.test_freq > 0 and (done % t.test_freq == 0 or done == steps)
+            tests = t.test_freq > 0 and (done % t.test_freq == 0 or done == last_step)
             if evaluate is not None and tests:
                 if ahead is not None:
                     ahead.wait()  # the batch in flight, on the same engine, finishes first

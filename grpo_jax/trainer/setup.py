@@ -37,10 +37,26 @@ def make_optimizer(run: config_lib.RunConfig, total_steps: int):
     return tx, schedule
 
 
-def total_steps(run: config_lib.RunConfig, num_prompts: int) -> int:
-    """trainer.total_training_steps, else total_epochs x full batches per epoch."""
+def total_training_steps(run: config_lib.RunConfig, num_prompts: int) -> int:
+    """verl's `total_training_steps`: trainer.total_training_steps, else total_epochs x full
+    batches per epoch. The learning-rate schedule's horizon (warm-up ratio, cosine decay) and
+    the step verl treats as the last (validation there); the run itself may stop earlier
+    (`total_steps`)."""
     per_epoch = prompts.steps_per_epoch(num_prompts, run.data.train_batch_size)
     return run.trainer.total_training_steps or run.trainer.total_epochs * per_epoch
+
+
+def total_steps(run: config_lib.RunConfig, num_prompts: int) -> int:
+    """The training steps the run takes: `total_training_steps`, capped at total_epochs x full
+    batches per epoch.
+
+    verl 0.9.1 (v1 PPOTrainer.fit) loops while its epoch, (global_steps - 1) // steps_per_epoch
+    (steps_per_epoch = prompts // data.train_batch_size), is below trainer.total_epochs and
+    global_steps <= total_training_steps, so a trainer.total_training_steps beyond the epochs'
+    steps ends at the epochs; a smaller one ends the run first.
+    """
+    per_epoch = prompts.steps_per_epoch(num_prompts, run.data.train_batch_size)
+    return min(total_training_steps(run, num_prompts), run.trainer.total_epochs * per_epoch)
 
 
 @dataclasses.dataclass(frozen=True)
