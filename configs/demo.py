@@ -19,9 +19,10 @@ printed at the end.
 
 Measured (`/usr/bin/time -v python scripts/check_demo.py --config.trainer.seed=1` on this
 repository's 2-core CPU, float32, 2026-12-03, empty compilation cache): greedy accuracy on the 48
-held-out sums 0.06 before training -> 0.42 (step 4), 0.54 (8), **0.71 after 12 steps**; the
-"####" format 0.00 -> 1.00; 481 s wall for the whole run, compilation and the four validations
-included, peak RSS 5.6 GB (seed 0: 0.06 -> 0.69). What it learns: to write the sum and a "####"
+held-out sums 0.06 before training -> 0.38 (step 4), 0.54 (8), **0.71 after 12 steps**; the
+"####" format 0.00 -> 1.00; 420 s wall for the whole run, compilation (all in step 1) and the
+four validations included, peak RSS 5.7 GB (seed 0: 0.06 -> 0.67, 5.7 GB; a second run on the
+warm cache: 337 s). What it learns: to write the sum and a "####"
 line, e.g. '17+11' -> 'The final answer is 17 + 11 = 22.' before, '#### 17 + 11 = 28' after. The
 flexible scorer reads the last number; verl's strict GSM8K scorer reads the first number after
 "####", so the strict reward stays lower: this demo teaches the sums and the format bonus, not
