@@ -1112,8 +1112,11 @@ def entropy_from_logits(logits):
     return jax.nn.logsumexp(z, axis=-1) - jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
 
 
-def _logprob_entropy_chunk(z_rV, labels_r, inv_temperature, dtype):
-    """Forward on one chunk of rows: (log-prob, entropy, logsumexp, E_p[z]), all float32 [r]."""
+def _logprob_entropy_chunk(z_rV, labels_r, inv_temperature, dtype, with_entropy=True):
+    """Forward on one chunk of rows: (log-prob, entropy, logsumexp, E_p[z]), all float32 [r].
+
+    Without ``with_entropy`` the entropy and E_p[z] are zeros and the sum of p z over the
+    vocabulary (a third pass over the chunk's logits) is not computed."""
     z_rV = _upcast_chunk(z_rV, dtype) * inv_temperature
     max_r = jnp.max(z_rV, axis=-1)
     max_r = jnp.where(jnp.isfinite(max_r), max_r, 0.0)
@@ -1121,21 +1124,26 @@ def _logprob_entropy_chunk(z_rV, labels_r, inv_temperature, dtype):
     e_rV = jnp.exp(z_rV - max_r[:, None])
     sum_e_r = jnp.sum(e_rV, axis=-1)
     lse_r = max_r + jnp.log(sum_e_r)
-    mean_z_r = jnp.sum(e_rV * z_rV, axis=-1) / sum_e_r
     picked_r = jnp.take_along_axis(z_rV, labels_r[:, None], axis=-1)[:, 0]
+    if not with_entropy:
+        zeros_r = jnp.zeros_like(lse_r)
+        return picked_r - lse_r, zeros_r, lse_r, zeros_r
+    mean_z_r = jnp.sum(e_rV * z_rV, axis=-1) / sum_e_r
     return picked_r - lse_r, lse_r - mean_z_r, lse_r, mean_z_r
 
 
-def _logprob_entropy_chunk_grad(z_rV, labels_r, lse_r, mean_z_r, g_lp_r, g_ent_r, inv_temp, dtype):
+def _logprob_entropy_chunk_grad(
+    z_rV, labels_r, lse_r, mean_z_r, g_lp_r, g_ent_r, inv_temp, dtype, with_entropy=True
+):
     """d/dz of sum(g_lp * logp + g_ent * H): g_lp (onehot - p) - g_ent p (z - E_p[z])."""
     zs_rV = _upcast_chunk(z_rV, dtype) * inv_temp
     p_rV = jnp.exp(zs_rV - lse_r[:, None])
     onehot_rV = (jnp.arange(z_rV.shape[-1], dtype=jnp.int32)[None, :] == labels_r[:, None]).astype(
         jnp.float32
     )
-    grad_rV = g_lp_r[:, None] * (onehot_rV - p_rV) - g_ent_r[:, None] * p_rV * (
-        zs_rV - mean_z_r[:, None]
-    )
+    grad_rV = g_lp_r[:, None] * (onehot_rV - p_rV)
+    if with_entropy:
+        grad_rV = grad_rV - g_ent_r[:, None] * p_rV * (zs_rV - mean_z_r[:, None])
     return _to_bits((grad_rV * inv_temp).astype(dtype))
 
 
@@ -1220,6 +1228,59 @@ def logprobs_and_entropy_chunked(
     return lp_N.reshape(lead), (ent_N.reshape(lead) if calculate_entropy else None)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _head_chunk(unembed, with_entropy, inv_temperature, h_rD, labels_r, any_valid, *consts):
+    """(log-prob, entropy) [r] of one chunk of hidden-state rows, logits made and dropped inside.
+
+    Its VJP saves the rows' logsumexp and E_p[z] (two floats a row, nothing [r, V]) and, in
+    the backward, makes the logits once more for the gradient: no second max / exp / sum pass
+    over the vocabulary as a checkpointed forward would run. ``any_valid`` False (a traced
+    bool, or None for always) skips the chunk, forward and backward: outputs and gradients 0.
+    """
+    return _head_chunk_fwd(unembed, with_entropy, inv_temperature, h_rD, labels_r, any_valid,
+                           *consts)[0]  # fmt: skip
+
+
+def _head_chunk_fwd(unembed, with_entropy, inv_temperature, h_rD, labels_r, any_valid, *consts):
+    def compute(h_rD, labels_r, consts):
+        z_rV = unembed(h_rD, *consts)
+        return _logprob_entropy_chunk(z_rV, labels_r, inv_temperature, z_rV.dtype, with_entropy)
+
+    def skip(h_rD, labels_r, consts):
+        zeros = jnp.zeros(labels_r.shape, jnp.float32)
+        return zeros, zeros, zeros, zeros
+
+    if any_valid is None:
+        lp_r, ent_r, lse_r, mean_z_r = compute(h_rD, labels_r, consts)
+    else:
+        lp_r, ent_r, lse_r, mean_z_r = jax.lax.cond(any_valid, compute, skip, h_rD, labels_r,
+                                                    consts)  # fmt: skip
+    return (lp_r, ent_r), (h_rD, labels_r, any_valid, lse_r, mean_z_r, consts)
+
+
+def _head_chunk_bwd(unembed, with_entropy, inv_temperature, res, g):
+    h_rD, labels_r, any_valid, lse_r, mean_z_r, consts = res
+    g_lp_r, g_ent_r = g
+
+    def compute(h_rD, consts):
+        z_rV, vjp = jax.vjp(unembed, h_rD, *consts)
+        g_z = _logprob_entropy_chunk_grad(z_rV, labels_r, lse_r, mean_z_r, g_lp_r, g_ent_r,
+                                          inv_temperature, z_rV.dtype, with_entropy)  # fmt: skip
+        return vjp(_from_bits(g_z, z_rV.dtype))
+
+    def skip(h_rD, consts):
+        return (jnp.zeros_like(h_rD), *(jnp.zeros_like(c) for c in consts))
+
+    if any_valid is None:
+        grads = compute(h_rD, consts)
+    else:
+        grads = jax.lax.cond(any_valid, compute, skip, h_rD, consts)
+    return (grads[0], None, None, *grads[1:])
+
+
+_head_chunk.defvjp(_head_chunk_fwd, _head_chunk_bwd)
+
+
 def logprobs_and_entropy_from_hidden(
     h_BTD,
     unembed,
@@ -1268,29 +1329,21 @@ def logprobs_and_entropy_from_hidden(
     h_ND = jnp.pad(h_BTD.reshape(num, dim), ((0, pad), (0, 0)))
     labels_N = jnp.pad(labels.reshape(num).astype(jnp.int32), (0, pad))
 
-    def rows_of(h_rD, labels_r):
-        z_rV = unembed(h_rD)
-        return _logprob_entropy_rows(z_rV, labels_r, rows, inv_temperature)
-
-    def skip(h_rD, labels_r):
-        zeros = jnp.zeros((rows,), jnp.float32)
-        return zeros, zeros
-
-    # The checkpoint wraps the skip too: a checkpoint inside lax.cond would save each chunk's
-    # logits for the backward (1,134 MiB of temporaries instead of 313 at the demo's 2,048
-    # slots; test_skipping_chunks_saves_no_logits_for_the_backward).
-    @functools.partial(jax.checkpoint, prevent_cse=False)
-    def chunk(h_rD, labels_r, any_valid=None):
-        if any_valid is None:
-            return rows_of(h_rD, labels_r)
-        return jax.lax.cond(any_valid, rows_of, skip, h_rD, labels_r)
-
+    # The unembedding's closed-over weights become explicit arguments of the chunk's VJP.
+    fn, consts = jax.closure_convert(unembed, h_ND[:rows])
+    head = functools.partial(_head_chunk, fn, bool(calculate_entropy), inv_temperature)
     xs = (h_ND.reshape(chunks, rows, dim), labels_N.reshape(chunks, rows))
     if valid is not None:
         if valid.shape != labels.shape:
             raise ValueError(f"valid {valid.shape} does not match labels {labels.shape}")
         xs = (*xs, jnp.pad(valid.reshape(num), (0, pad)).reshape(chunks, rows).any(1))
-    body = lambda carry, x: (carry, chunk(*x))  # noqa: E731
+    else:
+        xs = (*xs, None)
+
+    def body(carry, x):
+        h_rD, labels_r, any_valid = x
+        return carry, head(h_rD, labels_r, any_valid, *consts)
+
     _, (lp_Cr, ent_Cr) = jax.lax.scan(body, None, xs)
     lp_BT = lp_Cr.reshape(-1)[:num].reshape(batch, length)
     ent_BT = ent_Cr.reshape(-1)[:num].reshape(batch, length) if calculate_entropy else None

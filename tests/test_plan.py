@@ -387,14 +387,14 @@ def test_advice_turns_on_gradient_checkpointing_when_no_micro_batch_fits(r64):
 
 def test_advice_spreads_fsdp_over_the_data_devices_when_nothing_else_is_left():
     # Remat on and 1 sequence a device in every pass: no knob is left. Mesh (2,2,2) replicates
-    # params and Adam state over data: update 0.795 MB; on (1,4,2) 0.785 MB, log-probs 0.41 MB.
+    # params and Adam state over data: update 0.779 MB; on (1,4,2) 0.770 MB, log-probs 0.41 MB.
     c = _config(
         (2, 2, 2),
         **VLLM,
         **{"data.max_response_length": 64, "model.enable_gradient_checkpointing": True,
            "rollout.log_prob_micro_batch_size_per_gpu": 1},
     )  # fmt: skip
-    budget = 790_000
+    budget = 775_000
     fix = planner.advise(_over(c, budget), budget)
     assert fix.overrides == (("mesh.shape", (1, 4, 2)),) and fix.fits
     assert fix.peak == _refit(c, fix) <= budget
