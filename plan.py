@@ -61,7 +61,8 @@ def main(argv):
     hbm_gib = planner.DEVICE_HBM[_DEVICE.value] / planner.GIB if _DEVICE.value else _HBM_GIB.value
     print(planner.report(run, model_name=_MODEL.value, hbm_gib=hbm_gib,
                          usable_fraction=_USABLE.value, search=_SEARCH.value,
-                         max_micro=_MAX_MICRO.value))  # fmt: skip
+                         max_micro=_MAX_MICRO.value,
+                         backend=planner.DEVICE_BACKEND.get(_DEVICE.value)))  # fmt: skip
 
 
 if __name__ == "__main__":

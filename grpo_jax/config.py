@@ -240,6 +240,11 @@ class ModelSpec:
     # "dots_except_mlp_in_saveable" (those but the MLP's gate/up), "dots_saveable" (every
     # matmul output).
     gradient_checkpointing_policy: str = "nothing_saveable"
+    # How causal self-attention runs in the update and the log-prob passes
+    # (grpo_jax/models/attention.py): "xla" (dense float32 scores, T^2 a row and head),
+    # "blockwise" (online softmax over key blocks: memory linear in the row length), "auto"
+    # (blockwise off the CPU and for rows of 2,048 tokens or more, else xla).
+    attention_impl: str = "auto"
     # LoRA (grpo_jax/models/lora.py; verl's actor_rollout_ref.model.*): rank r of the adapters
     # trained on the frozen base; 0 = full fine-tuning. The reference is then the base, adapters
     # off.
@@ -262,6 +267,7 @@ class ModelSpec:
             self.gradient_checkpointing_policy,
             model_lib.REMAT_POLICIES,
         )
+        c.choice("attention_impl", self.attention_impl, model_lib.ATTENTION_IMPLS)
         c.need(self.lora_rank >= 0, "lora_rank", self.lora_rank, "must be >= 0 (0 = no LoRA)")
         c.need(self.lora_alpha > 0, "lora_alpha", self.lora_alpha, "must be > 0")
         c.call(lora.parse_target_modules, self.target_modules)

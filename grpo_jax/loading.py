@@ -98,6 +98,7 @@ def model(
             dtype=dtype,
             remat=spec.enable_gradient_checkpointing,
             remat_policy=spec.gradient_checkpointing_policy,
+            attention_impl=spec.attention_impl,
         )
         if len(tok) > cfg.vocab_size:
             raise InputError(
@@ -119,6 +120,7 @@ def model(
         param_dtype=param_dtype,
         remat=spec.enable_gradient_checkpointing,
         remat_policy=spec.gradient_checkpointing_policy,
+        attention_impl=spec.attention_impl,
         max_position_embeddings=max_positions,
         eos_token_ids=(tok.eos_token_id,),
         pad_token_id=tok.pad_token_id,

@@ -31,6 +31,7 @@ from grpo_jax.models.attention import CAUSAL_BLOCK, MAX_CAUSAL_BLOCKS  # noqa: F
 from grpo_jax.models.config import (  # noqa: F401
     ADAPTERS,
     ARCHITECTURES,
+    ATTENTION_IMPLS,
     LORA_TARGETS,
     REMAT_POLICIES,
     ModelConfig,

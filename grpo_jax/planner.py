@@ -64,7 +64,7 @@ import jax.numpy as jnp
 from grpo_jax import config as config_lib
 from grpo_jax import errors, sampler, sharding
 from grpo_jax import model as model_lib
-from grpo_jax.models import gguf, lora
+from grpo_jax.models import attention, gguf, lora
 from grpo_jax.trainer import actor as actor_lib
 from grpo_jax.trainer import packing, programs, setup
 
@@ -76,6 +76,9 @@ GIB = 2**30
 #     as 95 GiB. JAX sees one device per chip (its two TensorCores run as one megacore), so a
 #     v5p-16 slice (16 TensorCores) is 8 devices on 2 hosts, a v5p-8 is 4 on one.
 DEVICE_HBM = {"h200": 141 * 10**9, "v5p": 95 * GIB}
+# The backend a --device runs: model.attention_impl="auto" is resolved for it (the planner
+# itself compiles on CPU devices).
+DEVICE_BACKEND = {"h200": "gpu", "v5p": "tpu"}
 
 # Architectures from the models' config.json, so planning needs no download.
 _QWEN = {"rope_theta": 1e6, "rms_norm_eps": 1e-6}
@@ -319,6 +322,7 @@ class Planner:
         self.rules = rules
         self.lora = bool(model_config.lora_rank)
         self.model_name = ""  # from_run sets it, so that `variant` can re-plan a changed run
+        self.backend = None  # from_run sets it: the backend "auto" attention is resolved for
         self._variants = {}
         abstract = model_lib.abstract_params(model_config)
         self.num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract))
@@ -389,7 +393,8 @@ class Planner:
         overrides = tuple(overrides)
         if overrides not in self._variants:  # memoised too: advise asks again for the same
             run = with_overrides(self.run, overrides)
-            self._variants[overrides] = from_run(run, model_name=self.model_name)
+            self._variants[overrides] = from_run(run, model_name=self.model_name,
+                                                 backend=self.backend)  # fmt: skip
         return self._variants[overrides]
 
     def _arr(self, shape, dtype):
@@ -873,7 +878,8 @@ def plan(
             f"model: {p.cfg.arch} L={p.cfg.num_layers} D={p.cfg.hidden_size} N={p.cfg.num_heads} "
             f"K={p.cfg.num_kv_heads} H={p.cfg.head_dim} F={p.cfg.intermediate_size} "
             f"V={p.cfg.vocab_size} ({p.num_params / 1e9:.2f}B) params={p.cfg.param_dtype} "
-            f"compute={p.cfg.dtype} remat={p.cfg.remat}"
+            f"compute={p.cfg.dtype} remat={p.cfg.remat} attention={p.cfg.attention_impl}"
+            f"{_attention_note(p)}"
         ),
         (
             f"mesh: {dict(p.mesh.shape)} on {p.mesh.devices.size} x {p.mesh.devices.flat[0].platform}"
@@ -1036,9 +1042,18 @@ def _fits(m: PhaseMemory, peak_fn, budget) -> tuple[bool, int]:
     return _fits_peak(peak_fn(m), budget)
 
 
-def from_run(run: config_lib.RunConfig, *, model_name: str = "", mesh=None) -> Planner:
+def _attention_note(p: Planner) -> str:
+    if p.backend in ("gpu", "tpu") and p.cfg.attention_impl == "blockwise":
+        return f" (for {p.backend}: the linear-memory blockwise kernel, compiled here on CPU)"
+    return ""
+
+
+def from_run(
+    run: config_lib.RunConfig, *, model_name: str = "", mesh=None, backend: str | None = None
+) -> Planner:
     """The Planner of a run; ``model_name`` picks a PRESET, else the HF config.json in
-    model.path (a local directory)."""
+    model.path (a local directory). ``backend`` ("gpu", "tpu", None: JAX's own) is what
+    model.attention_impl="auto" is resolved for."""
     dtype, param_dtype = jnp.dtype(run.model.dtype), jnp.dtype(run.model.param_dtype)
     remat = bool(run.model.enable_gradient_checkpointing)
     path = run.model.path
@@ -1060,13 +1075,19 @@ def from_run(run: config_lib.RunConfig, *, model_name: str = "", mesh=None) -> P
             f"HF checkpoint directory or .gguf file in config.model.path (got {path!r})"
         )
     # What a rematerialised layer keeps changes the update's memory (loading.py does the same).
-    cfg = dataclasses.replace(cfg, remat_policy=run.model.gradient_checkpointing_policy)
+    row = run.data.max_prompt_length + run.data.max_response_length
+    cfg = dataclasses.replace(
+        cfg,
+        remat_policy=run.model.gradient_checkpointing_policy,
+        attention_impl=attention.resolve(run.model.attention_impl, row, backend),
+    )
     mesh = sharding.make_mesh(tuple(run.mesh.shape)) if mesh is None else mesh
     tx, _ = setup.make_optimizer(run, total_steps=1)
     # config.mesh.rules (None = sharding.LOGICAL_RULES) overrides the logical-axis rules.
     rules = sharding.rules_from_config(run.mesh.rules)
     planner = Planner(cfg, mesh, run, tx=tx, rules=rules)
     planner.model_name = model_name
+    planner.backend = backend
     return planner
 
 
@@ -1078,9 +1099,10 @@ def report(
     usable_fraction: float = 0.9,
     search: bool = True,
     max_micro: int = 64,
+    backend: str | None = None,
 ) -> str:
     """The memory report of `run` (plan.py, ``train.py --plan``): see the module docstring."""
-    planner = from_run(run, model_name=model_name)
+    planner = from_run(run, model_name=model_name, backend=backend)
     return plan(
         planner, hbm_bytes=int(hbm_gib * GIB * usable_fraction), search=search, max_micro=max_micro
     )

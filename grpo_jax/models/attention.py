@@ -1,14 +1,107 @@
 """Softmax attention with grouped-query heads, for training, log-probs and prefill.
 
-`attend` is the plain form (any visibility mask, float32 softmax); `attend_causal` is the same
-result for causal self-attention, skipping the key blocks above the diagonal. The decode path's
-attention over a grouped KV cache lives with the caches (grpo_jax/models/decode.py).
+`self_attention` is the entry point of causal self-attention (training, log-probs): who sees
+whom comes as a `Mask` of per-token segment ids, and `ModelConfig.attention_impl` picks the
+implementation:
+
+  * "xla": `attend_causal` over the dense [B, T, T] mask the segments give; float32 scores of
+    a whole row (T^2 per head), the key blocks above the diagonal skipped.
+  * "blockwise": `blockwise.attend`, online softmax over key blocks with a custom backward;
+    memory linear in T, any backend.
+  * "auto": "blockwise" from `AUTO_BLOCKWISE_FROM` tokens a row or off the CPU, else "xla".
+
+`attend` is the plain form (any visibility mask, float32 softmax); the KV-cache paths (prefill
+and decode, grpo_jax/models/decode.py) use it with their own masks.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+
+from grpo_jax.models import blockwise
+from grpo_jax.models import config as config_lib
+
+IMPLEMENTATIONS = config_lib.ATTENTION_IMPLS
+
+# "auto" on the CPU: rows of at least this many tokens take the blockwise path (see
+# `resolve`); on other backends always (it is the only linear-memory one there yet).
+AUTO_BLOCKWISE_FROM = 2048
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Mask:
+    """Who sees whom in causal self-attention over rows of T tokens.
+
+    Query t sees key s when s <= t, segment[s] > 0, and segment[s] is t's segment or t's
+    prefix. Padded batches (`padded`): segment = the attention mask, prefix = 1, so every
+    query sees the real keys up to it. Packed rows (`packed`): one segment per prompt and per
+    response, a response's prefix is its prompt's segment, 0 is padding.
+
+    Attributes:
+      segments_BT: int32 [B, T].
+      prefixes_BT: int32 [B, T].
+    """
+
+    segments_BT: jax.Array
+    prefixes_BT: jax.Array
+
+    @classmethod
+    def padded(cls, attention_mask_BT) -> "Mask":
+        seg = attention_mask_BT.astype(jnp.int32)
+        return cls(seg, jnp.ones_like(seg))
+
+    @classmethod
+    def packed(cls, segments_BT, prefixes_BT=None) -> "Mask":
+        seg = segments_BT.astype(jnp.int32)
+        return cls(seg, seg if prefixes_BT is None else prefixes_BT.astype(jnp.int32))
+
+    def dense(self):
+        """bool [B, T, T]: query t sees key s."""
+        T = self.segments_BT.shape[1]
+        key = self.segments_BT[:, None, :]
+        same = (self.segments_BT[:, :, None] == key) | (self.prefixes_BT[:, :, None] == key)
+        return jnp.tril(jnp.ones((T, T), bool))[None] & same & (key > 0)
+
+
+def resolve(impl: str, length: int, backend: str | None = None) -> str:
+    """The implementation `impl` runs for rows of `length` tokens on `backend` (default: JAX's).
+
+    "auto" is "blockwise" off the CPU, and on the CPU from AUTO_BLOCKWISE_FROM tokens a row:
+    below it the dense path is as fast there (SmolLM2, rows of 1,024: docs/performance.md) and
+    its scores are small.
+    """
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"model.attention_impl={impl!r}: expected one of {IMPLEMENTATIONS}"
+        )
+    if impl != "auto":
+        return impl
+    backend = backend or jax.default_backend()
+    if backend != "cpu" or length >= AUTO_BLOCKWISE_FROM:
+        return "blockwise"
+    return "xla"
+
+
+def self_attention(q_BTNH, k_BTKH, v_BTKH, mask: Mask, impl: str = "auto"):
+    """Causal self-attention with GQA (query head n uses kv head n // (N / K)).
+
+    Args:
+      q_BTNH, k_BTKH, v_BTKH: queries, keys, values (rotary-embedded), compute dtype.
+      mask: the rows' segments (`Mask`).
+      impl: one of IMPLEMENTATIONS (`ModelConfig.attention_impl`).
+
+    Returns:
+      o_BTNH. Rows a query sees nothing of (padding) are finite and implementation-specific.
+    """
+    impl = resolve(impl, q_BTNH.shape[1])
+    if impl == "blockwise":
+        return blockwise.attend(q_BTNH, k_BTKH, v_BTKH, mask.segments_BT, mask.prefixes_BT)
+    k_BKHS, v_BKSH = k_BTKH.transpose(0, 2, 3, 1), v_BTKH.transpose(0, 2, 1, 3)
+    return attend_causal(q_BTNH, k_BKHS, v_BKSH, mask.dense())
 
 
 def attend(q_BTNH, k_BKHS, v_BKSH, visible_BTS):

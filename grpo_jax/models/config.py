@@ -37,6 +37,10 @@ REMAT_POLICIES = (
 )
 
 
+# model.attention_impl: how causal self-attention runs (grpo_jax/models/attention.py).
+ATTENTION_IMPLS = ("auto", "xla", "blockwise")
+
+
 # The projections LoRA can adapt (HF module names; PEFT's "all-linear" is all of them: the
 # output head is excluded, as PEFT does).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -66,6 +70,9 @@ class ModelConfig:
         batched matmuls: the attention scores are recomputed, the rest is kept),
         "dots_except_mlp_in_saveable" (those projections but the MLP's gate and up, the
         largest: MaxText's "save_dot_except_mlpwi"; see ``remat_policy_fn``).
+      attention_impl: causal self-attention's implementation, one of ATTENTION_IMPLS
+        ("auto", "xla": dense float32 scores, "blockwise": memory linear in the row length;
+        ``attention.resolve`` says what "auto" runs).
       eos_token_ids: every EOS id from config.json (an int or list there).
       lora_rank: r of the LoRA adapters (grpo_jax/models/lora.py) the projections in `lora_targets`
         take when the params carry them (``params["lora"]``); 0 = no adapters. The adapters
@@ -94,6 +101,7 @@ class ModelConfig:
     param_dtype: Any = jnp.float32
     remat: bool = False
     remat_policy: str = "nothing_saveable"
+    attention_impl: str = "auto"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -141,6 +149,11 @@ class ModelConfig:
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(
                 f"ModelConfig.remat_policy={self.remat_policy!r}; expected one of {REMAT_POLICIES}"
+            )
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"ModelConfig.attention_impl={self.attention_impl!r}; expected one of "
+                f"{ATTENTION_IMPLS}"
             )
         object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
         if self.lora_rank < 0:

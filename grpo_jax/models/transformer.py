@@ -248,14 +248,15 @@ class Decoder(nnx.Module):
             )
         self.config = config
 
-    def __call__(self, ids_BT, positions_BT, visible_BTS, kv=None, index=None):
+    def __call__(self, ids_BT, positions_BT, mask, kv=None, index=None):
         """Final-normed hidden states [B,T,D], and the updated (k_LBKHS, v_LBKSH) with a cache.
 
         Args:
           ids_BT: token ids.
           positions_BT: rotary position of each token.
-          visible_BTS: bool, query t may attend to key slot s (S = T without a cache, and then
-            causal: no query sees a later key, which `_attend_causal` relies on).
+          mask: without a cache, the rows' `attention.Mask` (causal self-attention through
+            `attention.self_attention` and `config.attention_impl`); with one, bool
+            [B, T, S]: query t may attend to cache slot s.
           kv: optional (k_LBKHS, v_LBKSH) cache; the new keys/values are written at slots
             [index, index + T) before attending.
           index: int32 scalar write slot (with kv).
@@ -272,12 +273,14 @@ class Decoder(nnx.Module):
             layer = nnx.merge(layer_def, state)
             q_BTNH, k_BTKH, v_BTKH = layer.attn.qkv(layer.input_norm(x_BTD), cos_BTH, sin_BTH)
             q_BTNH = nn.with_logical_constraint(q_BTNH, ("batch", "seq", "act_heads", None))
-            # Keys are kept transposed, [.., H, S]: the scores then read each key block with
-            # the slot axis contiguous, 3x faster on XLA:CPU than [.., S, H] at decode.
-            k_BKHT, v_BKTH = k_BTKH.transpose(0, 2, 3, 1), v_BTKH.transpose(0, 2, 1, 3)
-            if kv is None:
-                k_BKHS, v_BKSH = k_BKHT, v_BKTH
+            if kv is None:  # self-attention over T (causal)
+                o_BTNH = attention.self_attention(q_BTNH, k_BTKH.astype(c.dtype),
+                                                  v_BTKH.astype(c.dtype), mask,
+                                                  c.attention_impl)  # fmt: skip
             else:
+                # Keys are kept transposed, [.., H, S]: the scores then read each key block
+                # with the slot axis contiguous, 3x faster on XLA:CPU than [.., S, H] at decode.
+                k_BKHT, v_BKTH = k_BTKH.transpose(0, 2, 3, 1), v_BTKH.transpose(0, 2, 1, 3)
                 # The whole stack stays in the scan carry: inside the sampler's while_loop XLA
                 # updates it in place, whereas per-layer xs/ys slices copied it every step.
                 k_LBKHS, v_LBKSH = kv
@@ -289,12 +292,8 @@ class Decoder(nnx.Module):
                 )
                 k_BKHS, v_BKSH = k_LBKHS[layer_idx], v_LBKSH[layer_idx]
                 kv = (k_LBKHS, v_LBKSH)
-            if kv is None:  # self-attention over T: causal, so key blocks past a query's skip
-                o_BTNH = attention.attend_causal(q_BTNH, k_BKHS.astype(c.dtype), v_BKSH.astype(c.dtype),
-                                        visible_BTS)  # fmt: skip
-            else:
                 o_BTNH = attention.attend(
-                    q_BTNH, k_BKHS.astype(c.dtype), v_BKSH.astype(c.dtype), visible_BTS
+                    q_BTNH, k_BKHS.astype(c.dtype), v_BKSH.astype(c.dtype), mask
                 )
             o_BTD = nn.with_logical_constraint(
                 layer.attn.out(o_BTNH), ("batch", "seq", "act_embed")
@@ -590,11 +589,8 @@ def hidden_states(config: config_lib.ModelConfig, params, input_ids, attention_m
       attention_mask: [B,T], 1 for real tokens and 0 for padding (left or right).
     """
     check_inputs(input_ids, attention_mask)
-    T = input_ids.shape[1]
-    mask_BT = attention_mask.astype(bool)
-    causal_TT = jnp.tril(jnp.ones((T, T), dtype=bool))
-    visible_BTS = causal_TT[None] & mask_BT[:, None, :]
-    h_BTD, _ = decoder(config, params)(input_ids, position_ids(attention_mask), visible_BTS)
+    mask = attention.Mask.padded(attention_mask)
+    h_BTD, _ = decoder(config, params)(input_ids, position_ids(attention_mask), mask)
     return h_BTD
 
 
@@ -620,14 +616,8 @@ def hidden_states_packed(
       h_RLD in config.dtype.
     """
     check_inputs(tokens_RL, segments_RL)
-    L = tokens_RL.shape[1]
-    causal_LL = jnp.tril(jnp.ones((L, L), dtype=bool))
-    seg = segments_RL.astype(jnp.int32)
-    pre = seg if prefixes_RL is None else prefixes_RL.astype(jnp.int32)
-    key_seg = seg[:, None, :]
-    same = (seg[:, :, None] == key_seg) | (pre[:, :, None] == key_seg)
-    visible_RLL = causal_LL[None] & same & (key_seg > 0)
-    h_RLD, _ = decoder(config, params)(tokens_RL, positions_RL.astype(jnp.int32), visible_RLL)
+    mask = attention.Mask.packed(segments_RL, prefixes_RL)
+    h_RLD, _ = decoder(config, params)(tokens_RL, positions_RL.astype(jnp.int32), mask)
     return h_RLD
 
 

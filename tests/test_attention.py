@@ -1,0 +1,172 @@
+"""Causal self-attention's implementations (grpo_jax/models/attention.py): the blockwise one
+equals the dense XLA one on every mask layout the model uses, forward and gradients, its
+memory grows linearly with the row, and `model.attention_impl` reaches the model."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numerics
+import numpy as np
+import pytest
+
+from grpo_jax import config as config_lib
+from grpo_jax import model
+from grpo_jax.models import attention, blockwise
+
+# Same math in another summation order (online softmax over key blocks): measured up to ~30
+# ulps of each tensor's scale; a key block off by one position or a wrong segment rule moves
+# outputs by a good fraction of their scale (1e5 ulps and more).
+ULPS = 256
+# Through a whole model with x10 weights (sharp softmaxes amplify rounding, as in
+# tests/test_packing.py); the key biases' gradient is zero in exact arithmetic (a softmax does
+# not see a shift of every key), so that leaf is rounding noise at the tree's scale.
+MODEL_ULPS = 2048
+
+
+def _layouts(T):
+    """(name, segments [2, T], prefixes [2, T]) for the masks the model builds."""
+    r = np.random.default_rng(0)
+    out = []
+    # Left padding (model.hidden_states: prefix 1 everywhere, so padding queries see real keys).
+    seg = (np.arange(T)[None] >= np.array([[T // 5], [0]])).astype(np.int32)
+    out.append(("left_padded", seg, np.ones_like(seg)))
+    # Right padding (responses), same rule.
+    seg = (np.arange(T)[None] < np.array([[T - T // 7], [T]])).astype(np.int32)
+    out.append(("right_padded", seg, np.ones_like(seg)))
+    # Packed rows (grpo_jax/trainer/packing.py): a prompt then its responses, each response
+    # seeing its prompt and itself, several units a row, padding at the end.
+    seg, pre = np.zeros((2, T), np.int32), np.zeros((2, T), np.int32)
+    for row in range(2):
+        pos, s = 0, 1
+        while pos < T - 8:
+            prompt = int(r.integers(3, T // 6))
+            seg[row, pos : pos + prompt] = pre[row, pos : pos + prompt] = s
+            p_seg, pos, s = s, pos + prompt, s + 1
+            for _ in range(int(r.integers(1, 4))):
+                n = min(int(r.integers(2, T // 5)), T - 4 - pos)
+                if n <= 0:
+                    break
+                seg[row, pos : pos + n], pre[row, pos : pos + n] = s, p_seg
+                pos, s = pos + n, s + 1
+    out.append(("packed_shared_prompts", seg, pre))
+    return out
+
+
+def _qkv(T, N, K, H, dtype, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(ks[0], (2, T, N, H))
+    k = jax.random.normal(ks[1], (2, T, K, H))
+    v = jax.random.normal(ks[2], (2, T, K, H))
+    return tuple(x.astype(dtype) for x in (q, k, v))
+
+
+@pytest.mark.parametrize("T,block", [(96, 32), (100, 32), (64, 512)])
+@pytest.mark.parametrize("N,K", [(6, 2), (4, 4)])
+def test_blockwise_equals_xla_forward_and_gradients(T, block, N, K):
+    q, k, v = _qkv(T, N, K, 16, jnp.float32)
+    for name, seg, pre in _layouts(T):
+        mask = attention.Mask(jnp.asarray(seg), jnp.asarray(pre))
+        seen = np.asarray(mask.dense()).any(-1)  # queries that see a key (not padding)
+        w = jax.random.normal(jax.random.key(1), q.shape) * seen[:, :, None, None]
+
+        def loss(impl, q, k, v, mask=mask, w=w):
+            if impl == "xla":
+                o = attention.self_attention(q, k, v, mask, "xla")
+            else:
+                o = blockwise.attend(q, k, v, mask.segments_BT, mask.prefixes_BT, block=block)
+            return jnp.sum(o * w), o
+
+        (_, want), want_g = jax.value_and_grad(
+            functools.partial(loss, "xla"), argnums=(0, 1, 2), has_aux=True
+        )(q, k, v)
+        (_, got), got_g = jax.value_and_grad(
+            functools.partial(loss, "blockwise"), argnums=(0, 1, 2), has_aux=True
+        )(q, k, v)
+        assert np.isfinite(np.asarray(got)).all(), name
+        sel = np.broadcast_to(seen[:, :, None, None], got.shape)
+        numerics.assert_close(np.asarray(got)[sel], np.asarray(want)[sel], ulps=ULPS,
+                              scale=float(jnp.max(jnp.abs(want))), err_msg=name)  # fmt: skip
+        numerics.assert_trees_close(got_g, want_g, ulps=ULPS, err_msg=name)
+
+
+def test_blockwise_bf16_inputs_keep_a_float32_softmax():
+    T = 96
+    q, k, v = _qkv(T, 6, 2, 16, jnp.bfloat16)
+    _, seg, pre = _layouts(T)[2]
+    mask = attention.Mask(jnp.asarray(seg), jnp.asarray(pre))
+    seen = np.asarray(mask.dense()).any(-1)[:, :, None, None]
+    got = blockwise.attend(q, k, v, mask.segments_BT, mask.prefixes_BT, block=32)
+    assert got.dtype == jnp.bfloat16
+    want = attention.self_attention(*(x.astype(jnp.float32) for x in (q, k, v)), mask, "xla")
+    # bf16 inputs and output (8 bits of mantissa); the softmax itself is float32 on both paths.
+    err = np.abs(np.asarray(got, np.float32) - np.asarray(want)) * seen
+    assert err.max() < 2e-2 * float(jnp.max(jnp.abs(want)))
+
+
+def _grad_temp_bytes(impl, T, N=8, K=2, H=64):
+    q, k, v = (jax.ShapeDtypeStruct((1, T, n, H), jnp.float32) for n in (N, K, K))
+    mask = attention.Mask(jax.ShapeDtypeStruct((1, T), jnp.int32),
+                          jax.ShapeDtypeStruct((1, T), jnp.int32))  # fmt: skip
+
+    def f(q, k, v, mask):
+        return jnp.sum(attention.self_attention(q, k, v, mask, impl))
+
+    compiled = jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(q, k, v, mask).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_blockwise_memory_is_linear_in_the_row():
+    # Four times the row: the dense path's float32 scores grow 16x, the blockwise path's
+    # temporaries (q, k, v, o and their gradients; one block pair of scores) about 4x.
+    small, large = _grad_temp_bytes("blockwise", 2048), _grad_temp_bytes("blockwise", 8192)
+    assert large < 5 * small, (small, large)
+    dense_small, dense_large = _grad_temp_bytes("xla", 2048), _grad_temp_bytes("xla", 8192)
+    assert dense_large > 10 * dense_small  # the check has teeth: the dense path is quadratic
+    assert large < dense_large / 8
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_model_hidden_states_and_gradients_equal_across_implementations(packed):
+    cfg = model.ModelConfig.tiny()
+    params = jax.tree.map(lambda x: x * 10.0 if x.ndim > 1 else x,
+                          model.init_params(cfg, jax.random.key(0)))  # fmt: skip
+    T = 80
+    _, seg, pre = _layouts(T)[2]
+    tokens = jax.random.randint(jax.random.key(3), (2, T), 1, cfg.vocab_size)
+    positions = jnp.asarray(np.arange(T)[None].repeat(2, 0), jnp.int32)
+    mask_BT = jnp.asarray(seg > 0, jnp.int32)
+    w = jax.random.normal(jax.random.key(4), (2, T, cfg.hidden_size)) * mask_BT[..., None]
+
+    def run(impl):
+        c = dataclasses.replace(cfg, attention_impl=impl)
+
+        def f(params):
+            if packed:
+                h = model.hidden_states_packed(c, params, tokens, positions, jnp.asarray(seg),
+                                               jnp.asarray(pre))  # fmt: skip
+            else:
+                h = model.hidden_states(c, params, tokens, mask_BT)
+            return jnp.sum(h * w), h
+
+        return jax.value_and_grad(f, has_aux=True)(params)
+
+    (_, want), want_g = run("xla")
+    (_, got), got_g = run("blockwise")
+    sel = np.broadcast_to(np.asarray(mask_BT, bool)[..., None], got.shape)
+    numerics.assert_close(np.asarray(got)[sel], np.asarray(want)[sel], ulps=MODEL_ULPS,
+                          scale=float(jnp.max(jnp.abs(want))))  # fmt: skip
+    numerics.assert_trees_close(got_g, want_g, ulps=MODEL_ULPS)
+
+
+def test_auto_rule_and_bad_names():
+    assert attention.resolve("auto", 1024, "cpu") == "xla"
+    assert attention.resolve("auto", attention.AUTO_BLOCKWISE_FROM, "cpu") == "blockwise"
+    assert attention.resolve("auto", 64, "gpu") == "blockwise"
+    assert attention.resolve("auto", 64, "tpu") == "blockwise"
+    assert attention.resolve("xla", 1 << 15, "gpu") == "xla"
+    with pytest.raises(ValueError, match="attention_impl='flash'"):
+        model.ModelConfig.tiny(attention_impl="flash")
+    with pytest.raises(ValueError, match="model.attention_impl"):
+        config_lib.ModelSpec(attention_impl="flash")
