@@ -1095,6 +1095,14 @@ class RunConfig:
                 f"devices = {micro} must divide the mini-batch of ppo_mini_batch_size x rollout.n"
                 f" = {mini} sequences"
             )
+        # warmup.warm_up runs the update's padded micro-batches (programs.make_programs)
+        sft_micro = min(micro, mini, self.warmup.batch_size)
+        if self.warmup.steps and self.warmup.batch_size % sft_micro:
+            problems.append(
+                f"warmup.batch_size={self.warmup.batch_size} must be a multiple of the "
+                f"{sft_micro}-row micro-batches of its steps (actor.ppo_micro_batch_size_per_gpu"
+                f" x {dp} devices)"
+            )
         lp = self.rollout.log_prob_micro_batch_size_per_gpu * dp
         batch = d.train_batch_size * n
         if batch % lp and lp % batch:
