@@ -15,6 +15,10 @@ import sys
 
 import pytest
 
+import train
+from configs import gsm8k_dapo
+from grpo_jax import config
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FORM = re.compile(r"train\.py\s+--config=(configs/\w+\.py:(?:smoke|tiny))\b")
 
@@ -40,6 +44,16 @@ def _documented() -> set[str]:
 
 def test_every_documented_cpu_form_is_run_by_a_test():
     assert _documented() == set(RUN_HERE) | set(ELSEWHERE)
+
+
+def test_a_warm_up_batch_that_does_not_split_is_reported_before_any_work():
+    """gsm8k_dapo.py:smoke's warm-up once failed in its first step: 64 rows in 5-row
+    micro-batches (actor.ppo_micro_batch_size_per_gpu=5 on one device)."""
+    c = gsm8k_dapo.get_config("smoke")
+    train.check_config(c).check_mesh(1)
+    c.warmup.batch_size = 64
+    with pytest.raises(config.ConfigError, match="warmup.batch_size=64 must be a multiple of"):
+        train.check_config(c).check_mesh(1)
 
 
 @pytest.mark.slow
