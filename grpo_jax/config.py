@@ -136,8 +136,8 @@ class DataConfig:
     ground_truth_key: str = "reward_model.ground_truth"  # dotted path of the ground truth
     prompt_suffix: str = readers.VERL_GSM8K_INSTRUCTION  # appended to raw GSM8K questions only
     train_batch_size: int = 1024  # prompts per step
-    # Prompts per generation batch of DAPO's dynamic sampling (algorithm.filter_groups); None =
-    # train_batch_size.
+    # Prompts per read of the data order (verl's dataloader batch size; must divide
+    # train_batch_size); None = train_batch_size. With algorithm.filter_groups it is 1 (verl).
     gen_batch_size: int | None = None
     val_batch_size: int = 256  # prompts per validation generate call
     val_max_samples: int = -1  # -1 = the whole validation split
@@ -615,26 +615,35 @@ class KLCtrlConfig:
 
 @dataclasses.dataclass(frozen=True)
 class FilterGroupsConfig:
-    """Section `algorithm.filter_groups`: DAPO's dynamic sampling (arXiv 2503.14476).
+    """Section `algorithm.filter_groups`: DAPO's dynamic sampling (arXiv 2503.14476), as verl
+    0.9.1's Sync DAPO replay buffer (verl/trainer/ppo/v1/replay_buffer.py: ReplayBuffer.sample).
 
-    Groups whose `metric` is the same for every sample carry no advantage signal; they are
-    dropped and more prompts are sampled, data.gen_batch_size at a time, until
-    data.train_batch_size groups are kept (surplus kept groups are dropped, as verl does).
-    Unlike verl's `np.std == 0`, a group counts as uniform when its values differ by at most
-    1e-6 x max(1, |mean|), so float noise in a sum of rewards does not let it through.
+    A group is filtered when its `metric` has the same value on all its samples, verl's
+    `len(values) > 1 and np.std(values) == 0.0` (so a one-sample group never is). Each
+    filtered group earns two more prompts; they are sampled, at most max_inflight_gen_batches
+    x data.train_batch_size at a time, until data.train_batch_size groups are kept; the surplus
+    of the last round is dropped. rollout_stage.dynamic_sample says how that follows verl.
     """
 
     enable: bool = False
-    # verl's names: "acc" (the scorer's "acc" key, else its plain score before the overlong
-    # penalty), "seq_reward" / "seq_final_reward" (the sequence reward, overlong penalty
-    # included), "score" or any other key of the scorer's dict outputs.
-    metric: str = "acc"
-    max_num_gen_batches: int = 0  # generation batches per step before the run stops; 0 = no limit
+    # "reward": the sequence reward, overlong penalty included (verl's rm_scores summed, in
+    # float32); any other name: that key of verl's reward_extra_info, i.e. a key of the
+    # scorer's dict ("score", "acc", ...), "acc" for a scorer returning a plain number (its
+    # score before the overlong penalty), "overlong_reward" / "overlong" with
+    # reward.overlong_buffer.log (rewards/functions.py: reward_extra_info).
+    metric: str = "reward"
+    max_num_gen_batches: int = 0  # ignored, with a warning, as verl 0.9.1 does
+    # Prompts sampled at once for the refills, in units of data.train_batch_size (verl's bound
+    # on the Sync DAPO prompts pending or running)
+    max_inflight_gen_batches: int = 1
 
     def __post_init__(self):
         c = _Checks("algorithm.filter_groups")
-        c.need(self.max_num_gen_batches >= 0, "max_num_gen_batches", self.max_num_gen_batches,
-               "must be >= 0 (0 = no limit)")
+        c.need(not self.enable or bool(self.metric), "metric", self.metric,
+               "must be set when group filtering is enabled")
+        c.need(not self.enable or self.max_inflight_gen_batches >= 1,
+               "max_inflight_gen_batches", self.max_inflight_gen_batches,
+               "must be a positive integer")
         c.done()
 
 
@@ -950,14 +959,6 @@ class RunConfig:
         if ob.enable:
             c.need(ob.len <= d.max_response_length, "reward.overlong_buffer.len", ob.len,
                    f"must be <= data.max_response_length={d.max_response_length}")
-        fg = self.algorithm.filter_groups
-        c.need(
-            not (fg.enable and fg.metric == "seq_final_reward" and self.algorithm.use_kl_in_reward),
-            "algorithm.filter_groups.metric",
-            fg.metric,
-            "cannot be 'seq_final_reward' with algorithm.use_kl_in_reward: groups are filtered "
-            "before the log-probs that the KL term needs; use 'seq_reward'",
-        )
         if self.algorithm.uses_groups:
             c.need(
                 r.n >= 2,
@@ -974,11 +975,13 @@ class RunConfig:
                 f"must divide data.train_batch_size={d.train_batch_size}",
             )
         c.need(
-            d.gen_batch_size is None or self.algorithm.filter_groups.enable,
+            not d.gen_batch_size
+            or self.algorithm.filter_groups.enable
+            or d.train_batch_size % d.gen_batch_size == 0,
             "data.gen_batch_size",
             d.gen_batch_size,
-            "is read only by DAPO's dynamic sampling: set algorithm.filter_groups.enable=True "
-            "or leave it None",
+            f"must divide data.train_batch_size={d.train_batch_size} (a step's prompts are read "
+            "gen_batch_size at a time)",
         )
         c.need(
             r.vllm.lora_sync != "adapter" or self.model.lora_rank > 0,
@@ -993,8 +996,8 @@ class RunConfig:
             "gives the sampler devices of its own, which only pays with trainer.async_rollout="
             "True (else they would idle while the trainer updates)",
         )
-        for name in ("train_batch_size", "val_batch_size", "gen_batch_size"):
-            size = getattr(d, name) or 0
+        for name in ("train_batch_size", "val_batch_size"):
+            size = getattr(d, name)
             c.need(not r.num_devices or size % r.num_devices == 0, "rollout.num_devices",
                    r.num_devices, f"must divide data.{name}={size} (the sampler's prompts split "
                    "over its devices)")
@@ -1058,9 +1061,29 @@ class RunConfig:
         return not self.on_policy or self.algorithm.use_kl_in_reward or rc.active
 
     @property
-    def gen_batch_size(self) -> int:
-        """Prompts per generation batch (data.gen_batch_size, default data.train_batch_size)."""
+    def read_chunk(self) -> int:
+        """Prompts the data order is read in (verl's dataloader batch size): data.gen_batch_size
+        (default data.train_batch_size), 1 with DAPO (verl 0.9.1 overrides it), so that each
+        refill reads exactly the prompts it needs."""
+        if self.algorithm.filter_groups.enable:
+            return 1
         return self.data.gen_batch_size or self.data.train_batch_size
+
+    def ignored_settings(self) -> list[str]:
+        """The settings verl 0.9.1 accepts and ignores with a warning (logged at the start)."""
+        fg, out = self.algorithm.filter_groups, []
+        if fg.enable and fg.max_num_gen_batches > 0:
+            out.append(
+                f"algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches} is ignored "
+                "(as by verl 0.9.1's V1 ReplayBuffer): dynamic sampling has no limit; "
+                "max_inflight_gen_batches bounds the prompts sampled at once"
+            )
+        if fg.enable and self.data.gen_batch_size not in (None, 1):
+            out.append(
+                f"data.gen_batch_size={self.data.gen_batch_size} is overridden to 1 (as by verl "
+                "0.9.1 with algorithm.filter_groups): refills read exactly the prompts they need"
+            )
+        return out
 
     @property
     def mini_batches_per_step(self) -> int:
@@ -1078,6 +1101,14 @@ class RunConfig:
                 f"devices = {micro} must divide the mini-batch of ppo_mini_batch_size x rollout.n"
                 f" = {mini} sequences"
             )
+        # warmup.warm_up runs the update's padded micro-batches (programs.make_programs)
+        sft_micro = min(micro, mini, self.warmup.batch_size)
+        if self.warmup.steps and self.warmup.batch_size % sft_micro:
+            problems.append(
+                f"warmup.batch_size={self.warmup.batch_size} must be a multiple of the "
+                f"{sft_micro}-row micro-batches of its steps (actor.ppo_micro_batch_size_per_gpu"
+                f" x {dp} devices)"
+            )
         lp = self.rollout.log_prob_micro_batch_size_per_gpu * dp
         batch = d.train_batch_size * n
         if batch % lp and lp % batch:
@@ -1085,8 +1116,8 @@ class RunConfig:
                 f"rollout.log_prob_micro_batch_size_per_gpu x {dp} devices = {lp} must divide "
                 f"the batch of {batch} sequences"
             )
-        for name in ("train_batch_size", "val_batch_size", "gen_batch_size"):
-            if (getattr(d, name) or 0) % dp:
+        for name in ("train_batch_size", "val_batch_size"):
+            if getattr(d, name) % dp:
                 problems.append(
                     f"data.{name}={getattr(d, name)} must be a multiple of the {dp} data devices"
                 )

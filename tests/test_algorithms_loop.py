@@ -4,33 +4,42 @@ and the adaptive KL controller (with exact resume). The maths of each piece is p
 against verl in test_verl_parity.py; here the loop must feed it the right inputs."""
 
 import dataclasses
+import functools
+import types
 
 import jax
 import jax.numpy as jnp
 import numerics
 import numpy as np
 import pytest
+import reference
 
-from grpo_jax import advantage, config, loading, loss, sharding
+from grpo_jax import advantage, config, distributed, loading, loss, sampler, sharding
 from grpo_jax.data import demo_task
+from grpo_jax.data import prompts as prompts_lib
+from grpo_jax.rewards import functions as reward_fns
 from grpo_jax.trainer import loop, programs, rollout_stage, train_stage
 
 # ---------------------------------------------------------------------------------------------
 # Pure pieces
 
 
-def test_informative_groups_ignore_float_noise_only():
-    values = np.array(
-        [
-            [1.0, 1.0, 1.0],  # uniform
-            [1.0, 1.0 + 1e-9, 1.0],  # float noise: still uniform
-            [0.0, 1.0, 0.0],  # informative
-            [1e6, 1e6 + 0.5, 1e6],  # within 1e-6 x |mean|: uniform
-            [1e6, 1e6 + 2.0, 1e6],  # beyond it: informative
-            [-1.0, -1.0, -0.9],
-        ]
-    )
-    assert rollout_stage.informative_groups(values).tolist() == [False, False, True, False, True, True]
+def test_filtered_groups_follow_verls_std_rule():
+    """verl/trainer/ppo/v1/replay_buffer.py: ReplayBuffer._dapo_filtered_keys filters a group
+    when `len(values) > 1 and float(np.std(values)) == 0.0`: exact equality, no tolerance."""
+    f32 = float(np.float32(0.1))
+    groups = [
+        [1.0, 1.0, 1.0],  # filtered
+        [1.0, 1.0 + 1e-9, 1.0],  # kept: any difference counts
+        [0.0, 1.0, 0.0],  # kept
+        [0.1, 0.1, 0.1],  # kept: the float64 mean of three 0.1s is not 0.1, so std is 1.4e-17
+        [f32, f32, f32],  # filtered: a float32 value's mean of three is exact
+        [1e6, 1e6 + 0.5, 1e6],  # kept
+    ]
+    got = rollout_stage.filtered_groups(np.array(groups))
+    assert got.tolist() == [True, False, False, False, True, False]
+    # a one-sample group is never filtered (len(values) > 1)
+    assert rollout_stage.filtered_groups(np.array([[0.5], [1.0]])).tolist() == [False, False]
 
 
 def test_overlong_penalty_is_verl_dapo_formula():
@@ -82,6 +91,202 @@ def test_make_advantage_returns_the_estimators_returns():
     np.testing.assert_allclose(returns, want_returns, rtol=1e-6)
     np.testing.assert_allclose(adv, want_adv, rtol=1e-6)
     assert not np.allclose(adv, returns)
+
+
+# ---------------------------------------------------------------------------------------------
+# DAPO's dynamic sampling (rollout_stage.dynamic_sample) against verl 0.9.1's Sync DAPO
+
+
+class _DigitsTokenizer:
+    """Decodes a response to "<prompt>:<sample>", its first two tokens."""
+
+    def batch_decode(self, rows, skip_special_tokens):
+        return [f"{int(r[0])}:{int(r[1])}" for r in rows]
+
+
+def _dynamic_sample(monkeypatch, outputs, *, n, train_batch_size, lengths=None, **fg):
+    """rollout_stage.dynamic_sample over a fake engine: the k-th prompt read is prompt k, its
+    j-th sample has `lengths[k][j]` tokens (default 2) and the reward function returns
+    `outputs[k][j]` (a float or a dict). Returns (batch, the counts asked of next_prompts)."""
+    mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    max_len = 8
+
+    def fake_generate(engine, params, prompts, rng, sp, *, policy_version=None):
+        ids = np.zeros((len(prompts.indices) * sp.n, max_len), np.int32)
+        mask = np.zeros_like(ids)
+        for p, k in enumerate(prompts.indices):
+            for j in range(sp.n):
+                ids[p * sp.n + j, :2] = k, j
+                mask[p * sp.n + j, : (lengths[k][j] if lengths else 2)] = 1
+        put = functools.partial(distributed.to_device, mesh=mesh)
+        return sampler.Rollout(
+            put(np.repeat(prompts.prompt_ids_PT, sp.n, 0)),
+            put(np.repeat(prompts.prompt_mask_PT, sp.n, 0)),
+            put(ids), put(mask), put(np.zeros(ids.shape, np.float32)),
+            put(np.repeat(np.arange(len(prompts.indices), dtype=np.int32), sp.n)),
+            jnp.int32(0),
+        )  # fmt: skip
+
+    def reward(data_source, solution_str, ground_truth, extra_info=None):
+        k, j = map(int, solution_str.split(":"))
+        return outputs[k][j]
+
+    asked, read = [], [0]
+
+    def next_prompts(count, pad_to=None):
+        asked.append(count)
+        idx = list(range(read[0], read[0] + count))
+        read[0] += count
+        idx += idx[-1:] * ((pad_to or count) - count)
+        return prompts_lib.PromptBatch(
+            np.ones((len(idx), 1), np.int32), np.ones((len(idx), 1), np.int32),
+            tuple(prompts_lib.Example(prompt=str(k), ground_truth=k) for k in idx), tuple(idx),
+        )  # fmt: skip
+
+    run = config.RunConfig(
+        data=config.DataConfig(train_batch_size=train_batch_size, max_response_length=max_len),
+        actor=config.ActorConfig(ppo_mini_batch_size=train_batch_size),
+        rollout=config.RolloutConfig(n=n),
+        algorithm=config.AlgorithmConfig(
+            filter_groups=config.FilterGroupsConfig(enable=True, **fg)
+        ),
+        reward=config.RewardConfig(
+            overlong_buffer=config.OverlongBufferConfig(enable=True, len=4, log=True)
+        ),
+    )
+    ctx = types.SimpleNamespace(
+        run=run, engine=None, tokenizer=_DigitsTokenizer(), mesh=mesh, pool=None,
+        reward_fn=reward_fns.RewardFn.of(reward), programs=types.SimpleNamespace(dp=1),
+    )  # fmt: skip
+    monkeypatch.setattr(rollout_stage, "generate", fake_generate)
+    batch = rollout_stage.dynamic_sample(ctx, None, next_prompts, jax.random.key(0), {})
+    return batch, asked
+
+
+def _kept(batch):
+    return sorted({ex.ground_truth for ex in batch.examples})
+
+
+# Group kinds of 3 samples: what verl's rule filters differs between "acc" (the plain float)
+# and "reward" (rm_scores: float32) only for the 0.1s (test_filtered_groups_follow_verls_std_rule).
+_KINDS = ([1.0] * 3, [0.0, 1.0, 0.0], [0.1] * 3, [0.0, 0.0, 1e-9], [0.5] * 3, [1.0, 0.0, 0.0],
+          [0.0] * 3)  # fmt: skip
+
+
+@pytest.mark.parametrize("metric", ["acc", "reward"])
+@pytest.mark.parametrize("inflight", [1, 2])
+def test_dapo_refills_as_verls_sync_replay_buffer(verl, monkeypatch, metric, inflight):
+    """The prompts read per round, the kept groups and the training/filter_groups/* metrics
+    of one step are those of verl's own ReplayBuffer.sample (tests/verl_replay.py) given the
+    same metric values, every round finishing before the next poll."""
+    # The first round: three uniform groups and the 0.1s; later rounds a fixed mix, so that
+    # credits outrun the bound on prompts in flight and carry over (with inflight 1 and 2)
+    kinds = [0, 4, 6, 2] + [(4 * k * k + 2) % 7 for k in range(4, 400)]
+    outputs = [list(_KINDS[i]) for i in kinds]
+    extra = {} if inflight == 1 else {"max_inflight_gen_batches": inflight}
+    batch, asked = _dynamic_sample(monkeypatch, outputs, n=3, train_batch_size=4, metric=metric,
+                                   **extra)  # fmt: skip
+    ref = verl.run(reference.fn("verl_replay:sync_dapo_sample")(
+        outputs, train_batch_size=4, max_inflight_gen_batches=inflight, metric=metric
+    )).value  # fmt: skip
+    assert asked == ref["dispatched"]
+    assert len(batch.examples) == 4 * 3 and len(_kept(batch)) == 4
+    # verl keeps the oldest groups in set order among one step's; grpo_jax the first sampled
+    assert set(_kept(batch)) <= set(ref["selected"]) | set(ref["surplus"])
+    assert len(ref["dispatched"]) > 2 and ref["metrics"]  # the case refills, rounds on
+    assert batch.filter_metrics == ref["metrics"]
+    values = rollout_stage.group_values(batch.result, metric, group_size=3)
+    assert not rollout_stage.filtered_groups(values).any()
+
+
+# verl's reward_extra_info for each kind of scorer output (experimental/reward_loop/
+# reward_manager/dapo.py: DAPORewardManager.run_single): a dict's keys, "score" included; a
+# plain score as "acc"; with overlong_buffer.log "overlong_reward" and "overlong". "reward" is
+# the score plus the overlong penalty (trainer/ppo/v1/replay_buffer.py reads rm_scores).
+# Prompt 0: right twice, the second sample 8 tokens long (penalty (8 - 4) / 4 = -1); prompt 1:
+# right and wrong; prompt 2: right twice; prompt 3: wrong (8 tokens) and right.
+_LENGTHS = [[2, 8], [2, 2], [2, 2], [8, 2]] + [[2, 2]] * 8
+
+
+@pytest.mark.parametrize(
+    "kind, metric, kept",
+    [
+        ("plain", "reward", [0, 1]),  # prompt 0's rewards differ: 1 and 0
+        ("plain", "acc", [1, 3]),  # prompt 0 right twice: filtered, 2 refills, prompt 2 too
+        ("plain", "overlong", [0, 3]),  # prompts 1 and 2 are short twice
+        ("plain", "overlong_reward", [0, 3]),
+        ("plain", "score", "lack that key"),  # a plain score is no "score" in verl
+        ("dict", "score", [1, 3]),
+        ("dict", "acc", "lack that key"),  # verl adds "acc" for plain scores only
+        ("dict_acc", "acc", [0, 1]),  # the scorer's own "acc" (flipped on prompt 0's 2nd)
+        ("dict_acc", "reward", [0, 1]),
+    ],
+)
+def test_filter_metric_is_verls_reward_extra_info(monkeypatch, kind, metric, kept):
+    right = [[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [0.0, 1.0]] + [[0.0, 1.0]] * 8
+
+    def output(k, j):
+        s = right[k][j]
+        if kind == "plain":
+            return s
+        if kind == "dict":
+            return {"score": s, "pred": str(s)}
+        return {"score": s, "acc": float(s != 1.0 or (k, j) == (0, 0))}
+
+    outputs = [[output(k, j) for j in range(2)] for k in range(len(right))]
+    run = functools.partial(_dynamic_sample, monkeypatch, outputs, n=2, train_batch_size=2,
+                            lengths=_LENGTHS, metric=metric)  # fmt: skip
+    if isinstance(kept, str):
+        with pytest.raises(ValueError, match=kept):
+            run()
+    else:
+        assert _kept(run()[0]) == kept
+
+
+def test_filter_groups_config_is_verls(verl, caplog):
+    """Defaults of verl's trainer YAML; max_num_gen_batches is ignored and data.gen_batch_size
+    overridden to 1, with warnings (trainer/ppo/v1/trainer_base.py: _resolve_filter_groups_metric,
+    _init_dataloader); max_inflight_gen_batches must be positive (replay_buffer.py)."""
+    yaml = verl.run(reference.fn("verl_replay:filter_groups_defaults")()).value
+    ours = dataclasses.asdict(config.FilterGroupsConfig())
+    assert ours == {k: v for k, v in yaml.items() if k != "_target_"}
+    run = config.RunConfig(
+        data=config.DataConfig(gen_batch_size=24),
+        algorithm=config.AlgorithmConfig(filter_groups=config.FilterGroupsConfig(
+            enable=True, metric="score", max_num_gen_batches=10
+        )),
+    )  # fmt: skip
+    assert run.read_chunk == 1
+    ignored = run.ignored_settings()
+    assert len(ignored) == 2 and "max_num_gen_batches=10 is ignored" in ignored[0]
+    assert "gen_batch_size=24 is overridden to 1" in ignored[1]
+    with pytest.raises(config.ConfigError, match="max_inflight_gen_batches=0 must be a positive"):
+        config.FilterGroupsConfig(enable=True, max_inflight_gen_batches=0)
+    with pytest.raises(config.ConfigError, match="metric='' must be set"):
+        config.FilterGroupsConfig(enable=True, metric="")
+    # without DAPO, verl reads the data gen_batch_size prompts at a time (a divisor of a step's)
+    assert config.RunConfig(data=config.DataConfig(gen_batch_size=64)).read_chunk == 64
+    with pytest.raises(config.ConfigError, match="must divide data.train_batch_size"):
+        config.RunConfig(data=config.DataConfig(gen_batch_size=48))
+
+
+def test_a_refill_reads_the_data_one_prompt_at_a_time():
+    """verl reads DAPO's prompts from a dataloader of batch size 1, started again at the end of
+    an epoch: a refill spanning two epochs takes the rest of one and the start of the next."""
+    order0 = prompts_lib.epoch_order(10, epoch=0, seed=3, shuffle=True)
+    order1 = prompts_lib.epoch_order(10, epoch=1, seed=3, shuffle=True)
+    idx, pos = prompts_lib.read(10, prompts_lib.Position(0, 8), 4, chunk=1, seed=3, shuffle=True)
+    assert idx.tolist() == [*order0[8:], *order1[:2]] and pos == prompts_lib.Position(1, 2)
+    # a step's batch read whole, as without DAPO: the epoch's remainder is dropped
+    idx, pos = prompts_lib.read(10, prompts_lib.Position(0, 8), 4, chunk=4, seed=3, shuffle=True)
+    assert idx.tolist() == order1[:4].tolist() and pos == prompts_lib.Position(1, 4)
+
+
+def test_sample_sizes_bound_the_sampler_compiles():
+    sizes = {rollout_stage.sample_size(c, unit=2, train_batch_size=12, cap=24) for c in
+             range(1, 25)}  # fmt: skip
+    assert sizes == {2, 4, 8, 12, 16, 24}
+    assert rollout_stage.sample_size(12, unit=2, train_batch_size=12, cap=24) == 12
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,16 +394,14 @@ def test_dapo_dynamic_sampling_keeps_only_informative_groups(tmp_path, monkeypat
 
     def spy(sampled, groups, mesh):
         out = real_select(sampled, groups, mesh)
-        kept_values.append(rollout_stage.group_values(out, "acc"))
+        kept_values.append(rollout_stage.group_values(out.result, "acc", group_size=4))
         return out
 
     monkeypatch.setattr(rollout_stage, "select_groups", spy)
     result = _run(
         tmp_path,
-        data=lambda d: dataclasses.replace(d, gen_batch_size=4),
         algorithm=config.AlgorithmConfig(
-            filter_groups=config.FilterGroupsConfig(enable=True, metric="acc",
-                                                    max_num_gen_batches=30)
+            filter_groups=config.FilterGroupsConfig(enable=True, metric="acc")
         ),
         reward=lambda r: dataclasses.replace(
             r, overlong_buffer=config.OverlongBufferConfig(enable=True, len=4, log=True)
@@ -208,12 +411,14 @@ def test_dapo_dynamic_sampling_keeps_only_informative_groups(tmp_path, monkeypat
     rows = _rows(result)
     assert len(rows) == 2
     for row in rows:
-        assert row["train/num_gen_batches"] >= 1
-        assert row["train/num_filtered_groups"] >= 0
+        assert set(k for k in row if "filter_groups" in k) <= {
+            "training/filter_groups/evicted_samples",
+            "training/filter_groups/discarded_surplus_samples",
+        }
         assert "reward_extra/overlong_reward/mean" in row
         # advantages of a batch of informative groups are not all zero
         assert row["critic/advantages/max"] > 0 > row["critic/advantages/min"]
-    assert kept_values and all(rollout_stage.informative_groups(v).all() for v in kept_values)
+    assert kept_values and not any(rollout_stage.filtered_groups(v).any() for v in kept_values)
 
 
 @pytest.mark.slow
@@ -289,17 +494,11 @@ def test_adaptive_kl_moves_and_resumes_exactly(tmp_path):
     assert resumed[-1]["actor/pg_loss"] == full[2]["actor/pg_loss"]
 
 
-def test_filter_and_correction_config_errors():
-    with pytest.raises(config.ConfigError, match="data.gen_batch_size"):
-        config.RunConfig(data=config.DataConfig(gen_batch_size=8))
+def test_correction_config_errors():
     with pytest.raises(config.ConfigError, match="bypass_mode=True"):
         config.RunConfig(
             actor=config.ActorConfig(policy_loss=config.PolicyLossConfig(loss_mode="bypass_mode"))
         )
-    with pytest.raises(config.ConfigError, match="seq_final_reward"):
-        config.RunConfig(algorithm=config.AlgorithmConfig(
-            use_kl_in_reward=True,
-            filter_groups=config.FilterGroupsConfig(enable=True, metric="seq_final_reward")))
     with pytest.raises(config.ConfigError, match="gdpo_reward_weights"):
         config.AlgorithmConfig(gdpo_reward_keys="a,b", gdpo_reward_weights="1.0")
 

@@ -263,3 +263,26 @@ def next_indices(
     order = epoch_order(n, epoch=position.epoch, seed=seed, shuffle=shuffle)
     idx = order[position.index : position.index + batch_size]
     return idx, Position(position.epoch, position.index + batch_size)
+
+
+def read(
+    n: int, position: Position, count: int, *, chunk: int, seed: int, shuffle: bool
+) -> tuple[np.ndarray, Position]:
+    """`count` prompt indices read `chunk` at a time (verl's dataloader of batch_size `chunk`,
+    drop_last, started again at the end of an epoch), and the position after them.
+
+    Raises:
+      ValueError: `count` is not a multiple of `chunk` (verl's _next_train_batch).
+    """
+    if count <= 0 or count % chunk:
+        raise ValueError(f"{count} prompts cannot be read {chunk} at a time")
+    parts, orders = [], {}
+    for _ in range(count // chunk):
+        if position.index + chunk > steps_per_epoch(n, chunk) * chunk:
+            position = Position(position.epoch + 1, 0)
+        if position.epoch not in orders:
+            orders[position.epoch] = epoch_order(n, epoch=position.epoch, seed=seed,
+                                                 shuffle=shuffle)
+        parts.append(orders[position.epoch][position.index : position.index + chunk])
+        position = Position(position.epoch, position.index + chunk)
+    return np.concatenate(parts), position

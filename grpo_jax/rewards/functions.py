@@ -177,6 +177,8 @@ class RewardResult:
         "<function>/<key>".
       num_errors: calls that raised or returned a bad value and were scored 0 (on_error="zero").
       num_lost: calls that timed out or whose worker died (scored 0 whatever on_error says).
+      dict_results: per function name, whether each sample's call returned a dict (see
+        `reward_extra_info`).
     """
 
     scores_B: list[float]
@@ -184,6 +186,7 @@ class RewardResult:
     extras: dict[str, list[Any]]
     num_errors: int
     num_lost: int
+    dict_results: dict[str, list[bool]] = dataclasses.field(default_factory=dict)
 
     def take(self, rows: Sequence[int]) -> RewardResult:
         """The results of the samples `rows` (error counts are the batch's)."""
@@ -193,6 +196,7 @@ class RewardResult:
             {k: [v[i] for i in rows] for k, v in self.extras.items()},
             self.num_errors,
             self.num_lost,
+            {k: [v[i] for i in rows] for k, v in self.dict_results.items()},
         )
 
     @classmethod
@@ -209,6 +213,8 @@ class RewardResult:
              for k in keys},
             sum(p.num_errors for p in parts),
             sum(p.num_lost for p in parts),
+            {k: [v for p in parts for v in p.dict_results.get(k, [False] * len(p.scores_B))]
+             for k in names},
         )
 
 
@@ -291,6 +297,7 @@ def score_batch(
     outcomes = pool.map(calls) if pool is not None else reward_pool.run_inline(calls)
 
     per_fn = {name: [0.0] * batch for name in reward_fn.names}
+    dict_results = {name: [False] * batch for name in reward_fn.names}
     extras: dict[str, list[Any]] = {}
     totals = [0.0] * batch
     num_errors = num_lost = 0
@@ -341,7 +348,27 @@ def score_batch(
                 fail(name, i, repr(e), lost=False)
                 continue
             per_fn[name][i] = score
+            dict_results[name][i] = isinstance(results[j], dict)
             totals[i] += reward_fn.weights[f] * score
             for k, v in extra.items():
                 extras.setdefault(f"{name}/{k}" if prefix else k, [None] * batch)[i] = v
-    return RewardResult(totals, per_fn, extras, num_errors, num_lost)
+    return RewardResult(totals, per_fn, extras, num_errors, num_lost, dict_results)
+
+
+def reward_extra_info(result: RewardResult, key: str) -> list[Any]:
+    """verl's `reward_extra_info[key]` of every sample, None where verl would not have the key.
+
+    verl 0.9.1's reward managers (experimental/reward_loop/reward_manager/naive.py and dapo.py,
+    `run_single`) put every key of a dict result there, "score" included, and a plain score as
+    "acc" (before the overlong penalty); the DAPO manager adds "overlong_reward" and
+    "overlong" with overlong_buffer.log. verl has one scorer; with several reward functions
+    (reward.fn "a,b") the keys are those of `extras`, "<function>/<key>".
+    """
+    values = list(result.extras.get(key, [None] * len(result.scores_B)))
+    if len(result.per_fn) != 1 or key not in ("score", "acc"):
+        return values
+    (name,) = result.per_fn
+    raw, is_dict = result.per_fn[name], result.dict_results[name]
+    if key == "score":  # only a dict result has it
+        return [s if d else None for s, d in zip(raw, is_dict, strict=True)]
+    return [v if d else s for v, s, d in zip(values, raw, is_dict, strict=True)]

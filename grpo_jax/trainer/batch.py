@@ -68,7 +68,7 @@ class RolloutBatch:
       policy_version: TrainState.step of the params that sampled it (the behaviour policy).
       sampled_at: the loop step (0-based) whose params sampled it; the step that updates with it
         is sampled_at + its staleness.
-      num_gen_batches, num_filtered_groups: DAPO's generation batches and dropped groups.
+      filter_metrics: DAPO's dynamic sampling metrics (verl's training/filter_groups/*), or {}.
     """
 
     rollout: sampler.Rollout
@@ -81,8 +81,7 @@ class RolloutBatch:
     timing: dict = dataclasses.field(default_factory=dict)
     policy_version: int = 0
     sampled_at: int = 0
-    num_gen_batches: int = 1
-    num_filtered_groups: int = 0
+    filter_metrics: dict = dataclasses.field(default_factory=dict)
 
     @property
     def num_groups(self) -> int:

@@ -42,6 +42,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from grpo_jax import config as config_lib
 from grpo_jax import distributed, loading, sharding
@@ -145,6 +146,8 @@ def _train(
         reward_fn = reward_fns.RewardFn.of(reward_fn, on_error=run.reward.on_error)
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
     run.check_mesh(dp)
+    for message in run.ignored_settings():
+        logging.warning(message)
     workdir = run.trainer.default_local_dir
     os.makedirs(workdir, exist_ok=True)
     is_main = distributed.is_main_process()
@@ -395,18 +398,21 @@ class _LoopState:
 
 
 class _PromptReader:
-    """`next_prompts(count)` for a rollout: the train set's prompts in their epoch order from
-    a data position on; `position` is where it stopped."""
+    """`next_prompts(count, pad_to=None)` for a rollout: the next `count` prompts of the train
+    set's epoch order, read `run.read_chunk` at a time from a data position on, the batch padded
+    with the last one to `pad_to` prompts; `position` is where it stopped."""
 
-    def __init__(self, train_set: prompts.PromptSet, position: prompts.Position, data, pad_id):
-        self.train_set, self.position, self.data, self.pad_id = train_set, position, data, pad_id
+    def __init__(self, train_set: prompts.PromptSet, position: prompts.Position, run, pad_id):
+        self.train_set, self.position, self.run, self.pad_id = train_set, position, run, pad_id
 
-    def __call__(self, count: int) -> prompts.PromptBatch:
-        idx, self.position = prompts.next_indices(
-            len(self.train_set), self.position, count, seed=self.data.seed,
-            shuffle=self.data.shuffle,
+    def __call__(self, count: int, pad_to: int | None = None) -> prompts.PromptBatch:
+        idx, self.position = prompts.read(
+            len(self.train_set), self.position, count, chunk=self.run.read_chunk,
+            seed=self.run.data.seed, shuffle=self.run.data.shuffle,
         )  # fmt: skip
-        rows = distributed.process_rows(count) if jax.process_count() > 1 else None
+        size = pad_to or count
+        idx = np.concatenate([idx, np.repeat(idx[-1:], size - count)])
+        rows = distributed.process_rows(size) if jax.process_count() > 1 else None
         return prompts.make_batch(self.train_set, idx, pad_token_id=self.pad_id, rows=rows)
 
 
@@ -434,7 +440,7 @@ def _steps(
         in loop step `sampled_at`, and the data position after its prompts. It reads and writes
         nothing of the loop's: a batch sampled ahead (in a background thread) hands its position
         over when it is taken."""
-        reader = _PromptReader(train_set, position, run.data, ctx.engine.pad_id)
+        reader = _PromptReader(train_set, position, run, ctx.engine.pad_id)
         rng = jax.random.fold_in(jax.random.wrap_key_data(loop.root_key), i)
         batch = rollout_stage.rollout_stage(
             ctx, policy, reader, rng, policy_version=version, sampled_at=sampled_at

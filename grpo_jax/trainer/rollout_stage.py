@@ -4,8 +4,8 @@
 
 `generate` samples (engines.Engine), `score` decodes and rewards, `sample_and_score` does both
 for one generation batch (plus DAPO's overlong penalty); with algorithm.filter_groups,
-`dynamic_sample` keeps drawing generation batches until enough informative groups are kept
-(DAPO); `estimator_extras` adds what the estimator needs beyond the rewards (remax's greedy
+`dynamic_sample` refills the filtered groups as verl 0.9.1's Sync DAPO does until enough groups
+are kept; `estimator_extras` adds what the estimator needs beyond the rewards (remax's greedy
 baselines, gdpo's reward components). The result is a `batch.RolloutBatch`.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -176,7 +177,11 @@ def sample_and_score(
         )
         extras = dict(result.extras)
         if "acc" not in extras:  # verl's DAPO reward manager: "acc" = the unpenalised score
-            extras["acc"] = list(result.scores_B)
+            extras["acc"] = (
+                reward_fns.reward_extra_info(result, "acc")
+                if len(result.per_fn) == 1
+                else list(result.scores_B)
+            )
         if ob.log:
             extras |= {"overlong_reward": penalty_B.tolist(), "overlong": (penalty_B < 0).tolist()}
         result = dataclasses.replace(
@@ -188,35 +193,38 @@ def sample_and_score(
     return batch_lib.RolloutBatch(rollout, host, texts, examples, result, sp.n)
 
 
-def group_values(batch: batch_lib.RolloutBatch, metric: str) -> np.ndarray:
-    """[groups, n] values of DAPO's filter metric (config.FilterGroupsConfig.metric)."""
-    if metric in ("seq_reward", "seq_final_reward") or (
-        metric == "acc" and "acc" not in batch.result.extras
-    ):
-        values = batch.result.scores_B
-    elif metric in batch.result.extras:
-        values = batch.result.extras[metric]
-        if any(v is None for v in values):
-            raise ValueError(
-                f"algorithm.filter_groups.metric={metric!r}: some samples' scores lack that key"
-            )
-    else:
-        raise ValueError(
-            f"algorithm.filter_groups.metric={metric!r} is neither 'acc', 'seq_reward', "
-            "'seq_final_reward' nor a key of the "
-            f"scorer's outputs ({sorted(batch.result.extras) or 'it returns plain floats'})"
-        )
-    return np.asarray(values, np.float64).reshape(batch.num_groups, batch.group_size)
+def group_values(
+    result: reward_fns.RewardResult, metric: str, *, group_size: int
+) -> np.ndarray:
+    """[groups, n] values of DAPO's filter metric (config.FilterGroupsConfig.metric), as verl
+    0.9.1's ReplayBuffer._dapo_filtered_keys reads them: "reward" is the sequence reward as
+    verl's float32 rm_scores hold it, any other name that key of reward_extra_info.
 
-
-def informative_groups(values_GN: np.ndarray) -> np.ndarray:
-    """DAPO: whether each group's metric differs between its samples (bool [groups]).
-
-    A group is uniform when its values differ by at most 1e-6 x max(1, |mean|), so float noise
-    (a sum of rewards that should be equal) does not make it informative.
+    Raises:
+      ValueError: some sample lacks `metric` (verl raises a RuntimeError too).
     """
-    spread_G = values_GN.max(1) - values_GN.min(1)
-    return spread_G > 1e-6 * np.maximum(1.0, np.abs(values_GN.mean(1)))
+    if metric == "reward":
+        values = np.asarray(result.scores_B, np.float32)
+    else:
+        values = reward_fns.reward_extra_info(result, metric)
+        if any(v is None for v in values):
+            keys = [k for k in ("score", "acc") if k not in result.extras] + sorted(result.extras)
+            raise ValueError(
+                f"algorithm.filter_groups.metric={metric!r}: some samples lack that key of "
+                "reward_extra_info (the reward function's dict keys; 'acc' for a plain score); "
+                f"'reward' or one of {keys} (where every sample has it)"
+            )
+    return np.asarray(values, np.float64).reshape(-1, group_size)
+
+
+def filtered_groups(values_GN: np.ndarray) -> np.ndarray:
+    """DAPO: whether each group's metric is the same on all its samples (bool [groups]).
+
+    verl's rule exactly (ReplayBuffer._dapo_filtered_keys): `len(values) > 1 and
+    np.std(values) == 0.0` in float64, so a one-sample group is never filtered, and a group of
+    equal values whose float mean rounds (three 0.1s) is not filtered either.
+    """
+    return np.array([len(v) > 1 and float(np.std(v)) == 0.0 for v in values_GN], bool)
 
 
 def select_groups(
@@ -244,7 +252,6 @@ def _rebuild(
     examples,
     log_probs_BT,
     mesh,
-    **counts,
 ) -> batch_lib.RolloutBatch:
     """A RolloutBatch over `host`'s rows, the rollout re-placed from the host arrays."""
     put = functools.partial(distributed.to_device, mesh=mesh)
@@ -258,7 +265,7 @@ def _rebuild(
         group_ids=put(np.repeat(np.arange(len(texts) // n, dtype=np.int32), n)),
     )
     return dataclasses.replace(
-        like, rollout=rollout, host=host, texts=texts, examples=examples, result=result, **counts
+        like, rollout=rollout, host=host, texts=texts, examples=examples, result=result
     )
 
 
@@ -285,9 +292,21 @@ def concat(parts: Sequence[batch_lib.RolloutBatch], mesh) -> batch_lib.RolloutBa
         [e for p in parts for e in p.examples],
         log_probs,
         mesh,
-        num_gen_batches=sum(p.num_gen_batches for p in parts),
-        num_filtered_groups=sum(p.num_filtered_groups for p in parts),
     )
+
+
+def sample_size(count: int, *, unit: int, train_batch_size: int, cap: int) -> int:
+    """Prompts to sample for `count` wanted (the rest repeat the last one: sampled and scored,
+    not kept): the smallest of unit x 2^k and the multiples of train_batch_size up to `cap`
+    that holds them.
+
+    DAPO's refills want any number of prompts; the sampler needs a multiple of `unit` (its
+    data devices and processes, which divide train_batch_size) and compiles once per size, so
+    a step compiles at most log2(cap / unit) + cap / train_batch_size sampler shapes.
+    """
+    sizes = {m * train_batch_size for m in range(1, cap // train_batch_size + 1)}
+    sizes |= {unit << k for k in range(cap.bit_length()) if unit << k < cap}
+    return min(s for s in sizes if s >= count)
 
 
 def dynamic_sample(
@@ -299,44 +318,60 @@ def dynamic_sample(
     *,
     policy_version: int | None = None,
 ) -> batch_lib.RolloutBatch:
-    """DAPO's dynamic sampling (algorithm.filter_groups): generation batches of
-    data.gen_batch_size prompts until data.train_batch_size informative groups are kept; the
-    surplus is dropped, as verl's DAPO trainer does.
+    """DAPO's dynamic sampling (algorithm.filter_groups) as verl 0.9.1's Sync DAPO
+    (verl/trainer/ppo/v1/replay_buffer.py: ReplayBuffer.sample, trainer_base.py: prepare_step).
 
-    Raises:
-      RuntimeError: algorithm.filter_groups.max_num_gen_batches batches did not give enough.
+    verl submits data.train_batch_size prompts, then polls the finished groups: each filtered
+    group (`filtered_groups`) is evicted and earns two refill credits, and credits are sampled
+    as prompts, at most max_inflight_gen_batches x train_batch_size pending or running at
+    once, until train_batch_size groups are kept; the surplus is discarded once nothing is in
+    flight. Here every round of prompts finishes before the next is sent (one of the orders of
+    verl's polling), so a round is min(credits, that bound) prompts, read from the data order one
+    at a time (verl's gen_batch_size 1). verl keeps the oldest groups, in no set order among
+    one step's; here the first ones sampled. verl 0.9.1 has no limit on the rounds
+    (max_num_gen_batches is ignored): a metric that never varies within a group samples on.
+
+    The step's metrics, in `filter_metrics`, are verl's: training/filter_groups/evicted_samples
+    (groups filtered) and discarded_surplus_samples (kept groups dropped), each only when
+    non-zero.
     """
     run, fg = ctx.run, ctx.run.algorithm.filter_groups
-    want, kept, filtered, have = run.data.train_batch_size, [], 0, 0
+    want, n = run.data.train_batch_size, run.rollout.n
+    cap = fg.max_inflight_gen_batches * want
+    unit = math.lcm(ctx.programs.dp, run.rollout.num_devices or 1, jax.process_count())
+    count, credit, kept, have, evicted = want, 0, [], 0, 0
     for i in itertools.count():
-        if fg.max_num_gen_batches and i >= fg.max_num_gen_batches:
-            raise RuntimeError(
-                f"DAPO dynamic sampling kept {have} of data.train_batch_size={want} groups after "
-                f"algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches} generation "
-                f"batches (the other {filtered} groups scored the same on all their samples): "
-                "raise the limit (0 = none), raise data.gen_batch_size, or check the reward"
-            )
+        size = sample_size(count, unit=unit, train_batch_size=want, cap=cap)
         part = sample_and_score(
             ctx,
             params,
-            next_prompts(run.gen_batch_size),
+            next_prompts(count, pad_to=size),
             jax.random.fold_in(rng, i),
             timing,
             policy_version=policy_version,
         )
-        keep = np.flatnonzero(informative_groups(group_values(part, fg.metric)))
-        filtered += part.num_groups - len(keep)
+        values = group_values(part.result.take(range(count * n)), fg.metric, group_size=n)
+        keep = np.flatnonzero(~filtered_groups(values))
+        evicted += count - len(keep)
         if len(keep):
-            kept.append(
-                select_groups(part, keep, ctx.mesh) if len(keep) < part.num_groups else part
-            )
+            whole = len(keep) == part.num_groups
+            kept.append(part if whole else select_groups(part, keep, ctx.mesh))
             have += len(keep)
         if have >= want:
             break
+        credit += 2 * (count - len(keep))
+        count = min(credit, cap)  # >= 1: credit exceeds the groups still missing
+        credit -= count
     batch = concat(kept, ctx.mesh) if len(kept) > 1 else kept[0]
-    if batch.num_groups > want:
+    surplus = batch.num_groups - want
+    if surplus:
         batch = select_groups(batch, range(want), ctx.mesh)
-    return dataclasses.replace(batch, num_gen_batches=i + 1, num_filtered_groups=filtered)
+    filter_metrics = {}
+    if evicted:
+        filter_metrics["training/filter_groups/evicted_samples"] = evicted
+    if surplus:
+        filter_metrics["training/filter_groups/discarded_surplus_samples"] = surplus
+    return dataclasses.replace(batch, filter_metrics=filter_metrics)
 
 
 def greedy_baselines(

@@ -385,9 +385,7 @@ def train_stage(
         max_response_length=run.data.max_response_length,
         max_prompt_length=run.data.max_prompt_length,
     )
-    if run.algorithm.filter_groups.enable:
-        record["train/num_gen_batches"] = rollout_batch.num_gen_batches
-        record["train/num_filtered_groups"] = rollout_batch.num_filtered_groups
+    record |= rollout_batch.filter_metrics
     prompt_B, response_B = host.prompt_mask_BP.sum(1), host.response_mask_BT.sum(1)
     record |= perf.timing_per_token(
         timing, prompt_tokens=int(prompt_B.sum()), response_tokens=int(response_B.sum())
