@@ -62,8 +62,14 @@ def _qkv(T, N, K, H, dtype, seed=0):
     return tuple(x.astype(dtype) for x in (q, k, v))
 
 
-@pytest.mark.parametrize("T,block", [(96, 32), (100, 32), (64, 512)])
-@pytest.mark.parametrize("N,K", [(6, 2), (4, 4)])
+@pytest.mark.parametrize(
+    "T,block,N,K",
+    [
+        (96, 32, 6, 2),  # GQA, 3 x 3 blocks
+        (100, 32, 4, 4),  # MHA, a row padded to 4 blocks
+        (64, 512, 6, 2),  # one block shorter than `block`
+    ],
+)
 def test_blockwise_equals_xla_forward_and_gradients(T, block, N, K):
     q, k, v = _qkv(T, N, K, 16, jnp.float32)
     for name, seg, pre in _layouts(T):
