@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from grpo_jax import config, loss, model, sharding
+from grpo_jax import config, loss, model, sampler, sharding
 from grpo_jax.trainer import actor, programs, setup, train_stage
 from grpo_jax.trainer import batch as batch_lib
 
@@ -351,13 +351,15 @@ def _stage_batch(seed=0, *, groups=2, n=4):
     return batch, batch_lib.HostRollout(prompt, prompt_mask, resp, resp_mask)
 
 
-def _stage_run(*, dynamic_bsz, seed=0, loss_mode="vanilla", **sections):
-    """Two prompts x 4, a mini-batch per prompt, micro-batches of 2 rows or 128 tokens."""
+def _stage_run(*, dynamic_bsz, seed=0, loss_mode="vanilla", mini_batch_size=1, **sections):
+    """Two prompts x 4, `mini_batch_size` prompts a mini-batch, micro-batches of 2 rows or 128
+    tokens."""
     return config.RunConfig(
         data=config.DataConfig(train_batch_size=2, max_prompt_length=TP, max_response_length=TR),
         rollout=config.RolloutConfig(n=4, log_prob_micro_batch_size_per_gpu=8),
         actor=config.ActorConfig(
-            ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=dynamic_bsz,
+            ppo_mini_batch_size=mini_batch_size, ppo_micro_batch_size_per_gpu=2,
+            use_dynamic_bsz=dynamic_bsz,
             ppo_max_token_len_per_gpu=128, optim=config.OptimConfig(lr=1e-3),
             policy_loss=config.PolicyLossConfig(loss_mode=loss_mode, **_CLIP_COV),
         ),
@@ -406,3 +408,131 @@ def test_update_stage_draws_clip_cov_from_the_seed_and_the_step(params, dynamic_
     assert len(seen) == len(want)
     for got, expected in zip(seen, want):
         np.testing.assert_array_equal(jax.random.key_data(got), jax.random.key_data(expected))
+
+
+# ------------------------------------------------------------------------------------------
+# token-mean under rollout rejection sampling (algorithm.rollout_correction.rollout_rs).
+
+
+def _rejected(params, *, dynamic_bsz, mini_batch_size, reject_rows=()):
+    """A batch after train_stage.advantages with token_k1 rejection: the engine's log-probs are
+    the recomputed ones + N(0, 0.3) (ratio bounds 0.8..1.25 reject about half the tokens), and
+    exp(-5) times them on `reject_rows` (every token rejected). Returns (run, progs, batch,
+    host, rollout_log_probs_BT, response mask as sampled)."""
+    correction = config.RolloutCorrectionConfig(rollout_rs="token_k1",
+                                                rollout_rs_threshold="0.8_1.25")  # fmt: skip
+    run = _stage_run(dynamic_bsz=dynamic_bsz, mini_batch_size=mini_batch_size,
+                     algorithm=config.AlgorithmConfig(rollout_correction=correction))  # fmt: skip
+    progs = programs.make_programs(run, CFG, _STAGE_TX, dp=1)
+    batch, host = _stage_batch(2)
+    r = np.random.default_rng(3)
+    old_BT, _ = actor.compute_log_probs(CFG, params, batch, micro_batch_size=8, temperature=1.0,
+                                        chunk_size=1024, calculate_entropy=False)  # fmt: skip
+    mask_BT = host.response_mask_BT
+    rollout_BT = np.asarray(old_BT) + r.normal(0, 0.3, mask_BT.shape).astype(np.float32)
+    rollout_BT[list(reject_rows)] += 5.0
+    rollout_BT = (rollout_BT * mask_BT).astype(np.float32)
+    rollout = sampler.Rollout(
+        prompt_ids=jnp.asarray(host.prompt_ids_BP), prompt_mask=jnp.asarray(host.prompt_mask_BP),
+        response_ids=batch.response_ids_BT, response_mask=batch.response_mask_BT,
+        log_probs=jnp.asarray(rollout_BT), group_ids=jnp.repeat(jnp.arange(2, dtype=jnp.int32), 4),
+        weights_version=jnp.int32(0),
+    )  # fmt: skip
+    scores_B = r.integers(0, 2, 8).astype(np.float32)
+    with sharding.use_mesh(_MESH):
+        batch, _ = train_stage.advantages(
+            progs, run, batch.replace(old_log_probs_BT=old_BT), rollout, scores_B, _MESH, {}
+        )
+    kept = np.asarray(batch.response_mask_BT)
+    assert 0 < kept.sum() < mask_BT.sum()
+    np.testing.assert_array_equal(np.asarray(batch.loss_mask_BT), mask_BT)
+    return run, progs, batch, host, rollout_BT, old_BT
+
+
+@pytest.mark.parametrize("dynamic_bsz", [False, True])
+def test_token_mean_with_rejection_divides_by_verls_tokens_before_rejection(
+    verl, params, dynamic_bsz
+):
+    # verl 0.9.1 (v1 trainer, engine workers): each sample is stored with loss_mask =
+    # response_mask when generated (trainer/ppo/v1/agent_loop_tq.py); rejection sampling
+    # (rollout_corr_helper.compute_rollout_correction_and_add_to_batch) rewrites response_mask
+    # only; the engine sets batch_num_tokens = all-reduced loss_mask.sum() of the mini-batch
+    # (workers/engine/fsdp/transformer_impl.py forward_backward_batch) and ppo_loss divides the
+    # sum over the rewritten response_mask by it. One mini-batch of both prompts, on-policy
+    # (ratio 1): verl's pg_loss is then -sum(A * kept) / (tokens as sampled). Dividing by the
+    # kept tokens instead makes the loss and the gradient larger by about 2x here.
+    import reference
+
+    run, progs, batch, host, rollout_BT, old_BT = _rejected(
+        params, dynamic_bsz=dynamic_bsz, mini_batch_size=2
+    )
+    mask_BT = host.response_mask_BT.astype(np.float32)
+    call = reference.fn("verl.trainer.ppo.rollout_corr_helper:"
+                        "compute_rollout_correction_and_rejection_mask")(
+        np.asarray(old_BT), rollout_BT, mask_BT, rollout_rs="token_k1",
+        rollout_rs_threshold="0.8_1.25",
+    )  # fmt: skip
+    their_mask = verl.run(reference.item(call, 1)).value
+    np.testing.assert_array_equal(np.asarray(batch.response_mask_BT), their_mask)
+    config_ = reference.fn("verl.workers.config:ActorConfig")(
+        strategy="fsdp", ppo_micro_batch_size_per_gpu=1, rollout_n=1,
+        global_batch_info={"dp_size": 1, "batch_num_tokens": float(mask_BT.sum()),
+                           "global_batch_size": 8},
+    )  # fmt: skip
+    lp = np.asarray(old_BT)
+    theirs = verl.run(
+        reference.fn("verl.trainer.ppo.core_algos:compute_policy_loss_vanilla")(
+            lp, lp, np.asarray(batch.advantages_BT), their_mask, "token-mean", config_
+        )
+    ).value[0]
+    state = actor.init_state(jax.tree.map(jnp.copy, params), _STAGE_TX)
+    with sharding.use_mesh(_MESH):
+        _, record = train_stage.update(progs, run, state, batch, 1e-3, host, _MESH)
+    np.testing.assert_allclose(record["actor/pg_loss"], float(theirs), rtol=1e-5, atol=1e-7)
+    assert abs(float(theirs)) > 1e-3  # not trivially zero
+
+
+@pytest.mark.parametrize("dynamic_bsz", [False, True])
+def test_a_fully_rejected_mini_batch_takes_an_adamw_step_on_zero_loss(params, dynamic_bsz):
+    # Mini-batch 1 (rows 4..7) is rejected whole. verl divides its zero sum by its tokens as
+    # sampled: loss 0, gradient 0, a finite norm, so torch's AdamW steps: decoupled weight decay
+    # plus the Adam moments' momentum, and the step count advances. optax's update of the same
+    # state with zero gradients is the expected result.
+    run, progs, batch, host, _, _ = _rejected(
+        params, dynamic_bsz=dynamic_bsz, mini_batch_size=1, reject_rows=range(4, 8)
+    )
+    assert not np.asarray(batch.response_mask_BT)[4:].any()
+    grads = jax.tree.map(lambda x: jnp.full_like(x, 0.01), params)
+    state, _ = actor.apply_gradients(  # Adam moments that move the params without a gradient
+        actor.init_state(jax.tree.map(jnp.copy, params), _STAGE_TX), grads, 0.0, 1e-3, _STAGE_TX
+    )
+    name = "apply" if dynamic_bsz else "update"
+    real, steps = getattr(progs, name), []
+
+    def spy(state, *args, **kwargs):
+        before = jax.tree.map(jnp.copy, state)  # `state` is donated
+        after, metrics = real(state, *args, **kwargs)
+        steps.append((before, after, metrics, args))
+        return after, metrics
+
+    progs = dataclasses.replace(progs, **{name: spy})
+    with sharding.use_mesh(_MESH):
+        _, record = train_stage.update(progs, run, state, batch, 1e-3, host, _MESH)
+    assert record["actor/update_skipped"] == 0
+    before, after, metrics, args = steps[1]
+    if dynamic_bsz:  # apply(state, grads, loss, lr): the summed micro-batch gradients
+        assert all(not np.asarray(g).any() for g in jax.tree.leaves(args[0]))
+        assert float(args[1]) == 0.0
+    else:
+        assert float(metrics["actor/loss"]) == 0.0 and float(metrics["actor/pg_loss"]) == 0.0
+    assert float(metrics["actor/grad_norm"]) == 0.0
+    assert float(metrics["actor/update_skipped"]) == 0.0
+    assert int(after.step) == int(before.step) + 1
+    zeros = jax.tree.map(jnp.zeros_like, before.params)
+    updates, opt_state = _STAGE_TX.update(zeros, before.opt_state, before.params)
+    want = jax.tree.map(lambda p, u: p - 1e-3 * u, before.params, updates)
+    moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), want,
+                         before.params)  # fmt: skip
+    assert min(jax.tree.leaves(moved)) > 0  # every tensor moves
+    numerics.assert_trees_close(after.params, want, ulps=4)
+    numerics.assert_trees_close(after.opt_state, opt_state, ulps=4)

@@ -11,11 +11,12 @@ and 6, verl 0.9.1 engine workers):
   as a plain Python loop.
   Inside, the mini-batch is split into micro-batches whose gradients are summed in a
   `lax.scan`. Each micro-batch loss is normalised with the mini-batch's global counts
-  (`batch_num_tokens` = valid tokens of the whole mini-batch, `global_batch_size` = its
-  sequences), so the summed gradient is exactly that of the mini-batch loss: token-mean is a
-  true token mean over the mini-batch, as in verl 0.9.1's engine workers (not the legacy
-  mean of micro-batch means). The mesh gives a global view, so dp_size is 1 here. geo_mean
-  is the exception: verl takes its plain mean over each micro-batch's sequences.
+  (`batch_num_tokens` = valid tokens of the whole mini-batch before rejection sampling,
+  `global_batch_size` = its sequences), so the summed gradient is exactly that of the
+  mini-batch loss: token-mean is a true token mean over the mini-batch, as in verl 0.9.1's
+  engine workers (not the legacy mean of micro-batch means). The mesh gives a global view,
+  so dp_size is 1 here. geo_mean is the exception: verl takes its plain mean over each
+  micro-batch's sequences.
 * Random draws in the loss (clip_cov's detached tokens, verl's torch.randperm) use
   `update_key(trainer.seed, state.step)` folded with the micro-batch index, so they are
   reproducible and a resumed run draws the same tokens.
@@ -84,6 +85,10 @@ class TrainBatch:
       ref_log_probs_BT: float32 reference-model log-probs, or None without a KL loss.
       rollout_is_weights_BT: float32 rollout-correction importance weights multiplying the
         policy loss, or None.
+      loss_mask_BT: int32, verl's `loss_mask`: the response mask as sampled, before rollout
+        rejection sampling (algorithm.rollout_correction.rollout_rs) zeroed tokens of
+        response_mask_BT. Its count over the mini-batch is token-mean's denominator
+        (batch_num_tokens); the losses sum over response_mask_BT. None: response_mask_BT.
     """
 
     input_ids_BS: jax.Array
@@ -94,6 +99,20 @@ class TrainBatch:
     old_log_probs_BT: jax.Array | None = None
     ref_log_probs_BT: jax.Array | None = None
     rollout_is_weights_BT: jax.Array | None = None
+    loss_mask_BT: jax.Array | None = None
+
+
+def batch_num_tokens(batch: TrainBatch) -> jax.Array:
+    """verl 0.9.1's token-mean denominator of `batch` (a mini-batch): the valid tokens of its
+    `loss_mask`, counted before rejection sampling (float32 scalar).
+
+    verl's v1 trainer stores loss_mask = response_mask with each sample when it is generated;
+    rejection sampling later rewrites response_mask only, and the engine divides by the
+    all-reduced loss_mask.sum(). So rejected tokens leave the loss's sum but not its
+    denominator, and a fully rejected mini-batch has loss 0 and still takes an optimizer step.
+    """
+    mask_BT = batch.response_mask_BT if batch.loss_mask_BT is None else batch.loss_mask_BT
+    return jnp.sum(mask_BT.astype(jnp.float32))
 
 
 def check_loss_settings(
@@ -436,7 +455,9 @@ def train_step(
     )
     num_micro = _num_chunks(mini_batch_size, micro_batch_size, "actor.ppo_micro_batch_size")
     # verl 0.9.1 engine normalisation: the global counts of the whole mini-batch.
-    num_tokens = jnp.sum(mini.response_mask_BT.astype(jnp.float32))
+    num_tokens = batch_num_tokens(mini)
+    # The masked-mean metrics weigh each micro-batch by its share of the kept tokens.
+    num_kept = jnp.sum(mini.response_mask_BT.astype(jnp.float32))
     lc = loss_config
     _check_rng(lc, rng)
 
@@ -466,7 +487,7 @@ def train_step(
         micro, m = xs
         key = None if rng is None else jax.random.fold_in(rng, m)
         (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(state.params, micro, key)
-        share = jnp.sum(micro.response_mask_BT.astype(jnp.float32)) / jnp.maximum(num_tokens, 1)
+        share = jnp.sum(micro.response_mask_BT.astype(jnp.float32)) / jnp.maximum(num_kept, 1)
         return jax.tree.map(jnp.add, grads, g), (metrics, share)
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
@@ -603,7 +624,7 @@ def packed_micro_grads(
     _check_rng(lc, rng)
     rows = batch.response_mask_BT.shape[0]
     mask_all_BT = batch.response_mask_BT.astype(jnp.float32)
-    num_tokens = jnp.sum(mask_all_BT)
+    num_tokens = batch_num_tokens(batch)
     shape = mask_all_BT.shape
     in_micro_BT = scatter_slots(
         jnp.ones(micro.slot_bt_GN.shape, jnp.float32), micro.slot_bt_GN, shape
@@ -631,7 +652,7 @@ def packed_micro_grads(
         )  # fmt: skip
 
     (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    share = jnp.sum(mask_BT) / jnp.maximum(num_tokens, 1)
+    share = jnp.sum(mask_BT) / jnp.maximum(jnp.sum(mask_all_BT), 1)
     metrics = {k: v if k in _SUMMED_METRICS else v * share for k, v in metrics.items()}
     return jax.tree.map(jnp.add, grads, g), metrics
 

@@ -251,7 +251,13 @@ def advantages(
             mask_BT,
         )
         device |= corr
-        batch = batch.replace(response_mask_BT=mask_BT, rollout_is_weights_BT=weights_BT)
+        # Rejection rewrites the response mask only: token-mean keeps dividing by the tokens
+        # as sampled (verl's loss_mask, actor.batch_num_tokens).
+        batch = batch.replace(
+            response_mask_BT=mask_BT,
+            loss_mask_BT=batch.response_mask_BT,
+            rollout_is_weights_BT=weights_BT,
+        )
     adv_BT, returns_BT = perf.timed(
         timing, "adv", progs.advantage, rewards_BT, mask_BT, rollout.group_ids, extras or {}
     )
