@@ -434,8 +434,7 @@ def sample(
 
     Compiles once per (padded prompt shape, config, n, max_new_tokens, temperature, top_p, top_k,
     eos_token_ids, pad_token_id, logprobs_mode); params, prompts, rng and weights_version are
-    traced. Works with
-    inputs sharded along the batch axis: the computation is row-parallel.
+    traced. Works with inputs sharded along the batch axis: the computation is row-parallel.
 
     Args:
       config: the model config (static).
