@@ -473,10 +473,13 @@ class _VLLMSection:
     there what each means), but for `extra_args` (shell-split) and `env` ("NAME=VALUE,...")
     written as strings, so both travel through the command line; `url` may list several
     servers, comma-separated, and `num_servers` starts that many (grpo_jax/rollout/vllm_pool.py);
-    the tensor parallelism is rollout.tensor_model_parallel_size (verl's name).
+    the tensor parallelism is rollout.tensor_model_parallel_size and the log-probs' mode
+    rollout.logprobs_mode (verl's names).
     """
 
-    def sidecar_config(self, *, tensor_parallel_size: int = 1) -> vllm_sidecar.VLLMConfig:
+    def sidecar_config(
+        self, *, tensor_parallel_size: int = 1, logprobs_mode: str = "processed_logprobs"
+    ) -> vllm_sidecar.VLLMConfig:
         """The vllm_sidecar.VLLMConfig of the first server (raises ValueError naming a bad
         value)."""
         env = []
@@ -486,7 +489,8 @@ class _VLLMSection:
                 raise ValueError(f"env={self.env!r}: entry {item!r} must be NAME=VALUE")
             env.append((name, value))
         fields = dataclasses.asdict(self) | {"extra_args": shlex.split(self.extra_args)}
-        fields |= {"env": tuple(env), "tensor_parallel_size": tensor_parallel_size}
+        fields |= {"env": tuple(env), "tensor_parallel_size": tensor_parallel_size,
+                   "logprobs_mode": logprobs_mode}  # fmt: skip
         urls = self.urls
         if self.num_servers < 1:
             raise ValueError(f"num_servers={self.num_servers} must be >= 1")
@@ -500,9 +504,13 @@ class _VLLMSection:
     def urls(self) -> tuple[str, ...]:
         return registry.split_list(self.url)
 
-    def sidecar_configs(self, *, tensor_parallel_size: int = 1) -> list:
+    def sidecar_configs(
+        self, *, tensor_parallel_size: int = 1, logprobs_mode: str = "processed_logprobs"
+    ) -> list:
         """One vllm_sidecar.VLLMConfig per server (num_servers, or each url)."""
-        one = self.sidecar_config(tensor_parallel_size=tensor_parallel_size)
+        one = self.sidecar_config(
+            tensor_parallel_size=tensor_parallel_size, logprobs_mode=logprobs_mode
+        )
         return vllm_pool.server_configs(one, self.num_servers, self.urls)
 
 
@@ -511,7 +519,7 @@ def _vllm_section_fields():
     types = typing.get_type_hints(vllm_sidecar.VLLMConfig)
     fields = []
     for f in dataclasses.fields(vllm_sidecar.VLLMConfig):
-        if f.name == "tensor_parallel_size":  # rollout.tensor_model_parallel_size
+        if f.name in ("tensor_parallel_size", "logprobs_mode"):  # rollout.* (verl's names)
             continue
         if f.name in ("extra_args", "env"):  # strings on the command line, parsed above
             fields.append((f.name, str, dataclasses.field(default="")))
@@ -537,6 +545,11 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling temperature; log-probs are divided by it too (verl)
     top_p: float = 1.0  # nucleus sampling; 1 = off
     top_k: int = -1  # -1 = off
+    # What the engine reports as each sampled token's log-prob (vLLM's --logprobs-mode, verl's
+    # default): "processed_logprobs" = under the temperature-scaled, top-k / top-p renormalised
+    # distribution it was drawn from; "raw_logprobs" = log_softmax(logits), before temperature;
+    # "processed_logits" / "raw_logits" = the logit (not a log-prob: no rollout correction).
+    logprobs_mode: str = "processed_logprobs"
     log_prob_micro_batch_size_per_gpu: int = 16  # sequences per device for old/ref log-probs
     log_prob_use_dynamic_bsz: bool = False  # packed token-budget micro-batches instead
     log_prob_max_token_len_per_gpu: int = 16384  # that budget, tokens per device
@@ -554,6 +567,7 @@ class RolloutConfig:
 
         c = _Checks("rollout")
         c.choice("name", self.name, ("jax", "vllm"))
+        c.choice("logprobs_mode", self.logprobs_mode, sampler.LOGPROBS_MODES)
         _positive(
             c, self, "n", "log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu"
         )
@@ -578,12 +592,17 @@ class RolloutConfig:
         c.done()
 
     def sidecar_config(self):
-        """vllm_sidecar.VLLMConfig of rollout.vllm with rollout.tensor_model_parallel_size."""
-        return self.vllm.sidecar_config(tensor_parallel_size=self.tensor_model_parallel_size)
+        """vllm_sidecar.VLLMConfig of rollout.vllm with rollout.tensor_model_parallel_size and
+        rollout.logprobs_mode."""
+        return self.vllm.sidecar_config(
+            tensor_parallel_size=self.tensor_model_parallel_size, logprobs_mode=self.logprobs_mode
+        )
 
     def sidecar_configs(self) -> list:
         """One vllm_sidecar.VLLMConfig per server (rollout.vllm.num_servers or urls)."""
-        return self.vllm.sidecar_configs(tensor_parallel_size=self.tensor_model_parallel_size)
+        return self.vllm.sidecar_configs(
+            tensor_parallel_size=self.tensor_model_parallel_size, logprobs_mode=self.logprobs_mode
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1008,6 +1027,14 @@ class RunConfig:
             a.policy_loss.loss_mode,
             "needs algorithm.rollout_correction.bypass_mode=True (the loss takes the rollout "
             "engine's log-probs as the old ones)",
+        )
+        # verl would pass the logits on as rollout log-probs; here that is refused.
+        c.need(
+            not (r.logprobs_mode.endswith("_logits") and rc.active),
+            "rollout.logprobs_mode",
+            r.logprobs_mode,
+            "makes the engine report logits, not log-probs: algorithm.rollout_correction "
+            "(rollout_is, rollout_rs, bypass_mode) needs a *_logprobs mode",
         )
         c.problems = [p.removeprefix(".") for p in c.problems]
         c.done()

@@ -50,9 +50,10 @@ Deliberate differences from verl, all where verl returns NaN or inf:
    arithmetic, and ``agg_loss`` selects with ``where`` in every mode.
 
 clip_cov and kl_cov select tokens: verl's clip_cov draws them with ``torch.randperm`` (not
-reproducible from JAX); here the choice is deterministic and jittable (see
-``compute_policy_loss``), and their token budget int(ratio * N_tok) is computed with verl's
-float64 rounding, not float32's.
+reproducible from JAX); here a uniform random subset is drawn from a JAX key (``rng``; the
+trainer passes one per micro-batch, trainer/actor.py ``update_key``), jittable and
+reproducible (see ``compute_policy_loss``), and their token budget int(ratio * N_tok) is
+computed with verl's float64 rounding, not float32's.
 
 For finite inputs with at least one valid token, every value and gradient equals verl's. Ratio
 clamps follow ``torch.clamp`` (a value exactly on a bound passes its gradient), not
@@ -476,8 +477,7 @@ def _clip_cov_token_losses(
         valid_BT & ~(loss2_BT > loss1_BT) & (cov_BT > clip_cov_lb) & (cov_BT < clip_cov_ub)
     )
     budget = _token_budget(jnp.sum(valid_BT, dtype=jnp.int32), clip_cov_ratio, mask_BT.size)
-    score_BT = cov_BT if rng is None else -jax.random.uniform(rng, cov_BT.shape)
-    selected_BT = _clip_cov_select(score_BT, candidate_BT, budget)
+    selected_BT = _clip_cov_select(cov_BT, candidate_BT, budget, rng)
     metrics = {
         "actor/pg_clipfrac": _masked_mean(selected_BT, mask_BT),
         "actor/ppo_kl": _masked_mean(-log_ratio_BT, mask_BT),
@@ -485,9 +485,26 @@ def _clip_cov_token_losses(
     return jnp.where(selected_BT, 0.0, jnp.maximum(loss1_BT, loss2_BT)), metrics
 
 
-def _clip_cov_select(score_BT, candidate_BT, budget):
-    """The tokens clip_cov detaches: ``budget`` candidates by score (a seam for parity tests)."""
-    return _top_k_mask(score_BT, candidate_BT, budget)
+def _clip_cov_select(cov_BT, candidate_BT, budget, rng):
+    """The tokens clip_cov detaches (a seam for parity tests): ``budget`` candidates drawn
+    uniformly at random from ``rng``, or the largest-covariance ones without it."""
+    if rng is None:
+        return _top_k_mask(cov_BT, candidate_BT, budget)
+    return _random_subset_mask(rng, candidate_BT, budget)
+
+
+def _random_subset_mask(rng, candidate_BT, k):
+    """min(k, #candidates) of the candidates, every such subset equally likely.
+
+    Each token gets a distinct random priority (a uniform random permutation of 0..N-1, so no
+    ties can favour an index) and the k candidates of lowest priority are taken: as verl's
+    ``torch.randperm`` over the candidates, a uniform random subset."""
+    size = candidate_BT.size
+    priority_N = jax.random.permutation(rng, size)
+    key_N = jnp.where(candidate_BT.reshape(-1), priority_N, size)
+    order_N = jnp.argsort(key_N)
+    rank_N = jnp.zeros_like(order_N).at[order_N].set(jnp.arange(size, dtype=order_N.dtype))
+    return candidate_BT & (rank_N.reshape(candidate_BT.shape) < k)
 
 
 def _kl_cov_token_losses(old_BT, lp_BT, adv_BT, mask_BT, *, kl_cov_ratio, ppo_kl_coef):
@@ -685,9 +702,10 @@ def compute_policy_loss(
     * ``clip_cov`` (arXiv 2505.22617): the vanilla clip without dual clip and without the +-20
       clamp; then max(1, int(clip_cov_ratio N_tok)) of the unclipped valid tokens whose centred
       covariance (A - mean A)(lp - mean lp) lies in (clip_cov_lb, clip_cov_ub) get L = 0. verl
-      picks them with torch.randperm; here the pick is deterministic and jittable: a uniform
-      random subset drawn from ``rng`` when given, else the candidates with the largest
-      covariance (ties: lower flat index). Both equal verl's whenever the budget covers every
+      picks them uniformly at random with torch.randperm; here a uniform random subset is drawn
+      from ``rng`` (the trainer always passes one). Without ``rng`` the candidates with the
+      largest covariance are taken instead (ties: lower flat index), a deterministic pick for
+      hand-derived tests, not verl's. Both equal verl's whenever the budget covers every
       candidate. Metrics: ``actor/pg_clipfrac`` (fraction detached), ``actor/ppo_kl``.
     * ``kl_cov``: L = -A exp(lp - old) (no clamp, no clip), plus ``ppo_kl_coef`` |lp - old| on
       the max(1, int(kl_cov_ratio N_tok)) valid tokens with the largest covariance (ties: lower
@@ -741,7 +759,8 @@ def compute_policy_loss(
         kl_cov_ratio, ppo_kl_coef: kl_cov settings (verl defaults 2e-4, 0.1).
         tau_pos, tau_neg: sapo temperatures (config ``actor.tau_pos`` / ``tau_neg``; 1.0, 1.05).
         dro_beta: dro's penalty (config ``actor.policy_loss.dro_beta``; None).
-        rng: optional PRNG key for clip_cov's random pick (see above).
+        rng: PRNG key of clip_cov's uniform random pick (see above); passed on to a registered
+            loss too.
         **kwargs: extra settings, only for a registered loss (TypeError for a built-in mode).
 
     Returns:

@@ -474,6 +474,10 @@ class Planner:
         lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding.replicated(self.mesh))
         return scalar, lr
 
+    def _key(self):
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        return jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=sharding.replicated(self.mesh))
+
     def _train(self, micro_per_device: int) -> PhaseMemory:
         w = self.w
         micro_rows = min(micro_per_device * self.dp, w.mini_rows)
@@ -485,7 +489,8 @@ class Planner:
         update = self.programs(micro_per_device).update
         batch = self._batch(w.prompts * w.n)
         base = (self.base,) if self.lora else ()  # LoRA: the frozen base is an argument
-        return PhaseMemory.of(update.lower(self.state, batch, *self._scalars(), *base).compile())
+        lowered = update.lower(self.state, batch, *self._scalars(), *base, rng=self._key())
+        return PhaseMemory.of(lowered.compile())
 
     def _packed_train(self, tokens_per_device: int) -> PhaseMemory:
         params = self.state.params  # the gradients have the trained params' shapes and shardings
@@ -495,7 +500,8 @@ class Planner:
         mini_batch = mini_batch.replace(input_ids_BS=None, attention_mask_BS=None)
         micro = self._micro(tokens_per_device)
         fn = self.programs().packed_grads
-        return PhaseMemory.of(fn.lower(params, params, micro, mini_batch, *base).compile())
+        lowered = fn.lower(params, params, micro, mini_batch, *base, rng=self._key())
+        return PhaseMemory.of(lowered.compile())
 
     def _apply(self) -> PhaseMemory:
         _, lr = self._scalars()
@@ -519,8 +525,7 @@ class Planner:
     def _sample(self, prompts: int) -> PhaseMemory:
         w = self.w
         ids = self._arr((prompts, w.prompt_len), jnp.int32)
-        rng = jax.eval_shape(lambda: jax.random.key(0))
-        rng = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=sharding.replicated(self.mesh))
+        rng = self._key()
 
         def sample(p, i, m, r):
             if self.lora:  # as engines.NativeEngine: the merged kernels live during the call

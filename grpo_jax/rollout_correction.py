@@ -620,7 +620,9 @@ def compute_rollout_correction(
     The keyword names and defaults are verl's ``algorithm.rollout_correction`` fields (yaml
     defaults). The trainer then multiplies the per-token policy loss by the weights
     (``compute_policy_loss(..., rollout_is_weights=weights)``) and uses the returned mask as the
-    response mask everywhere downstream (advantages and losses).
+    response mask everywhere downstream (advantages and losses), except token-mean's denominator,
+    which counts the mask as sampled (verl's ``loss_mask``; trainer/actor.py
+    ``batch_num_tokens``).
 
     Args:
         old_log_prob: [B, T] log-probs recomputed by the trainer (pi_old).

@@ -31,9 +31,16 @@ Sampling semantics (the same as HF `generate` and vLLM):
     and a token is drawn from the softmax of what is left (inverse-CDF sampling with one uniform
     per row, see `categorical_inverse_cdf`). top-p always keeps at least the most likely token.
     `top_k` of -1 or 0 and `top_p == 1` switch the filters off.
-  * `Rollout.log_probs` is log_softmax(logits / temperature) at the drawn token, WITHOUT top-k /
-    top-p renormalisation (at temperature 0: log_softmax(logits)). This is what the trainer
-    recomputes as the old log-prob, as in verl.
+  * `Rollout.log_probs` holds, at the drawn token, what `logprobs_mode` names (vLLM's
+    `--logprobs-mode`, verl's `rollout.logprobs_mode`, `LOGPROBS_MODES`):
+      - "processed_logprobs" (verl's default): the log-probability under the distribution the
+        token was drawn from: log_softmax of logits / temperature after top-k / top-p, i.e.
+        renormalised over the kept tokens. Without top-k and top-p this is log_softmax(logits /
+        temperature), what the trainer recomputes as the old log-prob (verl); at temperature 0
+        (greedy) log_softmax(logits).
+      - "raw_logprobs": log_softmax(logits) of the model, before temperature and filtering.
+      - "processed_logits" / "raw_logits": the logit itself (logits / temperature, or the
+        model's), not a log-probability.
   * Randomness: row b at decode step t uses fold_in(fold_in(rng, b), t). Rows are independent, a
     row's draws do not depend on the batch size or on how the batch is sharded, and the same rng
     gives the same rollout.
@@ -68,8 +75,9 @@ class Rollout:
       response_ids: [B,R] int32, R = max_new_tokens; pad_token_id after the first EOS (and after
         the end of generation).
       response_mask: [B,R] int32, 1 up to and including the first EOS, 0 after it.
-      log_probs: [B,R] float32, log_softmax(logits / temperature) at the sampled token (at
-        temperature 0: log_softmax(logits)), no top-k/top-p renormalisation; 0 where masked.
+      log_probs: [B,R] float32, the sampled token's value of the sampler's logprobs_mode (by
+        default the log-prob under the temperature-scaled, top-k / top-p renormalised
+        distribution it was drawn from; see the module docstring); 0 where masked.
       group_ids: [B] int32, the prompt index of each row (0,0,..,1,1,..).
       weights_version: int32 scalar, the policy weights version the rollout was sampled under.
     """
@@ -170,6 +178,16 @@ def as_typed_key(rng: jax.Array) -> jax.Array:
         "rng must be a typed key (jax.random.key) or a legacy uint32[2] key (jax.random.PRNGKey), "
         f"got dtype {rng.dtype} shape {rng.shape}"
     )
+
+
+# vLLM's LogprobsMode (verl passes rollout.logprobs_mode to it); the first is verl's default.
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs", "processed_logits", "raw_logits")
+
+
+def check_logprobs_mode(logprobs_mode: str) -> None:
+    """Raises ValueError unless `logprobs_mode` is one of `LOGPROBS_MODES`."""
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode={logprobs_mode!r} must be one of {list(LOGPROBS_MODES)}")
 
 
 def top_k_top_p_filter(logits_BV: jax.Array, *, top_k: int, top_p: float) -> jax.Array:
@@ -297,8 +315,9 @@ def select_tokens(
     temperature: float,
     top_k: int,
     top_p: float,
+    logprobs_mode: str = "processed_logprobs",
 ) -> tuple[jax.Array, jax.Array]:
-    """Draws one token per row and returns its unfiltered log-probability.
+    """Draws one token per row and returns its log-probability (or logit) of `logprobs_mode`.
 
     Args:
       logits_BV: [B,V] float32 next-token logits.
@@ -306,12 +325,18 @@ def select_tokens(
       temperature: 0 for greedy, else the softmax temperature.
       top_k: see `top_k_top_p_filter`.
       top_p: see `top_k_top_p_filter`.
+      logprobs_mode: one of `LOGPROBS_MODES` (vLLM's meanings, as in the module docstring).
 
     Returns:
-      (tokens_B int32, log_probs_B float32) with log_probs_B = log_softmax(logits / temperature)
-      at the token (log_softmax(logits) when greedy), before any top-k/top-p renormalisation.
+      (tokens_B int32, values_B float32), values_B at the token:
+      "processed_logprobs": log_softmax(filtered logits / temperature), renormalised over the
+        tokens top-k / top-p keep (log_softmax(logits) when greedy, as vLLM's greedy path);
+      "raw_logprobs": log_softmax(logits); "processed_logits": logits / temperature (logits
+        when greedy); "raw_logits": logits.
     """
+    check_logprobs_mode(logprobs_mode)
     logits_BV = logits_BV.astype(jnp.float32)
+    filtering = temperature != 0.0 and (0 < top_k < logits_BV.shape[-1] or top_p < 1.0)
     if temperature == 0.0:
         tokens_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
         logp_BV = jax.nn.log_softmax(logits_BV, axis=-1)
@@ -320,8 +345,22 @@ def select_tokens(
         filtered_BV = top_k_top_p_filter(logp_BV, top_k=top_k, top_p=top_p)
         u_B = jax.vmap(jax.random.uniform)(keys_B)
         tokens_B = categorical_inverse_cdf(jnp.exp(filtered_BV), u_B)
-    log_probs_B = jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=-1)[:, 0]
-    return tokens_B, log_probs_B
+
+    def at_token(x_BV):
+        return jnp.take_along_axis(x_BV, tokens_B[:, None], axis=-1)[:, 0]
+
+    match logprobs_mode:
+        case "processed_logprobs" if filtering:
+            # Renormalised over the kept tokens: log p(token) - log(kept probability mass).
+            return tokens_B, at_token(logp_BV) - jax.nn.logsumexp(filtered_BV, axis=-1)
+        case "processed_logprobs":
+            return tokens_B, at_token(logp_BV)
+        case "raw_logprobs":
+            return tokens_B, at_token(jax.nn.log_softmax(logits_BV, axis=-1))
+        case "processed_logits" if temperature != 0.0:
+            return tokens_B, at_token(logits_BV) / temperature  # always kept by the filters
+        case _:  # raw_logits, and processed_logits when greedy (no temperature applied)
+            return tokens_B, at_token(logits_BV)
 
 
 def check_sampling_settings(*, temperature: float, top_p: float, top_k: int) -> None:
@@ -389,12 +428,13 @@ def sample(
     pad_token_id: int = 0,
     weights_version: int = -1,
     compaction: bool = True,
+    logprobs_mode: str = "processed_logprobs",
 ) -> Rollout:
     """Samples n completions for each of P left-padded prompts (see the module docstring).
 
     Compiles once per (padded prompt shape, config, n, max_new_tokens, temperature, top_p, top_k,
-    eos_token_ids, pad_token_id); params, prompts, rng and weights_version are traced. Works with
-    inputs sharded along the batch axis: the computation is row-parallel.
+    eos_token_ids, pad_token_id, logprobs_mode); params, prompts, rng and weights_version are
+    traced. Works with inputs sharded along the batch axis: the computation is row-parallel.
 
     Args:
       config: the model config (static).
@@ -413,6 +453,8 @@ def sample(
       compaction: decode in phases, compacting the live rows into half the slots whenever they
         fit, so finished rows stop costing decode steps (the default). Off, or when `sample`
         is traced inside an outer jit, the call is one while_loop over all rows.
+      logprobs_mode: what `Rollout.log_probs` records (`LOGPROBS_MODES`, config
+        rollout.logprobs_mode; see the module docstring).
 
     Returns:
       A `Rollout` with B = P*n rows, prompt i at rows [i*n, (i+1)*n).
@@ -431,6 +473,7 @@ def sample(
         eos_token_ids=eos_token_ids,
         pad_token_id=pad_token_id,
     )
+    check_logprobs_mode(logprobs_mode)
 
     prompt_ids, prompt_mask = bucket_prompts(prompt_ids, prompt_mask, pad_token_id=pad_token_id)
     st = _Static(
@@ -442,6 +485,7 @@ def sample(
         int(top_k),
         eos_token_ids,
         int(pad_token_id),
+        logprobs_mode,
     )
     args = (
         st,
@@ -478,6 +522,7 @@ class _Static:
     top_k: int
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
+    logprobs_mode: str = "processed_logprobs"
 
 
 def _start(st: _Static, params, prompt_ids_PT, prompt_mask_PT, rng) -> SampleState:
@@ -508,8 +553,9 @@ def _draw(st: _Static, state: SampleState) -> SampleState:
     """Selects the token at response position state.t of every slot and records it."""
     step_keys_S = jax.vmap(jax.random.fold_in, in_axes=(0, None))(state.keys_S, state.t)
     tokens_S, log_probs_S = select_tokens(
-        state.logits_SV, step_keys_S, temperature=st.temperature, top_k=st.top_k, top_p=st.top_p
-    )
+        state.logits_SV, step_keys_S, temperature=st.temperature, top_k=st.top_k, top_p=st.top_p,
+        logprobs_mode=st.logprobs_mode,
+    )  # fmt: skip
     live_S = ~state.done_S
     tokens_S = jnp.where(live_S, tokens_S, st.pad_token_id)
     is_eos_S = jnp.isin(tokens_S, jnp.asarray(st.eos_token_ids, jnp.int32)) & live_S

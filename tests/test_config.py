@@ -158,6 +158,11 @@ def test_shipped_configs_validate(get):
             r"reward.fn: reward function 'nope_module:f': cannot import",
         ),
         ("actor.clip_ratio_c", 1.0, r"actor.clip_ratio_c=1.0 must be > 1"),
+        (
+            "rollout.logprobs_mode",
+            "logprobs",
+            r"rollout.logprobs_mode='logprobs' must be one of \['processed_logprobs', 'raw_log",
+        ),
         ("trainer.save_freq", 0, r"trainer.save_freq=0 must be -1 \(never\) or >= 1"),
         ("reward.timeout_s", 0.0, r"reward.timeout_s=0.0 must be > 0"),
     ],
@@ -167,6 +172,18 @@ def test_invalid_values_name_field_and_allowed(field, value, match):
     _set(c, field, value)
     with pytest.raises(ValueError, match=match):
         train.check_config(c)
+
+
+def test_logits_modes_refuse_rollout_correction():
+    # The *_logits modes put logits where the rollout's log-probs go; verl would feed them to
+    # the IS weights and rejection as log-probs. Here the combination is refused up front.
+    rc = config.RolloutCorrectionConfig(rollout_is="token")
+    config.RunConfig(rollout=config.RolloutConfig(logprobs_mode="raw_logprobs"),
+                     algorithm=config.AlgorithmConfig(rollout_correction=rc))  # fmt: skip
+    with pytest.raises(ValueError, match=r"rollout.logprobs_mode='processed_logits' makes the "
+                       r"engine report logits, not log-probs"):  # fmt: skip
+        config.RunConfig(rollout=config.RolloutConfig(logprobs_mode="processed_logits"),
+                         algorithm=config.AlgorithmConfig(rollout_correction=rc))  # fmt: skip
 
 
 def test_vllm_section_checked_up_front():

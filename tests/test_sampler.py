@@ -11,7 +11,10 @@ import numpy as np
 import pytest
 import reference
 
-from grpo_jax import model, sampler
+from grpo_jax import config as config_lib
+from grpo_jax import model, sampler, sharding
+from grpo_jax.rollout import engines
+from grpo_jax.trainer import setup
 
 # Log-probs of the same tokens computed in another order (a KV cache vs a full forward, fewer
 # decode slots, YNNPACK dots, a sharded batch), in ulps of the largest |log p| (tests/numerics.py).
@@ -146,10 +149,8 @@ def test_top_k_one_and_temperature_zero_are_greedy():
         logits_BV, keys_B, temperature=0.7, top_k=1, top_p=1.0
     )
     np.testing.assert_array_equal(top1_B, greedy_B)
-    # Unrenormalised: log_softmax(logits / 0.7) at the argmax, not log(1) = 0.
-    np.testing.assert_allclose(
-        top1_logp_B, jnp.max(jax.nn.log_softmax(logits_BV / 0.7, axis=-1), axis=-1), rtol=1e-6
-    )
+    # processed_logprobs (the default): top-k 1 leaves one token, renormalised to log(1) = 0.
+    np.testing.assert_array_equal(top1_logp_B, np.zeros(64, np.float32))
 
 
 # chi2.ppf(0.999, df) for df = 1..5 (standard table values); the test is seeded, so it either
@@ -184,9 +185,71 @@ def test_sampled_distribution_chi_square(temperature, top_k, top_p, expected):
     assert counts_V[~support].sum() == 0, "drew a filtered-out token"
     chi2 = float((((counts_V - expected_V) ** 2)[support] / expected_V[support]).sum())
     assert chi2 < _CHI2_999[int(support.sum()) - 1], (chi2, counts_V, expected_V)
-    # log_probs are log_softmax(logits / T) at the token, never renormalised by the filters.
-    full_logp_V = np.log(probs_V ** (1 / temperature) / (probs_V ** (1 / temperature)).sum())
-    np.testing.assert_allclose(logp_B, full_logp_V[np.asarray(tokens_B)], rtol=1e-5)
+    # processed_logprobs: the log-probability under the distribution drawn from, `expected`
+    # (never a filtered-out token, whose expected probability is 0).
+    drawn = np.asarray(expected)[np.asarray(tokens_B)]
+    np.testing.assert_allclose(logp_B, np.log(drawn), rtol=1e-5)
+
+
+def _np_processed_logprobs(logits_V, temperature, top_k, top_p):
+    """log_softmax of logits / T after HF/vLLM top-k then top-p, in float64 (-inf dropped)."""
+    z = np.asarray(logits_V, np.float64) / temperature
+    if 0 < top_k < z.size:
+        z = np.where(z >= np.sort(z)[-top_k], z, -np.inf)
+    if top_p < 1:
+        order = np.argsort(z)  # ascending; dropped tokens first
+        probs = np.exp(z[order] - z.max())
+        cum = np.cumsum(probs / probs.sum())
+        drop = cum <= 1 - top_p
+        drop[-1] = False  # the most likely token stays
+        z[order[drop]] = -np.inf
+    return z - (z.max() + np.log(np.exp(z - z.max()).sum()))
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p",
+    [(0.7, -1, 1.0), (0.7, 10, 1.0), (1.3, -1, 0.8), (0.9, 20, 0.7), (0.0, -1, 1.0)],
+)
+def test_logprobs_modes_are_vllms(temperature, top_k, top_p):
+    # vLLM's --logprobs-mode (verl's rollout.logprobs_mode), at the sampled token:
+    # processed_logprobs = log_softmax of the temperature-scaled, top-k / top-p truncated and
+    # renormalised logits (computed here in numpy); raw_logprobs = log_softmax(logits);
+    # processed_logits = logits / T; raw_logits = logits (greedy: no temperature, no filter).
+    # The mode never changes the draw.
+    logits_BV = jax.random.normal(jax.random.key(3), (64, 50)) * 2.0
+    keys_B = sampler.row_keys(jax.random.key(4), 64)
+    statics = ("temperature", "top_k", "top_p", "logprobs_mode")
+    select = jax.jit(sampler.select_tokens, static_argnames=statics)
+    out = {
+        mode: select(logits_BV, keys_B, temperature=temperature, top_k=top_k, top_p=top_p,
+                     logprobs_mode=mode)  # fmt: skip
+        for mode in sampler.LOGPROBS_MODES
+    }
+    tokens_B = np.asarray(out["processed_logprobs"][0])
+    for mode, (tokens, _) in out.items():
+        np.testing.assert_array_equal(tokens, tokens_B, err_msg=mode)
+    logits = np.asarray(logits_BV, np.float64)
+    rows = np.arange(64)
+    raw_logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    want = {
+        "raw_logprobs": raw_logp[rows, tokens_B],
+        "raw_logits": logits[rows, tokens_B],
+        "processed_logits": logits[rows, tokens_B] / (temperature or 1.0),
+        "processed_logprobs": np.array([
+            _np_processed_logprobs(logits[b], temperature, top_k, top_p)[t] if temperature
+            else raw_logp[b, t] for b, t in zip(rows, tokens_B)
+        ]),
+    }  # fmt: skip
+    assert np.isfinite(want["processed_logprobs"]).all()  # drawn tokens survive the filters
+    for mode, values in want.items():
+        np.testing.assert_allclose(out[mode][1], values, rtol=2e-6, atol=2e-6, err_msg=mode)
+    if temperature and (top_k > 0 or top_p < 1):
+        # The truncation bites: the renormalised log-prob exceeds the untruncated
+        # log_softmax(logits / T) by -log(kept mass) >= 0, clearly on most rows.
+        scaled = logits / temperature
+        untruncated = (scaled - np.log(np.exp(scaled).sum(-1, keepdims=True)))[rows, tokens_B]
+        gap = np.asarray(out["processed_logprobs"][1]) - untruncated
+        assert (gap > -1e-6).all() and np.median(gap) > 1e-2
 
 
 def test_inverse_cdf_sparse_support_and_edges():
@@ -277,16 +340,43 @@ def test_log_probs_match_teacher_forced_forward(tiny):
     seq_BS = jnp.concatenate([out.prompt_ids, out.response_ids], axis=1)
     mask_BS = jnp.concatenate([out.prompt_mask, out.response_mask], axis=1)
     logits_BSV = model.forward(config, params, seq_BS, mask_BS)
-    # The logits at position Tb - 1 + t predict response token t; log_probs are the full
-    # (unfiltered) log_softmax(logits / T) there.
+    # The logits at position Tb - 1 + t predict response token t; log_probs (processed_logprobs,
+    # the default) are the log-softmax of logits / T after top-k 20 and top-p 0.9 there.
     prompt_len = out.prompt_ids.shape[1]
-    logp_BRV = jax.nn.log_softmax(logits_BSV[:, prompt_len - 1 : -1] / temperature, axis=-1)
-    expected_BR = jnp.take_along_axis(logp_BRV, out.response_ids[..., None], axis=-1)[..., 0]
-    expected_BR = jnp.where(out.response_mask == 1, expected_BR, 0.0)
+    logits_BRV = np.asarray(logits_BSV[:, prompt_len - 1 : -1])
+    ids_BR, live_BR = np.asarray(out.response_ids), np.asarray(out.response_mask) == 1
+    expected_BR = np.zeros(ids_BR.shape)
+    for b, t in zip(*np.nonzero(live_BR)):
+        logp_V = _np_processed_logprobs(logits_BRV[b, t], temperature, 20, 0.9)
+        expected_BR[b, t] = logp_V[ids_BR[b, t]]
     numerics.assert_close(out.log_probs, expected_BR, ulps=LOGP_ULPS)
+    logp_BRV = jax.nn.log_softmax(logits_BRV / temperature, axis=-1)
     # top-k=20 kept every drawn token inside the top 20 of its row.
     rank_BR = jnp.sum(logp_BRV > jnp.take_along_axis(logp_BRV, out.response_ids[..., None], -1), -1)
     assert bool(jnp.all(jnp.where(out.response_mask == 1, rank_BR < 20, True)))
+
+
+def test_rollout_logprobs_mode_reaches_the_native_engine(tiny, tmp_path):
+    # rollout.logprobs_mode -> setup.make_engine -> NativeEngine -> sampler.sample: with
+    # "raw_logprobs" the rollout holds vLLM's raw value, log_softmax(logits) before the
+    # temperature and the filters, at each sampled token.
+    config, params = tiny
+    run = config_lib.RunConfig(rollout=config_lib.RolloutConfig(logprobs_mode="raw_logprobs"))
+    mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    engine = setup.make_engine(run, config, mesh, eos_ids=(3, 4, 5), pad_id=_PAD,
+                               workdir=str(tmp_path))  # fmt: skip
+    assert engine.logprobs_mode == "raw_logprobs"
+    ids_PT, mask_PT = _left_padded([6, 2], 6, config.vocab_size, seed=2)
+    sp = engines.SamplingParams(n=3, max_new_tokens=8, temperature=0.7, top_p=0.9, top_k=20)
+    out = engine.sample(params, ids_PT, mask_PT, jax.random.key(1), sp)
+    seq_BS = jnp.concatenate([out.prompt_ids, out.response_ids], axis=1)
+    mask_BS = jnp.concatenate([out.prompt_mask, out.response_mask], axis=1)
+    prompt_len = out.prompt_ids.shape[1]
+    logits_BRV = model.forward(config, params, seq_BS, mask_BS)[:, prompt_len - 1 : -1]
+    raw_BRV = jax.nn.log_softmax(logits_BRV, axis=-1)
+    expected_BR = jnp.take_along_axis(raw_BRV, out.response_ids[..., None], axis=-1)[..., 0]
+    expected_BR = jnp.where(out.response_mask == 1, expected_BR, 0.0)
+    numerics.assert_close(out.log_probs, expected_BR, ulps=LOGP_ULPS)
 
 
 def test_cpu_programs_compile_with_ynnpack_dots_and_match_the_default_compile(tiny):

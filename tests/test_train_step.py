@@ -1,5 +1,10 @@
-"""train_step invariants: exact micro-batch accumulation, REINFORCE gradient, skipped updates."""
+"""train_step invariants: exact micro-batch accumulation, REINFORCE gradient, skipped updates.
 
+Also the update stage (train_stage.update, padded and packed micro-batches) on a rollout-shaped
+batch: clip_cov's random draws come from trainer.seed and the optimizer step.
+"""
+
+import dataclasses
 import functools
 
 import jax
@@ -9,8 +14,9 @@ import numpy as np
 import optax
 import pytest
 
-from grpo_jax import config, model
-from grpo_jax.trainer import actor, setup
+from grpo_jax import config, loss, model, sampler, sharding
+from grpo_jax.trainer import actor, programs, setup, train_stage
+from grpo_jax.trainer import batch as batch_lib
 
 CFG = model.ModelConfig.tiny()
 # Gradients of the same loss computed in another order (micro-batches, a jax.grad of the
@@ -37,12 +43,15 @@ def _batch(rng=0, *, B=8, Tp=3, T=5):
     )
 
 
-def _step(state, batch, *, micro, mini=8, index=0, lr=1e-2, loss_config=None, tx=None):
+def _step(
+    state, batch, *, micro, mini=8, index=0, lr=1e-2, loss_config=None, tx=None, rng=None
+):
     return _jit_step(
         state,
         batch,
         jnp.int32(index),
         jnp.float32(lr),
+        rng,
         loss_config=loss_config or actor.LossConfig(calculate_entropy=True),
         tx=tx or _ADAM,
         mini_batch_size=mini,
@@ -56,12 +65,15 @@ _ADAM = actor.make_optimizer(grad_clip=1e9, betas=(0.9, 0.999), weight_decay=0.0
 @functools.partial(
     jax.jit, static_argnames=("loss_config", "tx", "mini_batch_size", "micro_batch_size")
 )
-def _jit_step(state, batch, index, lr, *, loss_config, tx, mini_batch_size, micro_batch_size):
+def _jit_step(
+    state, batch, index, lr, rng, *, loss_config, tx, mini_batch_size, micro_batch_size
+):
     return actor.train_step(
         state,
         batch,
         index,
         lr,
+        rng=rng,
         model_config=CFG,
         loss_config=loss_config,
         tx=tx,
@@ -265,3 +277,262 @@ def test_sharded_step_matches_single_device(params):
     numerics.assert_trees_close(_recovered(params, got.params), _recovered(params, want.params),
                                 ulps=GRAD_ULPS, err_msg="grad")  # fmt: skip
     numerics.assert_close(got_m["actor/pg_loss"], want_m["actor/pg_loss"], ulps=64, scale=1.5)
+
+
+# ------------------------------------------------------------------------------------------
+# clip_cov's random pick (verl: torch.randperm over the candidates) inside the update.
+
+# Every valid token is a candidate (the window is wide and the ratio is 1, so nothing is
+# clipped); 30 % of each micro-batch's tokens are detached: 3 of 10 and 3 of 11 for _batch().
+_CLIP_COV = {"clip_cov_lb": -10.0, "clip_cov_ratio": 0.3, "clip_cov_ub": 10.0}
+_CLIP_COV_LOSS = actor.LossConfig(
+    policy_loss_mode="clip_cov", policy_loss_kwargs=tuple(sorted(_CLIP_COV.items()))
+)
+
+
+def test_clip_cov_update_detaches_the_tokens_its_key_draws(params):
+    # Two micro-batches of 4 rows: micro-batch m draws with fold_in(rng, m), and the gradient is
+    # that of clip_cov's loss with those keys, normalised by the mini-batch's 21 tokens.
+    batch = _batch(6)
+    state = actor.init_state(params, _SGD)
+    with pytest.raises(ValueError, match="needs rng"):
+        _step(state, batch, micro=4, loss_config=_CLIP_COV_LOSS, tx=_SGD)
+
+    def reference(p, key):
+        total = 0.0
+        for m in range(2):
+            micro = jax.tree.map(lambda x, m=m: x[4 * m : 4 * m + 4], batch)
+            lp_BT, _ = actor.response_log_probs(
+                CFG, p, micro.input_ids_BS, micro.attention_mask_BS, micro.response_ids_BT,
+                temperature=1.0, chunk_size=1024, calculate_entropy=False,
+            )  # fmt: skip
+            total += loss.compute_policy_loss(
+                jax.lax.stop_gradient(lp_BT), lp_BT, micro.advantages_BT,
+                micro.response_mask_BT, policy_loss_mode="clip_cov",
+                batch_num_tokens=jnp.sum(batch.response_mask_BT), global_batch_size=8,
+                rng=jax.random.fold_in(key, m), **_CLIP_COV,
+            )[0]  # fmt: skip
+        return total
+
+    key = jax.random.key(11)
+    g, metrics = _grads_via_sgd(params, batch, micro=4, loss_config=_CLIP_COV_LOSS, rng=key)
+    numerics.assert_trees_close(g, jax.grad(reference)(params, key), ulps=GRAD_ULPS)
+    np.testing.assert_allclose(float(metrics["actor/pg_clipfrac"]), 6 / 21, rtol=1e-6)
+    # Another key detaches other tokens: the check has teeth.
+    other = jax.grad(reference)(params, jax.random.key(12))
+    moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), g, other)
+    assert max(jax.tree.leaves(moved)) > 1e-4
+
+
+TP, TR = 4, 40  # prompt and response widths of the update-stage batches
+
+
+def _stage_batch(seed=0, *, groups=2, n=4):
+    """(TrainBatch, HostRollout) of `groups` x n rows: a left-padded prompt per group, responses
+    of 30..40 tokens (a group needs two packed rows of 128), one advantage per row."""
+    r = np.random.default_rng(seed)
+    rows = groups * n
+    p_len = np.repeat(r.integers(1, TP + 1, groups), n)
+    prompt = np.repeat(r.integers(1, CFG.vocab_size, (groups, TP)), n, 0).astype(np.int32)
+    prompt_mask = (np.arange(TP)[None] >= TP - p_len[:, None]).astype(np.int32)
+    prompt[prompt_mask == 0] = 0
+    r_len = r.integers(30, TR + 1, rows)
+    resp = r.integers(1, CFG.vocab_size, (rows, TR)).astype(np.int32)
+    resp_mask = (np.arange(TR)[None] < r_len[:, None]).astype(np.int32)
+    resp[resp_mask == 0] = 0
+    adv = r.normal(size=(rows, 1)).astype(np.float32) * resp_mask
+    batch = actor.TrainBatch(
+        input_ids_BS=jnp.asarray(np.concatenate([prompt, resp], 1)),
+        attention_mask_BS=jnp.asarray(np.concatenate([prompt_mask, resp_mask], 1)),
+        response_ids_BT=jnp.asarray(resp),
+        response_mask_BT=jnp.asarray(resp_mask),
+        advantages_BT=jnp.asarray(adv),
+    )
+    return batch, batch_lib.HostRollout(prompt, prompt_mask, resp, resp_mask)
+
+
+def _stage_run(*, dynamic_bsz, seed=0, loss_mode="vanilla", mini_batch_size=1, **sections):
+    """Two prompts x 4, `mini_batch_size` prompts a mini-batch, micro-batches of 2 rows or 128
+    tokens."""
+    return config.RunConfig(
+        data=config.DataConfig(train_batch_size=2, max_prompt_length=TP, max_response_length=TR),
+        rollout=config.RolloutConfig(n=4, log_prob_micro_batch_size_per_gpu=8),
+        actor=config.ActorConfig(
+            ppo_mini_batch_size=mini_batch_size, ppo_micro_batch_size_per_gpu=2,
+            use_dynamic_bsz=dynamic_bsz,
+            ppo_max_token_len_per_gpu=128, optim=config.OptimConfig(lr=1e-3),
+            policy_loss=config.PolicyLossConfig(loss_mode=loss_mode, **_CLIP_COV),
+        ),
+        trainer=config.TrainerConfig(seed=seed),
+        **sections,
+    )  # fmt: skip
+
+
+_STAGE_TX = actor.make_optimizer(grad_clip=1.0, betas=(0.9, 0.999), weight_decay=0.01)
+_MESH = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+
+
+@pytest.mark.parametrize("dynamic_bsz", [False, True])
+def test_update_stage_draws_clip_cov_from_the_seed_and_the_step(params, dynamic_bsz):
+    # The trainer's update (train_stage.update) hands every optimizer step the key
+    # actor.update_key(trainer.seed, state.step), micro-batch m of it fold_in(that, m): a resumed
+    # run (state.step restored) draws the same tokens. Here the state resumes at step 3.
+    run = _stage_run(dynamic_bsz=dynamic_bsz, seed=5, loss_mode="clip_cov")
+    progs = programs.make_programs(run, CFG, _STAGE_TX, dp=1)
+    name = "packed_grads" if dynamic_bsz else "update"
+    real, seen = getattr(progs, name), []
+
+    def spy(*args, rng, **kwargs):
+        seen.append(rng)
+        return real(*args, rng=rng, **kwargs)
+
+    progs = dataclasses.replace(progs, **{name: spy})
+    progs.precompiled.add("packed_grads")  # the spy has no .lower; shapes compile on first use
+    batch, host = _stage_batch(1)
+    state = actor.init_state(jax.tree.map(jnp.copy, params), _STAGE_TX)  # the update donates it
+    state = state.replace(step=jnp.int32(3))
+    with sharding.use_mesh(_MESH):
+        new, record = train_stage.update(progs, run, state, batch, 1e-3, host, _MESH)
+    assert int(new.step) == 5 and record["actor/update_skipped"] == 0
+    want = []
+    for i, step in enumerate((3, 4)):
+        key = actor.update_key(5, step)
+        if not dynamic_bsz:
+            want.append(key)
+            continue
+        packed = host.rows(4 * i, 4 * i + 4).pack(
+            progs.update_tokens, row_multiple=1, row_len=progs.row_len
+        )
+        assert packed.num_micro == 2  # micro-batch 1 draws with fold_in(key, 1)
+        want += [jax.random.fold_in(key, m) for m in range(packed.num_micro)]
+    assert len(seen) == len(want)
+    for got, expected in zip(seen, want):
+        np.testing.assert_array_equal(jax.random.key_data(got), jax.random.key_data(expected))
+
+
+# ------------------------------------------------------------------------------------------
+# token-mean under rollout rejection sampling (algorithm.rollout_correction.rollout_rs).
+
+
+def _rejected(params, *, dynamic_bsz, mini_batch_size, reject_rows=()):
+    """A batch after train_stage.advantages with token_k1 rejection: the engine's log-probs are
+    the recomputed ones + N(0, 0.3) (ratio bounds 0.8..1.25 reject about half the tokens), and
+    exp(-5) times them on `reject_rows` (every token rejected). Returns (run, progs, batch,
+    host, rollout_log_probs_BT, response mask as sampled)."""
+    correction = config.RolloutCorrectionConfig(rollout_rs="token_k1",
+                                                rollout_rs_threshold="0.8_1.25")  # fmt: skip
+    run = _stage_run(dynamic_bsz=dynamic_bsz, mini_batch_size=mini_batch_size,
+                     algorithm=config.AlgorithmConfig(rollout_correction=correction))  # fmt: skip
+    progs = programs.make_programs(run, CFG, _STAGE_TX, dp=1)
+    batch, host = _stage_batch(2)
+    r = np.random.default_rng(3)
+    old_BT, _ = actor.compute_log_probs(CFG, params, batch, micro_batch_size=8, temperature=1.0,
+                                        chunk_size=1024, calculate_entropy=False)  # fmt: skip
+    mask_BT = host.response_mask_BT
+    rollout_BT = np.asarray(old_BT) + r.normal(0, 0.3, mask_BT.shape).astype(np.float32)
+    rollout_BT[list(reject_rows)] += 5.0
+    rollout_BT = (rollout_BT * mask_BT).astype(np.float32)
+    rollout = sampler.Rollout(
+        prompt_ids=jnp.asarray(host.prompt_ids_BP), prompt_mask=jnp.asarray(host.prompt_mask_BP),
+        response_ids=batch.response_ids_BT, response_mask=batch.response_mask_BT,
+        log_probs=jnp.asarray(rollout_BT), group_ids=jnp.repeat(jnp.arange(2, dtype=jnp.int32), 4),
+        weights_version=jnp.int32(0),
+    )  # fmt: skip
+    scores_B = r.integers(0, 2, 8).astype(np.float32)
+    with sharding.use_mesh(_MESH):
+        batch, _ = train_stage.advantages(
+            progs, run, batch.replace(old_log_probs_BT=old_BT), rollout, scores_B, _MESH, {}
+        )
+    kept = np.asarray(batch.response_mask_BT)
+    assert 0 < kept.sum() < mask_BT.sum()
+    np.testing.assert_array_equal(np.asarray(batch.loss_mask_BT), mask_BT)
+    return run, progs, batch, host, rollout_BT, old_BT
+
+
+@pytest.mark.parametrize("dynamic_bsz", [False, True])
+def test_token_mean_with_rejection_divides_by_verls_tokens_before_rejection(
+    verl, params, dynamic_bsz
+):
+    # verl 0.9.1 (v1 trainer, engine workers): each sample is stored with loss_mask =
+    # response_mask when generated (trainer/ppo/v1/agent_loop_tq.py); rejection sampling
+    # (rollout_corr_helper.compute_rollout_correction_and_add_to_batch) rewrites response_mask
+    # only; the engine sets batch_num_tokens = all-reduced loss_mask.sum() of the mini-batch
+    # (workers/engine/fsdp/transformer_impl.py forward_backward_batch) and ppo_loss divides the
+    # sum over the rewritten response_mask by it. One mini-batch of both prompts, on-policy
+    # (ratio 1): verl's pg_loss is then -sum(A * kept) / (tokens as sampled). Dividing by the
+    # kept tokens instead makes the loss and the gradient larger by about 2x here.
+    import reference
+
+    run, progs, batch, host, rollout_BT, old_BT = _rejected(
+        params, dynamic_bsz=dynamic_bsz, mini_batch_size=2
+    )
+    mask_BT = host.response_mask_BT.astype(np.float32)
+    call = reference.fn("verl.trainer.ppo.rollout_corr_helper:"
+                        "compute_rollout_correction_and_rejection_mask")(
+        np.asarray(old_BT), rollout_BT, mask_BT, rollout_rs="token_k1",
+        rollout_rs_threshold="0.8_1.25",
+    )  # fmt: skip
+    their_mask = verl.run(reference.item(call, 1)).value
+    np.testing.assert_array_equal(np.asarray(batch.response_mask_BT), their_mask)
+    config_ = reference.fn("verl.workers.config:ActorConfig")(
+        strategy="fsdp", ppo_micro_batch_size_per_gpu=1, rollout_n=1,
+        global_batch_info={"dp_size": 1, "batch_num_tokens": float(mask_BT.sum()),
+                           "global_batch_size": 8},
+    )  # fmt: skip
+    lp = np.asarray(old_BT)
+    theirs = verl.run(
+        reference.fn("verl.trainer.ppo.core_algos:compute_policy_loss_vanilla")(
+            lp, lp, np.asarray(batch.advantages_BT), their_mask, "token-mean", config_
+        )
+    ).value[0]
+    state = actor.init_state(jax.tree.map(jnp.copy, params), _STAGE_TX)
+    with sharding.use_mesh(_MESH):
+        _, record = train_stage.update(progs, run, state, batch, 1e-3, host, _MESH)
+    np.testing.assert_allclose(record["actor/pg_loss"], float(theirs), rtol=1e-5, atol=1e-7)
+    assert abs(float(theirs)) > 1e-3  # not trivially zero
+
+
+@pytest.mark.parametrize("dynamic_bsz", [False, True])
+def test_a_fully_rejected_mini_batch_takes_an_adamw_step_on_zero_loss(params, dynamic_bsz):
+    # Mini-batch 1 (rows 4..7) is rejected whole. verl divides its zero sum by its tokens as
+    # sampled: loss 0, gradient 0, a finite norm, so torch's AdamW steps: decoupled weight decay
+    # plus the Adam moments' momentum, and the step count advances. optax's update of the same
+    # state with zero gradients is the expected result.
+    run, progs, batch, host, _, _ = _rejected(
+        params, dynamic_bsz=dynamic_bsz, mini_batch_size=1, reject_rows=range(4, 8)
+    )
+    assert not np.asarray(batch.response_mask_BT)[4:].any()
+    grads = jax.tree.map(lambda x: jnp.full_like(x, 0.01), params)
+    state, _ = actor.apply_gradients(  # Adam moments that move the params without a gradient
+        actor.init_state(jax.tree.map(jnp.copy, params), _STAGE_TX), grads, 0.0, 1e-3, _STAGE_TX
+    )
+    name = "apply" if dynamic_bsz else "update"
+    real, steps = getattr(progs, name), []
+
+    def spy(state, *args, **kwargs):
+        before = jax.tree.map(jnp.copy, state)  # `state` is donated
+        after, metrics = real(state, *args, **kwargs)
+        steps.append((before, after, metrics, args))
+        return after, metrics
+
+    progs = dataclasses.replace(progs, **{name: spy})
+    with sharding.use_mesh(_MESH):
+        _, record = train_stage.update(progs, run, state, batch, 1e-3, host, _MESH)
+    assert record["actor/update_skipped"] == 0
+    before, after, metrics, args = steps[1]
+    if dynamic_bsz:  # apply(state, grads, loss, lr): the summed micro-batch gradients
+        assert all(not np.asarray(g).any() for g in jax.tree.leaves(args[0]))
+        assert float(args[1]) == 0.0
+    else:
+        assert float(metrics["actor/loss"]) == 0.0 and float(metrics["actor/pg_loss"]) == 0.0
+    assert float(metrics["actor/grad_norm"]) == 0.0
+    assert float(metrics["actor/update_skipped"]) == 0.0
+    assert int(after.step) == int(before.step) + 1
+    zeros = jax.tree.map(jnp.zeros_like, before.params)
+    updates, opt_state = _STAGE_TX.update(zeros, before.opt_state, before.params)
+    want = jax.tree.map(lambda p, u: p - 1e-3 * u, before.params, updates)
+    moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), want,
+                         before.params)  # fmt: skip
+    assert min(jax.tree.leaves(moved)) > 0  # every tensor moves
+    numerics.assert_trees_close(after.params, want, ulps=4)
+    numerics.assert_trees_close(after.opt_state, opt_state, ulps=4)

@@ -363,6 +363,25 @@ def test_clip_cov_matches_verl_when_the_budget_covers_every_candidate(verl, agg,
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
+def test_clip_cov_detaches_as_many_tokens_as_verl(verl, seed):
+    # Budget int(0.1 * N_tok) below the number of candidates: verl detaches perm[:budget] of
+    # them, ours a random subset drawn from the key; whichever tokens, the count is the same
+    # (pg_clipfrac = detached / N_tok), for every torch seed and every key.
+    lp, old, adv, _, mask, weights = _inputs(10 + seed)
+    kwargs = {"policy_loss_mode": "clip_cov", "clip_cov_ratio": 0.1, **_CLIP_COV_WIDE}
+    _, _, their_metrics = _verl_clip_cov(
+        verl, lp, old, adv, mask, weights, "token-mean", _clip_cov_config(0.1), seed
+    )
+    for key in range(3):
+        (_, metrics), _ = _ours_policy(lp, old, adv, mask, weights, rng=jax.random.key(key),
+                                       **kwargs)  # fmt: skip
+        np.testing.assert_allclose(
+            float(metrics["actor/pg_clipfrac"]), their_metrics["actor/pg_clipfrac"], **TOL
+        )
+    assert their_metrics["actor/pg_clipfrac"] * mask.sum() == pytest.approx(int(0.1 * mask.sum()))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
 def test_clip_cov_matches_verl_given_verls_random_selection(verl, seed, monkeypatch):
     # Budget int(0.1 * N_tok) below the number of candidates: verl draws them with
     # torch.randperm. Replay that draw (same seed, same candidate count), give our loss the same
@@ -371,10 +390,10 @@ def test_clip_cov_matches_verl_given_verls_random_selection(verl, seed, monkeypa
     kwargs = {"policy_loss_mode": "clip_cov", "clip_cov_ratio": 0.1, **_CLIP_COV_WIDE}
     seen = {}
 
-    def record(score_BT, candidate_BT, budget):
+    def record(cov_BT, candidate_BT, budget, rng):
         seen["candidates"] = np.argwhere(np.asarray(candidate_BT))  # row-major, as torch.nonzero
         seen["budget"] = int(budget)
-        return loss._top_k_mask(score_BT, candidate_BT, budget)
+        return loss._top_k_mask(cov_BT, candidate_BT, budget)
 
     monkeypatch.setattr(loss, "_clip_cov_select", record)
     _ours_policy(lp, old, adv, mask, weights, **kwargs)

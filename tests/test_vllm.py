@@ -122,6 +122,18 @@ def test_build_rollout_rejects_malformed_output(choices_P, message):
     assert "/logs/server.log" in str(e.value)
 
 
+def test_logits_modes_pass_values_of_either_sign():
+    # --logprobs-mode processed_logits / raw_logits makes vLLM return logits: positive values
+    # are then well formed; under a *_logprobs mode they are malformed.
+    logits = [[_choice(0, [1], [2.5]), _choice(1, [2], [-0.5])], _GOOD]
+    r = _build(logits, logprobs_mode="raw_logits")
+    np.testing.assert_array_equal(r.log_probs[:, 0], np.float32([2.5, -0.5, -0.5, -0.5]))
+    with pytest.raises(vllm_sidecar.VLLMResponseError, match="finite and <= 0"):
+        _build(logits, logprobs_mode="processed_logprobs")
+    with pytest.raises(vllm_sidecar.VLLMResponseError, match="must be finite: "):
+        _build([[_choice(0, [1], [float("inf")]), _GOOD[1]], _GOOD], logprobs_mode="raw_logits")
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="exactly one of python"):
         vllm_sidecar.VLLMConfig()
@@ -139,6 +151,8 @@ def test_config_validation():
         vllm_sidecar.VLLMConfig(python="python", tensor_parallel_size=1.5)
     with pytest.raises(ValueError, match=r"weight_transfer='rdma'; expected one of \('disk'"):
         vllm_sidecar.VLLMConfig(python="python", weight_transfer="rdma")
+    with pytest.raises(ValueError, match=r"logprobs_mode='logprobs' must be one of \["):
+        vllm_sidecar.VLLMConfig(python="python", logprobs_mode="logprobs")
     # Sequences from a config file become hashable tuples.
     cfg = vllm_sidecar.VLLMConfig(python="p", extra_args=["--enforce-eager"], env=[["A", 1]])
     assert cfg.extra_args == ("--enforce-eager",) and cfg.env == (("A", "1"),)
@@ -442,6 +456,20 @@ def test_several_servers_split_prompts_get_every_push_and_drop_a_dead_one(
             pool.sample(ids, mask, jax.random.key(1), **kw)
     finally:
         pool.close()
+
+
+def test_logprobs_mode_is_the_servers(fake, tiny_params, tmp_path):
+    # rollout.logprobs_mode (verl's field and default) becomes every server's --logprobs-mode.
+    assert config_lib.RolloutConfig().logprobs_mode == "processed_logprobs"
+    rollout = config_lib.RolloutConfig(name="vllm", logprobs_mode="raw_logprobs",
+                                       vllm=config_lib.VLLMSettings(python="/p", num_servers=2))
+    assert [c.logprobs_mode for c in rollout.sidecar_configs()] == ["raw_logprobs"] * 2
+    assert "logprobs_mode" not in {f.name for f in dataclasses.fields(config_lib.VLLMSettings)}
+    config = dataclasses.replace(fake.config, logprobs_mode="raw_logprobs")
+    with vllm_sidecar.VLLMSidecar(config, _TINY, tmp_path / "work") as sc:
+        sc.start(tiny_params)
+    (argv,) = [body for path, body in fake.log() if path == "argv"]
+    assert argv[argv.index("--logprobs-mode") + 1] == "raw_logprobs"
 
 
 def test_num_servers_config(tmp_path):

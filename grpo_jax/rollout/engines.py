@@ -96,6 +96,9 @@ class NativeEngine:
     its own, placed on its `mesh` (the trainer's devices, or devices of its own) by `start` /
     `sync`, so the trainer can update (and donate) its params while this engine samples; like
     the vLLM sidecar it then checks that it holds the policy version a caller asks for.
+
+    `logprobs_mode` (rollout.logprobs_mode, sampler.LOGPROBS_MODES) is what its rollouts'
+    log_probs hold, as vLLM's server-wide --logprobs-mode.
     """
 
     def __init__(
@@ -107,10 +110,13 @@ class NativeEngine:
         pad_id,
         own_params: bool = False,
         rules=sharding.LOGICAL_RULES,
+        logprobs_mode: str = "processed_logprobs",
     ):
+        sampler.check_logprobs_mode(logprobs_mode)
         self.model_config, self.mesh = model_config, mesh
         self.eos_ids, self.pad_id = tuple(eos_ids), pad_id
         self.own_params, self.rules = own_params, rules
+        self.logprobs_mode = logprobs_mode
         self.params, self.version = None, None
 
     def start(self, params, version: int = 0) -> None:
@@ -170,6 +176,7 @@ class NativeEngine:
                 rng,
                 eos_token_ids=self.eos_ids,
                 pad_token_id=self.pad_id,
+                logprobs_mode=self.logprobs_mode,
                 **sp.kwargs(),
             )
 

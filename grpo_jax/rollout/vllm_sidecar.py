@@ -51,15 +51,16 @@ sets, for the two dev endpoints):
     `--generation-config vllm`, so exactly the caller's EOS ids end a response, as in the native
     sampler (the checkpoint's generation_config.json adds neither stop ids nor sampling defaults).
 
-Log-probs. The server runs with `--logprobs-mode processed_logprobs`: the log-softmax of the
-logits after temperature and after top-k/top-p filtering, at the sampled token. With top-k and
-top-p off this is exactly `Rollout.log_probs` = log_softmax(logits / temperature); at temperature
-0 vLLM samples greedily and returns log_softmax(logits), as the native sampler does. vLLM's default
-(`raw_logprobs`) would ignore the temperature. With top-k or top-p ON, vLLM renormalises over the
-kept tokens, so its value is log_softmax(logits / T) - log(kept probability mass) >= the native
-sampler's unfiltered value; no vLLM mode returns the unfiltered one (`raw_*` drops the
-temperature). The trainer recomputes old log-probs from the policy (verl semantics), so this only
-shifts diagnostics that compare rollout log-probs with recomputed ones.
+Log-probs. The server runs with `--logprobs-mode` = `VLLMConfig.logprobs_mode` (config
+rollout.logprobs_mode; verl passes the same field to vLLM), by default `processed_logprobs`: the
+log-softmax of the logits after temperature and after top-k/top-p filtering (renormalised over
+the kept tokens), at the sampled token; at temperature 0 vLLM samples greedily and returns
+log_softmax(logits). The native sampler records the same quantity for each mode
+(grpo_jax/sampler.py), so the two engines agree. vLLM's own default (`raw_logprobs`) ignores
+the temperature. With top-k and top-p off, processed_logprobs is log_softmax(logits /
+temperature), what the trainer recomputes as the old log-probs (verl semantics); with them on it
+is log_softmax(logits / T) - log(kept probability mass), the log-probability of the
+distribution the token was drawn from. The `*_logits` modes return logits, not log-probs.
 
 Failures raise a `VLLMSidecarError` subclass whose message names the cause and the server log
 path: `VLLMStartupError` (would not start or become healthy), `VLLMServerDiedError` (exited and
@@ -156,7 +157,7 @@ class VLLMConfig:
       python: interpreter of the sidecar venv that has vllm installed (GPU: `pip install vllm`;
         CPU: `scripts/build_vllm_venv.sh`). Exactly one of `python` and `url` is set.
       url: attach to an already running server (e.g. "http://10.0.0.5:8000") instead of starting
-        one. It must run with VLLM_SERVER_DEV_MODE=1, --logprobs-mode processed_logprobs,
+        one. It must run with VLLM_SERVER_DEV_MODE=1, --logprobs-mode `logprobs_mode`,
         --skip-tokenizer-init and --generation-config vllm, and must see the weight export
         directory on its filesystem. An attached server is never restarted.
       host: interface a started server listens on.
@@ -186,6 +187,9 @@ class VLLMConfig:
         "adapter" alone (PEFT files, vLLM's runtime LoRA loading; disk only). An attached
         server must then run with --enable-lora, a --max-lora-rank >= the rank and
         VLLM_ALLOW_RUNTIME_LORA_UPDATING=1.
+      logprobs_mode: the server's --logprobs-mode, what rollouts' log_probs hold (one of
+        sampler.LOGPROBS_MODES; config rollout.logprobs_mode, verl's default
+        "processed_logprobs"; see the module docstring).
     """
 
     python: str = ""
@@ -208,6 +212,7 @@ class VLLMConfig:
     tensor_parallel_size: int = 1
     weight_transfer: str = "disk"
     lora_sync: str = "merged"
+    logprobs_mode: str = "processed_logprobs"
 
     def __post_init__(self):
         object.__setattr__(self, "extra_args", tuple(str(a) for a in self.extra_args))
@@ -252,6 +257,7 @@ class VLLMConfig:
             raise ValueError(
                 f"VLLMConfig.lora_sync={self.lora_sync!r}; expected one of {_LORA_SYNCS}"
             )
+        sampler.check_logprobs_mode(self.logprobs_mode)
         if self.lora_sync == "adapter" and self.weight_transfer == "nccl":
             raise ValueError(
                 "VLLMConfig.lora_sync='adapter' loads PEFT files from disk; weight_transfer="
@@ -458,7 +464,7 @@ class VLLMSidecar:
             "--gpu-memory-utilization": str(self.config.gpu_memory_utilization),
             "--seed": str(self.config.seed),
             "--tensor-parallel-size": str(self.config.tensor_parallel_size),
-            "--logprobs-mode": "processed_logprobs",  # See the module docstring.
+            "--logprobs-mode": self.config.logprobs_mode,  # See the module docstring.
             "--generation-config": "vllm",  # Ignore the export's sampling defaults.
         }
         if self._comm_device is not None:
@@ -1017,7 +1023,7 @@ class VLLMSidecar:
             for i, (ids_T, mask_T) in enumerate(zip(prompt_ids_PT, prompt_mask_PT))
         ]
         return Request(prompt_ids_PT, prompt_mask_PT, bodies, n, max_new_tokens,
-                       tuple(eos_token_ids), pad_token_id)
+                       tuple(eos_token_ids), pad_token_id, self.config.logprobs_mode)
 
     def complete(self, bodies: list[dict]) -> list[Any]:
         """The `choices` of each request body (restarting a dead managed server)."""
@@ -1061,6 +1067,7 @@ class Request:
     max_new_tokens: int
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
+    logprobs_mode: str = "processed_logprobs"
 
     def rollout(self, choices_P, *, weights_version: int, vocab_size: int,
                 log_where: str) -> sampler.Rollout:
@@ -1069,6 +1076,7 @@ class Request:
             max_new_tokens=self.max_new_tokens, eos_token_ids=self.eos_token_ids,
             pad_token_id=self.pad_token_id, vocab_size=vocab_size,
             weights_version=weights_version, log_where=log_where,
+            logprobs_mode=self.logprobs_mode,
         )  # fmt: skip
 
 
@@ -1084,12 +1092,14 @@ def build_rollout(
     vocab_size: int,
     weights_version: int,
     log_where: str,
+    logprobs_mode: str = "processed_logprobs",
 ) -> sampler.Rollout:
     """Turns the servers' `choices` (one list per prompt) into a native-layout `Rollout`.
 
     Each choice must carry `index` (0..n-1, each once), `token_ids` (1..max_new_tokens ids in
-    [0, vocab_size)) and `logprobs.token_logprobs` (one finite float per token). The response is
-    cut after its first EOS; positions after it hold pad_token_id with mask 0 and log-prob 0.
+    [0, vocab_size)) and `logprobs.token_logprobs` (one finite float per token, <= 0 unless the
+    server's `logprobs_mode` returns logits). The response is cut after its first EOS;
+    positions after it hold pad_token_id with mask 0 and log-prob 0.
 
     Raises:
       VLLMResponseError: any choice breaks the rules above (message names prompt and sample).
@@ -1104,6 +1114,7 @@ def build_rollout(
     response_mask_BR = np.zeros((batch, max_new_tokens), np.int32)
     log_probs_BR = np.zeros((batch, max_new_tokens), np.float32)
     eos = set(eos_token_ids)
+    logits = logprobs_mode.endswith("_logits")  # logits, of either sign
     for i, choices in enumerate(choices_P):
         where = f"prompt {i}"
         if not isinstance(choices, list) or len(choices) != n:
@@ -1138,11 +1149,12 @@ def build_rollout(
                     where_j, f"token ids outside [0, {vocab_size}): {tokens[:20]}", log_where
                 )
             if not all(
-                isinstance(lp, (int, float)) and math.isfinite(lp) and lp <= 0.0
+                isinstance(lp, (int, float)) and math.isfinite(lp) and (logits or lp <= 0.0)
                 for lp in token_logprobs
             ):
+                rule = "finite" if logits else "finite and <= 0"
                 raise _malformed(
-                    where_j, f"log-probs must be finite and <= 0: {token_logprobs[:20]}", log_where
+                    where_j, f"log-probs must be {rule}: {token_logprobs[:20]}", log_where
                 )
             length = len(tokens)
             for t_idx, t in enumerate(tokens):

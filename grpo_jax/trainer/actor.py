@@ -11,11 +11,15 @@ and 6, verl 0.9.1 engine workers):
   as a plain Python loop.
   Inside, the mini-batch is split into micro-batches whose gradients are summed in a
   `lax.scan`. Each micro-batch loss is normalised with the mini-batch's global counts
-  (`batch_num_tokens` = valid tokens of the whole mini-batch, `global_batch_size` = its
-  sequences), so the summed gradient is exactly that of the mini-batch loss: token-mean is a
-  true token mean over the mini-batch, as in verl 0.9.1's engine workers (not the legacy
-  mean of micro-batch means). The mesh gives a global view, so dp_size is 1 here. geo_mean
-  is the exception: verl takes its plain mean over each micro-batch's sequences.
+  (`batch_num_tokens` = valid tokens of the whole mini-batch before rejection sampling,
+  `global_batch_size` = its sequences), so the summed gradient is exactly that of the
+  mini-batch loss: token-mean is a true token mean over the mini-batch, as in verl 0.9.1's
+  engine workers (not the legacy mean of micro-batch means). The mesh gives a global view,
+  so dp_size is 1 here. geo_mean is the exception: verl takes its plain mean over each
+  micro-batch's sequences.
+* Random draws in the loss (clip_cov's detached tokens, verl's torch.randperm) use
+  `update_key(trainer.seed, state.step)` folded with the micro-batch index, so they are
+  reproducible and a resumed run draws the same tokens.
 * Log-probs come from `model.hidden_states` and `loss.logprobs_and_entropy_from_hidden`
   (chunked over token rows, never a [B, T, V] array), from logits divided by the rollout
   temperature as verl does.
@@ -81,6 +85,10 @@ class TrainBatch:
       ref_log_probs_BT: float32 reference-model log-probs, or None without a KL loss.
       rollout_is_weights_BT: float32 rollout-correction importance weights multiplying the
         policy loss, or None.
+      loss_mask_BT: int32, verl's `loss_mask`: the response mask as sampled, before rollout
+        rejection sampling (algorithm.rollout_correction.rollout_rs) zeroed tokens of
+        response_mask_BT. Its count over the mini-batch is token-mean's denominator
+        (batch_num_tokens); the losses sum over response_mask_BT. None: response_mask_BT.
     """
 
     input_ids_BS: jax.Array
@@ -91,6 +99,20 @@ class TrainBatch:
     old_log_probs_BT: jax.Array | None = None
     ref_log_probs_BT: jax.Array | None = None
     rollout_is_weights_BT: jax.Array | None = None
+    loss_mask_BT: jax.Array | None = None
+
+
+def batch_num_tokens(batch: TrainBatch) -> jax.Array:
+    """verl 0.9.1's token-mean denominator of `batch` (a mini-batch): the valid tokens of its
+    `loss_mask`, counted before rejection sampling (float32 scalar).
+
+    verl's v1 trainer stores loss_mask = response_mask with each sample when it is generated;
+    rejection sampling later rewrites response_mask only, and the engine divides by the
+    all-reduced loss_mask.sum(). So rejected tokens leave the loss's sum but not its
+    denominator, and a fully rejected mini-batch has loss 0 and still takes an optimizer step.
+    """
+    mask_BT = batch.response_mask_BT if batch.loss_mask_BT is None else batch.loss_mask_BT
+    return jnp.sum(mask_BT.astype(jnp.float32))
 
 
 def check_loss_settings(
@@ -327,7 +349,7 @@ def _combine(metrics_M: dict, share_M) -> dict:
 
 def _objective(
     lc: LossConfig, lp_BT, ent_BT, batch: TrainBatch, mask_BT, *, num_tokens, rows,
-    micro_rows=None,
+    micro_rows=None, rng=None,
 ):  # fmt: skip
     """verl's actor loss of one micro-batch, normalised by the mini-batch's global counts.
 
@@ -335,7 +357,8 @@ def _objective(
     (`num_tokens` valid tokens, `rows` sequences of the mini-batch) the micro-batch losses sum
     exactly to the mini-batch loss (verl 0.9.1's engine workers). The exception is geo_mean,
     whose loss verl averages over the micro-batch's own sequences: `micro_rows` of them when
-    `batch` is a larger layout (packed micro-batches), else all of its rows.
+    `batch` is a larger layout (packed micro-batches), else all of its rows. `rng`: the
+    micro-batch's key, for a policy loss that draws at random (clip_cov).
     """
     old_BT = batch.old_log_probs_BT
     if old_BT is None:  # on-policy: ratio 1 in value, gradient of log pi (verl skips old)
@@ -362,7 +385,7 @@ def _objective(
         loss_scale_factor=lc.loss_scale_factor,
         local_batch_size=micro_rows,
         rollout_is_weights=batch.rollout_is_weights_BT,
-        policy_loss_kwargs=dict(lc.policy_loss_kwargs),
+        policy_loss_kwargs={**dict(lc.policy_loss_kwargs), "rng": rng},
     )
     return value, {**metrics, "actor/loss": value}
 
@@ -371,12 +394,35 @@ def _wants_entropy(lc: LossConfig) -> bool:
     return lc.calculate_entropy or lc.entropy_coeff != 0
 
 
+# The rng stream of the update's random draws (clip_cov's detached tokens): fold_in of
+# trainer.seed's key, far from the rollouts' stream (fold_in of the loop step).
+_UPDATE_STREAM = 0x7FFF0CC0
+
+
+def update_key(seed: int, step) -> jax.Array:
+    """The key of optimizer update `step` (TrainState.step, every update attempted).
+
+    Micro-batch m of the update draws with fold_in(update_key, m), padded (`train_step`) or
+    packed (`packed_micro_grads`). The step is checkpointed, so a resumed run draws the same.
+    """
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), _UPDATE_STREAM), step)
+
+
+def _check_rng(lc: LossConfig, rng) -> None:
+    if rng is None and lc.policy_loss_mode == "clip_cov":
+        raise ValueError(
+            "policy_loss.loss_mode='clip_cov' detaches a uniform random subset of its candidate "
+            "tokens (verl's torch.randperm): the update needs rng (actor.update_key)"
+        )
+
+
 def train_step(
     state: TrainState,
     batch: TrainBatch,
     mini_batch_index,
     lr,
     base=None,
+    rng=None,
     *,
     model_config: model_lib.ModelConfig,
     loss_config: LossConfig,
@@ -392,6 +438,8 @@ def train_step(
       mini_batch_index: int32 scalar; rows [i * mini_batch_size, (i + 1) * mini_batch_size).
       lr: float32 scalar learning rate of this training step.
       base: LoRA's frozen base params (state.params are then the adapters), or None.
+      rng: this update's key (`update_key`); micro-batch m draws with fold_in(rng, m). Required
+        by clip_cov; unused by the deterministic losses (may be None there).
       model_config, loss_config, tx: static.
       mini_batch_size: sequences per mini-batch (actor.ppo_mini_batch_size x rollout.n).
       micro_batch_size: sequences per micro-batch (global; must divide mini_batch_size).
@@ -407,10 +455,13 @@ def train_step(
     )
     num_micro = _num_chunks(mini_batch_size, micro_batch_size, "actor.ppo_micro_batch_size")
     # verl 0.9.1 engine normalisation: the global counts of the whole mini-batch.
-    num_tokens = jnp.sum(mini.response_mask_BT.astype(jnp.float32))
+    num_tokens = batch_num_tokens(mini)
+    # The masked-mean metrics weigh each micro-batch by its share of the kept tokens.
+    num_kept = jnp.sum(mini.response_mask_BT.astype(jnp.float32))
     lc = loss_config
+    _check_rng(lc, rng)
 
-    def loss_fn(params, micro: TrainBatch):
+    def loss_fn(params, micro: TrainBatch, key):
         lp_BT, ent_BT = response_log_probs(
             model_config,
             policy_params(base, params),
@@ -429,15 +480,19 @@ def train_step(
             micro.response_mask_BT,
             num_tokens=num_tokens,
             rows=mini_batch_size,
+            rng=key,
         )
 
-    def body(grads, micro):
-        (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(state.params, micro)
-        share = jnp.sum(micro.response_mask_BT.astype(jnp.float32)) / jnp.maximum(num_tokens, 1)
+    def body(grads, xs):
+        micro, m = xs
+        key = None if rng is None else jax.random.fold_in(rng, m)
+        (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(state.params, micro, key)
+        share = jnp.sum(micro.response_mask_BT.astype(jnp.float32)) / jnp.maximum(num_kept, 1)
         return jax.tree.map(jnp.add, grads, g), (metrics, share)
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
-    grads, (metrics_M, share_M) = jax.lax.scan(body, zeros, _micro_batches(mini, num_micro))
+    xs = (_micro_batches(mini, num_micro), jnp.arange(num_micro, dtype=jnp.int32))
+    grads, (metrics_M, share_M) = jax.lax.scan(body, zeros, xs)
     metrics = _combine(metrics_M, share_M)
     state, opt_metrics = apply_gradients(state, grads, metrics["actor/loss"], lr, tx)
     return state, {**metrics, **opt_metrics}
@@ -546,6 +601,7 @@ def packed_micro_grads(
     micro: PackedMicro,
     batch: TrainBatch,
     base=None,
+    rng=None,
     *,
     model_config: model_lib.ModelConfig,
     loss_config: LossConfig,
@@ -558,15 +614,17 @@ def packed_micro_grads(
     contributions add up to exactly the unpadded mini-batch loss and gradient. geo_mean, which
     verl averages over each micro-batch's sequences (the engine sums the micro-batch
     gradients), divides by this micro-batch's sequence count, as `train_step` does. With LoRA,
-    `params` are the adapters and `base` the frozen base (see `train_step`).
+    `params` are the adapters and `base` the frozen base (see `train_step`). `rng`: this
+    micro-batch's key, fold_in(update_key, m) for micro-batch m (required by clip_cov).
 
     Returns:
       (grads, metrics): metrics already weighted to be summed over the micro-batches.
     """
     lc = loss_config
+    _check_rng(lc, rng)
     rows = batch.response_mask_BT.shape[0]
     mask_all_BT = batch.response_mask_BT.astype(jnp.float32)
-    num_tokens = jnp.sum(mask_all_BT)
+    num_tokens = batch_num_tokens(batch)
     shape = mask_all_BT.shape
     in_micro_BT = scatter_slots(
         jnp.ones(micro.slot_bt_GN.shape, jnp.float32), micro.slot_bt_GN, shape
@@ -590,11 +648,11 @@ def packed_micro_grads(
         ent_BT = None if ent_GN is None else scatter_slots(ent_GN, micro.slot_bt_GN, shape)
         return _objective(
             lc, lp_BT, ent_BT, batch, mask_BT, num_tokens=num_tokens, rows=rows,
-            micro_rows=micro_rows,
+            micro_rows=micro_rows, rng=rng,
         )  # fmt: skip
 
     (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    share = jnp.sum(mask_BT) / jnp.maximum(num_tokens, 1)
+    share = jnp.sum(mask_BT) / jnp.maximum(jnp.sum(mask_all_BT), 1)
     metrics = {k: v if k in _SUMMED_METRICS else v * share for k, v in metrics.items()}
     return jax.tree.map(jnp.add, grads, g), metrics
 

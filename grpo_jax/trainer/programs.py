@@ -31,13 +31,15 @@ class Programs:
     """The jitted functions of a run and the static sizes they were built for.
 
     Attributes:
-      update: (state, batch, mini_batch_index, lr) -> (state, metrics), padded micro-batches of
-        `micro_rows` sequences (actor.use_dynamic_bsz off); state donated.
+      update: (state, batch, mini_batch_index, lr, rng=key) -> (state, metrics), padded
+        micro-batches of `micro_rows` sequences (actor.use_dynamic_bsz off); state donated;
+        key = actor.update_key(trainer.seed, state.step).
       log_probs / log_probs_entropy: (params, batch) -> (log_probs_BT, entropy_BT or None),
         padded micro-batches of `logprob_rows` sequences; the second also returns the entropy
         (the old-log-prob pass logs it).
-      packed_grads: (params, grads, micro, mini_batch) -> (grads, metrics) for one packed
-        micro-batch (actor.use_dynamic_bsz); grads donated.
+      packed_grads: (params, grads, micro, mini_batch, rng=key) -> (grads, metrics) for one
+        packed micro-batch (actor.use_dynamic_bsz); grads donated; key = fold_in(update key, m)
+        for micro-batch m.
       apply: (state, grads, loss, lr) -> (state, metrics): the optimizer step after the packed
         micro-batches; state donated.
       packed_log_probs / packed_log_probs_entropy: (params, micro, lp_BT, ent_BT) -> (lp_BT,

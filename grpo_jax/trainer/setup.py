@@ -178,6 +178,7 @@ def make_engine(
             pad_id=pad_id,
             own_params=run.trainer.async_rollout,
             rules=rules,
+            logprobs_mode=run.rollout.logprobs_mode,
         )
     if jax.process_count() > 1:
         raise ValueError(

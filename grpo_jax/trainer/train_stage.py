@@ -69,7 +69,14 @@ def _micro_like(micro: actor.PackedMicro, rows: int, row_len: int) -> actor.Pack
 
 
 def compile_packed_shapes(
-    progs: programs.Programs, name: str, fn, micro: actor.PackedMicro, args_with, *, max_tokens
+    progs: programs.Programs,
+    name: str,
+    fn,
+    micro: actor.PackedMicro,
+    args_with,
+    *,
+    max_tokens,
+    kwargs=None,
 ) -> None:
     """Compiles `fn` for every packed micro-batch shape the run can make, the first time it
     runs: the rows of packing.row_options under the budget `max_tokens` (the slots follow
@@ -81,6 +88,7 @@ def compile_packed_shapes(
       micro: the micro-batch about to run (its dtypes and shardings are the template).
       args_with: (abstract micro) -> the positional arguments of `fn` (the others real arrays:
         lowering neither runs nor donates them).
+      kwargs: keyword arguments of `fn` (real arrays), or None.
     """
     if name in progs.precompiled:
         return
@@ -88,7 +96,8 @@ def compile_packed_shapes(
     cap = packing.micro_cap(max_tokens, progs.row_len, progs.dp)
     for rows in packing.row_options(cap, progs.dp):
         if rows != micro.tokens_RL.shape[0]:
-            fn.lower(*args_with(_micro_like(micro, rows, progs.row_len))).compile()
+            like = _micro_like(micro, rows, progs.row_len)
+            fn.lower(*args_with(like), **(kwargs or {})).compile()
 
 
 def log_probs(
@@ -242,7 +251,13 @@ def advantages(
             mask_BT,
         )
         device |= corr
-        batch = batch.replace(response_mask_BT=mask_BT, rollout_is_weights_BT=weights_BT)
+        # Rejection rewrites the response mask only: token-mean keeps dividing by the tokens
+        # as sampled (verl's loss_mask, actor.batch_num_tokens).
+        batch = batch.replace(
+            response_mask_BT=mask_BT,
+            loss_mask_BT=batch.response_mask_BT,
+            rollout_is_weights_BT=weights_BT,
+        )
     adv_BT, returns_BT = perf.timed(
         timing, "adv", progs.advantage, rewards_BT, mask_BT, rollout.group_ids, extras or {}
     )
@@ -269,6 +284,8 @@ def update(
     gradients are summed (one compiled shape per packed shape, however many micro-batches),
     otherwise it runs as padded micro-batches inside one jitted step. With LoRA, `base_params`
     is the frozen base (state.params, the gradients and the optimizer state: the adapters only).
+    Each optimizer step draws from actor.update_key(trainer.seed, state.step), micro-batch m
+    from its fold_in with m (clip_cov).
     """
     base = () if base_params is None else (base_params,)
     updates = []
@@ -277,9 +294,10 @@ def update(
     lr = jnp.float32(lr)
     for _ in range(run.actor.ppo_epochs):
         for i in range(run.mini_batches_per_step):
+            key = actor.update_key(run.trainer.seed, state.step)
             if not run.actor.use_dynamic_bsz:
                 index = jnp.int32(i)
-                state, m = progs.update(state, batch, index, lr, *base)
+                state, m = progs.update(state, batch, index, lr, *base, rng=key)
                 updates.append(m)
                 continue
             if i not in packs:  # mini-batches are the same slices in every epoch
@@ -298,6 +316,7 @@ def update(
             summed = {}
             for m in range(packed.num_micro):
                 micro = _micro(packed, m, mesh)
+                micro_key = jax.random.fold_in(key, m)
                 compile_packed_shapes(
                     progs,
                     "packed_grads",
@@ -305,8 +324,11 @@ def update(
                     micro,
                     lambda like: (state.params, grads, like, mini_batch, *base),  # noqa: B023
                     max_tokens=progs.update_tokens,
+                    kwargs={"rng": micro_key},
                 )
-                grads, m = progs.packed_grads(state.params, grads, micro, mini_batch, *base)
+                grads, m = progs.packed_grads(
+                    state.params, grads, micro, mini_batch, *base, rng=micro_key
+                )
                 # Added from zeros even for one micro-batch: the same programs every step.
                 summed = jax.tree.map(jnp.add, summed or jax.tree.map(jnp.zeros_like, m), m)
             state, opt_metrics = progs.apply(state, grads, summed["actor/loss"], lr)
