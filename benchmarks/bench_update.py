@@ -130,6 +130,9 @@ def main():
     p.add_argument("--extra", action="append", default=[], help="more --config.X=v overrides")
     p.add_argument("--no-packing", action="store_true", help="padded micro-batches, no remat")
     p.add_argument("--profile", default="", help="trace one more update into this directory")
+    p.add_argument("--attention", default="auto,blockwise,xla",
+                   help="model.attention_impl values to time, side by side (the first is the "
+                        "headline)")  # fmt: skip
     args = p.parse_args()
     if not os.path.exists(GSM8K):
         raise SystemExit(f"needs the GSM8K jsonl at {GSM8K}")
@@ -146,8 +149,9 @@ def main():
     from grpo_jax.data import demo_task
     from grpo_jax.models import gguf as gguf_lib
     from grpo_jax.rewards import scorers
-    from grpo_jax.trainer import actor, programs, rollout_stage, setup, train_stage
+    from grpo_jax.trainer import actor, rollout_stage, setup, train_stage
     from grpo_jax.trainer import batch as batch_lib
+    from grpo_jax.trainer import programs as programs_lib
 
     peak_start = _matmul_gflops(jax, jnp)
     gguf = demo_task.smollm2_gguf()
@@ -173,13 +177,7 @@ def main():
         old = node[leaf[-1]]
         node[leaf[-1]] = type(old)(value) if not isinstance(old, bool) else value in ("True", True)
     run = config_lib.from_dict(config_lib.RunConfig, config_dict.ConfigDict(c).to_dict())
-    model_config = dataclasses.replace(
-        cfg, remat=run.model.enable_gradient_checkpointing,
-        remat_policy=run.model.gradient_checkpointing_policy,
-    )  # fmt: skip
     tx, _ = setup.make_optimizer(run, 10)
-    programs = programs.make_programs(run, model_config, tx, dp=1)
-    state = jax.jit(lambda p: actor.init_state(p, tx))(params)
     ref_params = jax.tree.map(jnp.copy, params)
 
     P = arrays["prompt_ids"].shape[0] // args.n
@@ -204,41 +202,59 @@ def main():
         np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor")
     )
 
-    def ref_pass():
-        timing = {}
-        out, _ = train_stage.log_probs(programs, run, state, ref_params, batch, host, mesh, timing)
-        jax.block_until_ready(out.ref_log_probs_BT)
-        return out
+    def measure(impl):
+        """Reference pass and update times with model.attention_impl=impl."""
+        model_config = dataclasses.replace(
+            cfg, remat=run.model.enable_gradient_checkpointing,
+            remat_policy=run.model.gradient_checkpointing_policy, attention_impl=impl,
+        )  # fmt: skip
+        progs = programs_lib.make_programs(run, model_config, tx, dp=1)
+        state = jax.jit(lambda p: actor.init_state(p, tx))(params)
+        cpu_per_wall = []
 
-    cpu_per_wall = []
+        def ref_pass():
+            timing = {}
+            out, _ = train_stage.log_probs(progs, run, state, ref_params, batch, host, mesh,
+                                           timing)  # fmt: skip
+            jax.block_until_ready(out.ref_log_probs_BT)
+            return out
 
-    def update(state, b):
-        c0, t0 = _cpu_seconds(), time.perf_counter()
-        state, record = train_stage.update(programs, run, state, b, 1e-6, host, mesh)
-        jax.block_until_ready(state.params)
-        seconds = time.perf_counter() - t0
-        cpu_per_wall.append((_cpu_seconds() - c0) / seconds)
-        return state, record, seconds
+        def update(state, b):
+            c0, t0 = _cpu_seconds(), time.perf_counter()
+            state, record = train_stage.update(progs, run, state, b, 1e-6, host, mesh)
+            jax.block_until_ready(state.params)
+            seconds = time.perf_counter() - t0
+            cpu_per_wall.append((_cpu_seconds() - c0) / seconds)
+            return state, record, seconds
 
-    t0 = time.perf_counter()
-    full = ref_pass().replace(advantages_BT=adv_BT)
-    ref_first = time.perf_counter() - t0
-    state, record, first = update(state, full)
-    ref_times, upd_times = [], []
-    for _ in range(args.iters):
         t0 = time.perf_counter()
-        ref_pass()
-        ref_times.append(time.perf_counter() - t0)
-        state, record, seconds = update(state, full)
-        upd_times.append(seconds)
-    top_ops = None
-    if args.profile:
-        opts = jax.profiler.ProfileOptions()
-        opts.python_tracer_level = 0
-        jax.profiler.start_trace(args.profile, profiler_options=opts)
-        state, _, _ = update(state, full)
-        jax.profiler.stop_trace()
-        top_ops = _top_ops(args.profile)
+        full = ref_pass().replace(advantages_BT=adv_BT)
+        ref_first = time.perf_counter() - t0
+        state, record, first = update(state, full)
+        ref_times, upd_times = [], []
+        for _ in range(args.iters):
+            t0 = time.perf_counter()
+            ref_pass()
+            ref_times.append(time.perf_counter() - t0)
+            state, record, seconds = update(state, full)
+            upd_times.append(seconds)
+        top_ops = None
+        if args.profile:
+            opts = jax.profiler.ProfileOptions()
+            opts.python_tracer_level = 0
+            jax.profiler.start_trace(args.profile, profiler_options=opts)
+            state, _, _ = update(state, full)
+            jax.profiler.stop_trace()
+            top_ops = _top_ops(args.profile)
+        return dict(upd_times=upd_times, ref_times=ref_times, first=first, ref_first=ref_first,
+                    cpu_per_wall=cpu_per_wall, record=record, top_ops=top_ops)  # fmt: skip
+
+    impls = args.attention.split(",")
+    results = {impl: measure(impl) for impl in impls}
+    main_result = results[impls[0]]
+    upd_times, ref_times = main_result["upd_times"], main_result["ref_times"]
+    first, ref_first = main_result["first"], main_result["ref_first"]
+    cpu_per_wall, record, top_ops = (main_result[k] for k in ("cpu_per_wall", "record", "top_ops"))
     peak_end = _matmul_gflops(jax, jnp)
     work = _useful_flops(cfg, host)
     peak = statistics.median([peak_start, peak_end])
@@ -265,6 +281,13 @@ def main():
     }  # fmt: skip
     if top_ops:
         report["profile_top_ops_s"] = top_ops
+    report["by_attention_impl"] = {
+        impl: {"update_s_median": statistics.median(r["upd_times"]),
+               "ref_pass_s_median": statistics.median(r["ref_times"]),
+               "update_fraction_of_peak":
+                   work["update"] / statistics.median(r["upd_times"]) / 1e9 / peak}
+        for impl, r in results.items()
+    }  # fmt: skip
     print(json.dumps(report, indent=1))
 
 
