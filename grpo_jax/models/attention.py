@@ -61,10 +61,9 @@ class Mask:
 
     def dense(self):
         """bool [B, T, T]: query t sees key s."""
-        T = self.segments_BT.shape[1]
-        key = self.segments_BT[:, None, :]
-        same = (self.segments_BT[:, :, None] == key) | (self.prefixes_BT[:, :, None] == key)
-        return jnp.tril(jnp.ones((T, T), bool))[None] & same & (key > 0)
+        idx_T = jnp.arange(self.segments_BT.shape[1], dtype=jnp.int32)
+        return blockwise.visible(self.segments_BT, self.prefixes_BT, idx_T, self.segments_BT,
+                                 idx_T)  # fmt: skip
 
 
 def resolve(impl: str, length: int, backend: str | None = None) -> str:

@@ -26,8 +26,9 @@ import jax.numpy as jnp
 _MIN = float(jnp.finfo(jnp.float32).min)
 
 
-def _visible(seg_q, pre_q, idx_q, seg_k, idx_k):
-    """[B, bq, bk] bool: query (segment, prefix, index) sees key (segment, index)."""
+def visible(seg_q, pre_q, idx_q, seg_k, idx_k):
+    """[B, bq, bk] bool: query (segment, prefix, index) sees key (segment, index); the rule of
+    `attention.Mask`, for one block pair or (whole index ranges) a whole row."""
     same = (seg_k[:, None, :] == seg_q[:, :, None]) | (seg_k[:, None, :] == pre_q[:, :, None])
     return (idx_k[None, None, :] <= idx_q[None, :, None]) & (seg_k[:, None, :] > 0) & same
 
@@ -78,7 +79,7 @@ def _flash_fwd(q_BKRTH, k_BKTH, v_BKTH, seg_BT, pre_BT, bq, bk):
         def kv_block(j, carry):
             m, l, acc = carry
             k, v = _slice(k_BKTH, j * bk, bk, 2), _slice(v_BKTH, j * bk, bk, 2)
-            vis = _visible(seg_q, pre_q, idx_q, _slice(seg_BT, j * bk, bk, 1),
+            vis = visible(seg_q, pre_q, idx_q, _slice(seg_BT, j * bk, bk, 1),
                            _slice(idx_T, j * bk, bk, 0))  # fmt: skip
             s = _scores(q, k, vis, R, scale)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -120,7 +121,7 @@ def _flash_bwd(bq, bk, res, do_BKRTH):
         def q_block(i, carry):
             dq, dk, dv = carry
             q, do = _q_rows(q_BKRTH, i, bq), _q_rows(do_BKRTH, i, bq)
-            vis = _visible(_slice(seg_BT, i * bq, bq, 1), _slice(pre_BT, i * bq, bq, 1),
+            vis = visible(_slice(seg_BT, i * bq, bq, 1), _slice(pre_BT, i * bq, bq, 1),
                            _slice(idx_T, i * bq, bq, 0), seg_k, idx_k)  # fmt: skip
             s = _scores(q, k, vis, R, scale)
             p = jnp.exp(s - _rows_of(lse_BKRT, i, bq)[..., None])
