@@ -13,10 +13,11 @@ Design:
   * GGUF names map onto HF names (``HF_TO_GGUF``, the names of llama.cpp's convert_hf_to_gguf.py)
     and from there onto params through ``hf.HF_TO_JAX``, so GGUF and safetensors share one
     layout table. A dequantised GGUF tensor has the HF torch shape ([out, in] for a Linear).
-  * llama.cpp rotates adjacent pairs in its Llama rope kernel, while HF (and grpo_jax.models.transformer) rotate
-    halves, so its converter permutes the rows of Llama q/k weights within each head
-    (``LlamaModel.permute``); they are permuted back here. Qwen2 and Qwen3 use llama.cpp's
-    "neox" rope, which rotates halves, and their weights are stored unpermuted.
+  * llama.cpp rotates adjacent pairs in its Llama rope kernel, while HF (and
+    grpo_jax.models.transformer) rotate halves, so its converter permutes the rows of Llama
+    q/k weights within each head (``LlamaModel.permute``); they are permuted back here. Qwen2
+    and Qwen3 use llama.cpp's "neox" rope, which rotates halves, and their weights are stored
+    unpermuted.
   * Llama 3 rope scaling is stored as per-frequency divisors (the ``rope_freqs.weight`` tensor),
     not as metadata. They are mapped back to HF's ``llama3`` rope parameters and checked to
     reproduce every divisor; anything else is refused.
@@ -364,21 +365,30 @@ def load_tokenizer(path: str | os.PathLike):
       ValueError: the file carries no tokenizer, or no chat template (``tokenizer.chat_template``),
         which the GRPO prompts need.
     """
-    path, reader = _open(path)
-    if "tokenizer.ggml.tokens" not in reader.fields:
-        raise ValueError(f"GGUF {path!r} carries no tokenizer (no 'tokenizer.ggml.tokens')")
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"GGUF checkpoint {path!r} is not a file")
+    import transformers  # Deferred: only tokenizer loading needs it.
+
     no_template = ValueError(
         f"GGUF {path!r} has no chat template ('tokenizer.chat_template'); set "
         "tokenizer.chat_template before building chat prompts"
     )
-    # Checked before the (slow: seconds for a 49k vocabulary) tokenizer conversion, and after it.
-    if not _get(reader, path, "tokenizer.chat_template", ""):
-        raise no_template
-    import transformers  # Deferred: only tokenizer loading needs it.
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(
-        os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path)
-    )
+    # transformers reads the file's metadata itself (seconds for a 49k vocabulary: gguf's reader
+    # parses every string), so a good file is read once, and a failing one a second time to say
+    # what it lacks.
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path)
+        )
+    except Exception:
+        _, reader = _open(path)
+        if "tokenizer.ggml.tokens" not in reader.fields:
+            msg = f"GGUF {path!r} carries no tokenizer (no 'tokenizer.ggml.tokens')"
+            raise ValueError(msg) from None
+        if not _get(reader, path, "tokenizer.chat_template", ""):
+            raise no_template from None
+        raise
     if not tokenizer.chat_template:
         raise no_template
     return tokenizer
