@@ -74,11 +74,25 @@ def _gguf_regex(template: str) -> re.Pattern:
     return re.compile(re.escape(template).replace(r"\{i\}", r"(\d+)") + "$")
 
 
+class _Reader(gguf.GGUFReader):
+    """gguf's reader over a plain ndarray view of its memory map: the reader slices the file
+    once per metadata string (about 300k times for a 49k vocabulary), and a slice of a
+    ``np.memmap`` is a memmap whose bookkeeping costs 3x the parse (2.3 -> 0.7 s for SmolLM2)."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, value) -> None:
+        self._data = np.asarray(value)  # the same pages, no copy; keeps the map alive
+
+
 def _open(path: str | os.PathLike) -> tuple[str, gguf.GGUFReader]:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ValueError(f"GGUF checkpoint {path!r} is not a file")
-    return path, gguf.GGUFReader(path)
+    return path, _Reader(path)
 
 
 def _get(reader: gguf.GGUFReader, path: str, key: str, default: Any = _REQUIRED) -> Any:
