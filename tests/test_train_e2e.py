@@ -151,7 +151,7 @@ def test_two_steps_then_resume_one(setup):
         "rollout_corr/kl",
     ):
         assert key in records[1] and key in records[2], key
-    acc = "val-core/openai/gsm8k/reward/mean@1"  # verl's name (GSM8K scores 0/1: accuracy)
+    acc = "val-core/openai/gsm8k/acc/mean@1"  # verl's name (GSM8K's float score is its "acc")
     assert acc in records[0] and acc in records[2]
     assert 0.0 <= records[2][acc] <= 1.0
     # 2 mini-batches per step (4 prompts / 2): one skipped update would show here.

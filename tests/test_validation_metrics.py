@@ -9,13 +9,15 @@ lacking "acc"), and every key and value must agree. The bootstrap draws are verl
 legacy generator seeded 42 before every estimate), so the values agree bit for bit.
 """
 
+import jax
 import numpy as np
 import pytest
 import reference
 
-from grpo_jax import config
+from grpo_jax import config, loading, sharding
+from grpo_jax.data import demo_task
 from grpo_jax.rewards import functions as reward_fns
-from grpo_jax.trainer import rollout_stage, validation
+from grpo_jax.trainer import loop, metrics, rollout_stage, validation
 
 METRIC_UTILS = "verl.trainer.ppo.metric_utils:"
 
@@ -200,3 +202,73 @@ def test_group_metrics_keeps_its_signature():
     assert got["val-core/s/reward/mean@2"] == 0.75
     assert "val-core/s/reward/maj@2/mean" in got
 
+
+def _train(workdir, steps: int, reward_fn):
+    tok = demo_task.char_tokenizer()
+    mesh = sharding.make_mesh((-1, 1, 1), devices=jax.devices()[:1])
+    run = config.RunConfig(
+        data=config.DataConfig(train_batch_size=4, max_prompt_length=32, max_response_length=8,
+                               val_batch_size=4),
+        actor=config.ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=8,
+                                 optim=config.OptimConfig(lr=1e-3)),
+        rollout=config.RolloutConfig(n=4, log_prob_micro_batch_size_per_gpu=8),
+        reward=config.RewardConfig(num_workers=0),
+        trainer=config.TrainerConfig(total_training_steps=steps, save_freq=1, test_freq=-1,
+                                     val_before_train=True, log_val_generations=2,
+                                     progress_bar=False, tensorboard=False,
+                                     default_local_dir=str(workdir)),
+        checkpoint=config.CheckpointConfig(export_hf=False, save_last=False),
+        model=config.ModelSpec(source="random", tokenizer="char", path=None),
+    )  # fmt: skip
+    with sharding.use_mesh(mesh):
+        model_config, params = loading.model(run.model, tok, mesh, sharding.LOGICAL_RULES,
+                                             max_positions=64)  # fmt: skip
+        rows, val = demo_task.arithmetic_rows(16, 4, max_operand=20, seed=0)
+        return loop.train(
+            run,
+            model_config=model_config,
+            params=params,
+            tokenizer=tok,
+            train_data=rows,
+            val_data=val,
+            reward_fn=reward_fn,
+            mesh=mesh,
+        )
+
+
+def _digits(solution_str, ground_truth):
+    del ground_truth
+    return sum(ch.isdigit() for ch in solution_str) / max(1, len(solution_str))
+
+
+def test_resume_validates_again_under_the_resumed_step(tmp_path):
+    """verl's fit() validates first whenever trainer.val_before_train, after loading a checkpoint
+    too, and logs it under the checkpoint's step. A second resume from the same checkpoint
+    replaces that row (and its logged samples) rather than adding another."""
+    key = "val-core/arithmetic/acc/mean@1"  # a float scorer's score is verl's "acc"
+    first = _train(tmp_path, 2, _digits)
+    assert [r["step"] for r in first.history] == [0, 1, 2] and key in first.history[0]
+    again = _train(tmp_path, 2, _digits)  # nothing left to train: validates only (as verl)
+    assert [r["step"] for r in again.history] == [2]
+    (row,) = again.history
+    assert key in row and all(k == "step" or k.startswith("val-") for k in row)
+    resumed = _train(tmp_path, 3, _digits)
+    assert [r["step"] for r in resumed.history] == [2, 3]
+    assert resumed.history[0] == row  # the same checkpoint, greedy: the same validation
+    rows = metrics.read(str(tmp_path))
+    assert [r["step"] for r in rows] == [0, 1, 2, 2, 3]
+    assert "training/global_step" in rows[2] and rows[3] == row
+    logged = validation.read_generations(str(tmp_path))
+    assert sorted(logged) == [0, 2] and len(logged[2]) == 2
+
+
+def test_val_do_sample_is_ignored_as_by_verl():
+    # verl 0.9.1's rollout copies only temperature, top_p and top_k from val_kwargs
+    # (agent_loop_tq.generate_sequences): do_sample=False does not make validation greedy.
+    vk = config.ValKwargs(temperature=0.7, do_sample=False, n=4)
+    assert vk.sampling_temperature == 0.7
+    assert config.ValKwargs(temperature=0.0, do_sample=True).sampling_temperature == 0.0
+    run = config.RunConfig(rollout=config.RolloutConfig(val_kwargs=vk))
+    assert any("rollout.val_kwargs.do_sample=False is ignored" in m for m in run.ignored_settings())
+    greedy = config.RunConfig(rollout=config.RolloutConfig(val_kwargs=config.ValKwargs()))
+    assert not any("do_sample" in m for m in greedy.ignored_settings())

@@ -25,7 +25,6 @@ def _val_metrics_update():
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef) and node.name == "_val_metrics_update":
             import numpy as np
-
             from verl.trainer.ppo import metric_utils
 
             namespace = {

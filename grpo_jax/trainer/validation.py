@@ -1,17 +1,31 @@
 """Validation: sample the validation prompts, score them, and report per data source.
 
-Metric names are verl 0.9.1's (`process_validation_metrics`): for every data source and every
-scored variable (the reward, plus each numeric key of a dict-valued score such as "acc"),
-`<var>/mean@N` and, when `rollout.val_kwargs.n` = N > 1, `std@N`, `best@N/mean`, `worst@N/mean`
-and, when the scorer returns a "pred" answer, `maj@N/mean` (the score of the majority answer).
-They are prefixed `val-core/<data_source>/` for verl's core variable ("acc" when the scorer
-reports it, else "reward") and its mean/best/maj metrics, and `val-aux/<data_source>/` for the
-rest. The first trainer.log_val_generations samples of each validation go to
-workdir/val_generations.jsonl (`write_generations`).
+The metrics are verl 0.9.1's, names and values (its V1 trainer's `_validate` and
+`_val_metrics_update`, and metric_utils.process_validation_metrics; docs/verl.md,
+"Validation"):
 
-Deliberate difference: verl estimates best@N / worst@N / maj@N with a bootstrap over subsets of
-size N drawn with replacement; here they are exact over the N samples of each prompt (max, min
-and majority of those N), which is what the names say and needs no random seed.
+  variables  per sample, "reward" (the sequence reward with DAPO's overlong penalty under
+             reward.overlong_buffer, in float32 like verl's rm_scores) and every key of verl's
+             reward_extra_info: "acc" = the score for a scorer returning a number, every key of
+             a dict result ("score" included) otherwise, "overlong_reward" / "overlong" with
+             reward.overlong_buffer.log (`verl_variables`);
+  per prompt `<var>/mean@N` and, for N = rollout.val_kwargs.n > 1, `std@N` and, for k in
+             2, 4, 8, ... below N and N itself (`subset_sizes`), the mean and std over 1000
+             bootstrap draws of k samples (seed 42, verl's very draws: `bootstrap_indices`) of
+             the best (`best@k/mean`, `best@k/std`), the worst (`worst@k/...`) and, when every
+             sample has a "pred", the majority vote's value (`maj@k/...`) (`prompt_metrics`);
+             string variables ("pred") are not measured;
+  per source the mean over its prompts (`source_metrics`), plus "acc_success_only" and
+             zero-padded "acc" where a source reports "acc" (verl's V1 expected counts);
+  keys       `val-core/<source>/<var>/<metric>` for the core variable ("acc" when the source has
+             it, else "reward") and its mean@ / best@ / maj@ metrics at the largest N, mean and
+             std alike; `val-aux/...` for the rest (`prefixed`); and val-aux/num_turns/* (2 per
+             sample: single-turn). GSM8K's accuracy is thus val-core/openai/gsm8k/acc/mean@1.
+
+grpo_jax also logs val-aux/response_length/mean (verl does not). The first
+trainer.log_val_generations samples of each validation go to workdir/val_generations.jsonl
+(`write_generations`). Sampling uses rollout.val_kwargs' temperature, top_p and top_k; like
+verl's rollout, nothing reads val_kwargs.do_sample (config.ValKwargs).
 """
 
 from __future__ import annotations
