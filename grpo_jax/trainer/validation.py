@@ -31,6 +31,7 @@ verl's rollout, nothing reads val_kwargs.do_sample (config.ValKwargs).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -163,15 +164,18 @@ def subset_sizes(n: int) -> list[int]:
     return sizes + [n]
 
 
+@functools.lru_cache(maxsize=64)
 def bootstrap_indices(n: int, k: int, *, draws: int = N_BOOTSTRAP, seed: int = BOOTSTRAP_SEED):
-    """[draws, k] sample indices, drawn with replacement from range(n).
+    """[draws, k] sample indices, drawn with replacement from range(n) (read-only).
 
     The same draws as verl's bootstrap_metric, which reseeds NumPy's global legacy generator with
     `seed` and calls np.random.choice: a fresh RandomState(seed) gives that very stream without
-    touching the global one. So every variable, every k and best, worst and maj of one prompt
-    reuse the same draws for a given (n, k), as in verl.
+    touching the global one. So every prompt, every variable and best, worst and maj reuse the
+    same draws for a given (n, k), as in verl; they are drawn once per (n, k) here.
     """
-    return np.random.RandomState(seed).choice(n, size=(draws, k), replace=True)
+    idx = np.random.RandomState(seed).choice(n, size=(draws, k), replace=True)
+    idx.flags.writeable = False
+    return idx
 
 
 def majority_values(values_N: np.ndarray, votes: Sequence, idx_RK: np.ndarray) -> np.ndarray:
