@@ -15,8 +15,8 @@ Expects on disk (verl's layout, as verl's preprocessing writes it):
 Override data.path / data.val_path (comma-separated) for other places; raw GSM8K jsonl works
 too. Scoring is verl's default_compute_score by data_source: GSM8K's strict "####" scorer, and
 for MATH the \boxed{} answer normalised (Hendrycks' strip_string) and compared as verl does;
-validation logs val-core/openai/gsm8k/reward/mean@1 and
-val-core/DigitalLearningGmbH/MATH-lighteval/reward/mean@1.
+validation logs val-core/openai/gsm8k/acc/mean@1 and
+val-core/DigitalLearningGmbH/MATH-lighteval/acc/mean@1 (a float score is verl's "acc").
 
 Recipe: rollout.n 5, use_kl_loss 0.001 low_var_kl, token-mean, lr 1e-6, prompts and responses
 1024 tokens, 1024 prompts per step, mini-batch 256, gradient checkpointing, 15 epochs, validate

@@ -443,13 +443,20 @@ class ActorConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ValKwargs:
-    """Section `rollout.val_kwargs`: sampling for validation (verl: greedy, one sample)."""
+    """Section `rollout.val_kwargs`: sampling for validation (verl: greedy, one sample).
+
+    As in verl 0.9.1, validation samples with `temperature`, `top_p` and `top_k` and never reads
+    `do_sample` (its agent loop copies only those three from val_kwargs: V1
+    agent_loop_tq.generate_sequences), so temperature 0 is what makes validation greedy; n > 1
+    at temperature 0 gives n equal greedy responses. do_sample=False with a temperature above 0
+    is warned about (RunConfig.ignored_settings).
+    """
 
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = -1
-    do_sample: bool = False  # False = greedy whatever the temperature (verl)
-    n: int = 1  # samples per validation prompt (mean@n, best@n, maj@n)
+    do_sample: bool = False  # accepted and ignored, as by verl 0.9.1 (see above)
+    n: int = 1  # samples per validation prompt (mean@n, best@k / worst@k / maj@k, k <= n)
 
     def __post_init__(self):
 
@@ -465,7 +472,8 @@ class ValKwargs:
 
     @property
     def sampling_temperature(self) -> float:
-        return self.temperature if self.do_sample else 0.0
+        """The temperature validation samples at: `temperature`, whatever do_sample says."""
+        return self.temperature
 
 
 class _VLLMSection:
@@ -1109,6 +1117,13 @@ class RunConfig:
             out.append(
                 f"data.gen_batch_size={self.data.gen_batch_size} is overridden to 1 (as by verl "
                 "0.9.1 with algorithm.filter_groups): refills read exactly the prompts they need"
+            )
+        vk = self.rollout.val_kwargs
+        if not vk.do_sample and vk.temperature > 0:
+            out.append(
+                f"rollout.val_kwargs.do_sample=False is ignored (as by verl 0.9.1, whose rollout "
+                f"reads only temperature, top_p and top_k from val_kwargs): validation samples at "
+                f"rollout.val_kwargs.temperature={vk.temperature}; set it to 0 for greedy"
             )
         return out
 

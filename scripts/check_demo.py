@@ -20,7 +20,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACC = {
     False: "val-core/arithmetic/acc/mean@1",  # demo_task.sum_reward's "acc"
-    True: "val-core/arithmetic/reward/mean@1",  # the strict scorer's float score
+    True: "val-core/arithmetic/acc/mean@1",  # the strict scorer's float score (verl: "acc")
 }
 
 

@@ -226,7 +226,7 @@ def test_split_mesh_samples_on_its_own_devices(tmp_path, monkeypatch):
     rollout_ids = {d.id for d in jax.devices()[2:4]}
     assert seen and all(s == rollout_ids for s in seen)
     assert [r["async/staleness"] for r in out.history] == [0, 1, 1]
-    assert "val-core/arithmetic/reward/mean@1" in out.history[-1]
+    assert "val-core/arithmetic/acc/mean@1" in out.history[-1]
     assert {d.id for x in jax.tree.leaves(out.state.params) for d in x.devices()} == {0, 1}
 
 

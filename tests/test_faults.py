@@ -198,6 +198,12 @@ def _assert_same_run(workdir: str, ref: str) -> None:
             "edited?): the two runs executed different code; rerun on a quiet tree"
         )
     rows, ref_rows = metrics.read(workdir), metrics.read(ref)
+    # trainer.val_before_train: each resume validates first, in a row under the resumed step
+    # (verl); at most one per step, and the training rows are those of the uninterrupted run.
+    revals = [r for r in rows if r["step"] > 0 and "training/global_step" not in r]
+    assert revals and all(k == "step" or k.startswith("val-") for r in revals for k in r)
+    assert len({r["step"] for r in revals}) == len(revals), "a resume validation row twice"
+    rows = [r for r in rows if r not in revals]
     assert [r["step"] for r in rows] == list(range(STEPS + 1)), "duplicate or missing rows"
     for got, want in zip(_comparable(rows), _comparable(ref_rows), strict=True):
         assert got == want, f"step {want['step']} differs: " + str(

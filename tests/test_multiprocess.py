@@ -148,7 +148,7 @@ def test_two_processes_train_as_one(tmp_path):
         assert set(keys) <= set(g)
         for k in keys:  # sums of O(1) terms: rounding at the scale max(|value|, 1)
             numerics.assert_close(g[k], w[k], ulps=64, scale=max(abs(w[k]), 1.0), err_msg=k)
-    assert "val-core/arithmetic/reward/mean@1" in got["history"][-1]
+    assert "val-core/arithmetic/acc/mean@1" in got["history"][-1]
     assert got["history"][1]["critic/score/max"] > got["history"][1]["critic/score/min"]
     # Only process 0 wrote metrics; the checkpoints are one multi-process orbax save per step.
     rows = [json.loads(ln) for ln in open(os.path.join(tmp_path / "two", "metrics.jsonl"))]

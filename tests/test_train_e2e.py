@@ -151,7 +151,7 @@ def test_two_steps_then_resume_one(setup):
         "rollout_corr/kl",
     ):
         assert key in records[1] and key in records[2], key
-    acc = "val-core/openai/gsm8k/reward/mean@1"  # verl's name (GSM8K scores 0/1: accuracy)
+    acc = "val-core/openai/gsm8k/acc/mean@1"  # verl's name (GSM8K's float score is its "acc")
     assert acc in records[0] and acc in records[2]
     assert 0.0 <= records[2][acc] <= 1.0
     # 2 mini-batches per step (4 prompts / 2): one skipped update would show here.
@@ -170,7 +170,9 @@ def test_two_steps_then_resume_one(setup):
 
     # Resume: same command with 3 steps -> restores step 2, runs step 3 only.
     resumed = _train(tmp, model_dir, 3)
-    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    # step 2 twice: the resumed run validates before training (val_before_train), as verl
+    assert [r["step"] for r in resumed] == [0, 1, 2, 2, 3]
     assert resumed[:3] == records  # earlier lines untouched
-    assert acc in resumed[3]  # final eval
+    assert acc in resumed[3] and all(k == "step" or k.startswith("val-") for k in resumed[3])
+    assert acc in resumed[4]  # final eval
     assert "3" in os.listdir(run / "checkpoints")

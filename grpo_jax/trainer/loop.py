@@ -13,6 +13,8 @@
   resume    from the newest readable checkpoint in the workdir (exact: params, optimizer state,
             rng, data position, counters, the reference when a warm-up produced it);
   warm-up   optional supervised steps on reference answers, then a fresh optimizer;
+  validate  before the first step with trainer.val_before_train (verl: after a resume too,
+            logged under the resumed step, in a row of its own);
   loop      per step: the next prompts, `rollout_stage.rollout_stage` (sample and score) and
             `train_stage.train_stage` (log-probs, advantages, update), validation every
             trainer.test_freq steps and at the last step (verl: none with test_freq=-1, and
@@ -210,12 +212,16 @@ def _train(
             mngr, loop.abstract(state_sh, layout.trained_shardings, mesh, with_ref=ref_in_ckpt),
             check_meta=loop.check_meta,
         )  # fmt: skip
+    # verl validates at the start of fit() whenever trainer.val_before_train, after a resume
+    # too, logging under the resumed step: a row of its own, after that step's training row.
+    revalidate = run.trainer.val_before_train and val_set is not None
     if restored is not None:
         start_step, tree, meta = restored
         loop = loop.restored(tree, meta, with_ref=ref_in_ckpt)
-        writer.truncate_after(start_step)
+        # an earlier resume from this step validated too: that row and its samples are redone
+        writer.truncate_after(start_step, drop=lambda r: _is_resume_validation(r, start_step))
         if is_main:
-            validation.truncate_generations(workdir, start_step)
+            validation.truncate_generations(workdir, start_step - 1 if revalidate else start_step)
         if start_step not in [r["step"] for r in metrics.read(workdir)]:
             writer.write(start_step, meta["metrics"])  # killed between the save and the row
         logging.info(
@@ -279,6 +285,7 @@ def _train(
             pool=pool,
             policy_version=int(jax.device_get(state.step)),
             num_generations=run.trainer.log_val_generations,
+            overlong_buffer=run.reward.overlong_buffer,
         )
         if result.generations and is_main:
             validation.write_generations(workdir, step_done, result.generations)
@@ -287,11 +294,11 @@ def _train(
     history = []
     try:
         engine.start(ctx.policy(loop.state), int(jax.device_get(loop.state.step)))
-        if start_step == 0 and run.trainer.val_before_train and val_set is not None:
-            first_row |= evaluate(loop.state, 0)
+        if revalidate:  # under step 0, or under the resumed step (verl's global_steps)
+            first_row |= evaluate(loop.state, start_step)
         if first_row:
-            writer.write(0, first_row)
-            history.append({"step": 0, **first_row})
+            writer.write(start_step, first_row)
+            history.append({"step": start_step, **first_row})
         history += _steps(
             run,
             ctx,
@@ -313,6 +320,12 @@ def _train(
             pool.close()
         writer.close()
     return Result(loop.state, model_config, history, workdir, base)
+
+
+def _is_resume_validation(row: dict, step: int) -> bool:
+    """Whether a metrics row is the validation a resume from `step` (> 0) ran before training:
+    it sits at that step without the step's training metrics."""
+    return step > 0 and row["step"] == step and "training/global_step" not in row
 
 
 def _examples(rows, name: str, layout, on_malformed: str) -> list[prompts.Example]:

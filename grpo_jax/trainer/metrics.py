@@ -115,11 +115,16 @@ class Writer:
 
             self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, "tensorboard"))
 
-    def truncate_after(self, step: int) -> None:
-        """Keeps only records with step <= `step` (rewrites the file atomically)."""
+    def truncate_after(self, step: int, *, drop=None) -> None:
+        """Keeps only records with step <= `step`, less those for which `drop(record)` is true
+        (rewrites the file atomically)."""
         if not self.enabled:
             return
-        kept = [r for r in read(os.path.dirname(self.path)) if r.get("step", 0) <= step]
+        kept = [
+            r
+            for r in read(os.path.dirname(self.path))
+            if r.get("step", 0) <= step and not (drop is not None and drop(r))
+        ]
         tmp = self.path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             for r in kept:

@@ -123,6 +123,50 @@ def overlong_penalty(
     return np.minimum(-excess_B / buffer_len * penalty_factor, 0.0)
 
 
+def with_overlong_penalty(
+    result: reward_fns.RewardResult,
+    lengths_B,
+    overlong_buffer: config_lib.OverlongBufferConfig,
+    *,
+    max_response_length: int,
+) -> reward_fns.RewardResult:
+    """`result` with DAPO's overlong penalty added to every score when
+    reward.overlong_buffer.enable (else `result` itself), as verl 0.9.1's DAPO reward manager
+    does in training and validation alike (experimental/reward_loop/reward_manager/dapo.py:
+    run_single): "acc" keeps the unpenalised score, and reward.overlong_buffer.log adds the
+    "overlong_reward" and "overlong" keys.
+
+    Args:
+      result: the scores of B responses.
+      lengths_B: their lengths in tokens.
+      overlong_buffer: the reward.overlong_buffer section.
+      max_response_length: data.max_response_length.
+    """
+    ob = overlong_buffer
+    if not ob.enable:
+        return result
+    penalty_B = overlong_penalty(
+        lengths_B,
+        max_response_length=max_response_length,
+        buffer_len=ob.len,
+        penalty_factor=ob.penalty_factor,
+    )
+    extras = dict(result.extras)
+    if "acc" not in extras:  # verl's DAPO reward manager: "acc" = the unpenalised score
+        extras["acc"] = (
+            reward_fns.reward_extra_info(result, "acc")
+            if len(result.per_fn) == 1
+            else list(result.scores_B)
+        )
+    if ob.log:
+        extras |= {"overlong_reward": penalty_B.tolist(), "overlong": (penalty_B < 0).tolist()}
+    return dataclasses.replace(
+        result,
+        scores_B=[s + float(p) for s, p in zip(result.scores_B, penalty_B, strict=True)],
+        extras=extras,
+    )
+
+
 def sample_and_score(
     ctx: programs.StepContext,
     params,
@@ -167,28 +211,12 @@ def sample_and_score(
         pool=ctx.pool,
         add=True,
     )
-    ob = run.reward.overlong_buffer
-    if ob.enable:
-        penalty_B = overlong_penalty(
-            host.response_mask_BT.sum(1),
-            max_response_length=sp.max_new_tokens,
-            buffer_len=ob.len,
-            penalty_factor=ob.penalty_factor,
-        )
-        extras = dict(result.extras)
-        if "acc" not in extras:  # verl's DAPO reward manager: "acc" = the unpenalised score
-            extras["acc"] = (
-                reward_fns.reward_extra_info(result, "acc")
-                if len(result.per_fn) == 1
-                else list(result.scores_B)
-            )
-        if ob.log:
-            extras |= {"overlong_reward": penalty_B.tolist(), "overlong": (penalty_B < 0).tolist()}
-        result = dataclasses.replace(
-            result,
-            scores_B=[s + float(p) for s, p in zip(result.scores_B, penalty_B, strict=True)],
-            extras=extras,
-        )
+    result = with_overlong_penalty(
+        result,
+        host.response_mask_BT.sum(1),
+        run.reward.overlong_buffer,
+        max_response_length=sp.max_new_tokens,
+    )
     examples = [ex for ex in prompts.examples for _ in range(sp.n)]
     return batch_lib.RolloutBatch(rollout, host, texts, examples, result, sp.n)
 
