@@ -127,7 +127,7 @@ def main(argv):
 
     # EXPORT: a collective under multi-process FSDP (every process gathers, process 0 writes).
     # With LoRA: the merged model in hf/, and the adapter alone in PEFT's format in hf_adapter/.
-    if run.checkpoint.export_hf:
+    if run.checkpoint.export_hf and not run.trainer.val_only:  # val_only trained nothing
         hf_dir = os.path.join(workdir, "hf")
         if result.base_params is not None:
             hf.save_adapter(

@@ -46,10 +46,8 @@ def get_config(arg=None):
     c.actor.optim.lr = 1e-6
     c.actor.use_dynamic_bsz = True
     c.actor.ppo_max_token_len_per_gpu = 24000
-    # verl's log-prob passes default to the actor's settings (rollout.log_prob_use_dynamic_bsz
-    # and log_prob_max_token_len_per_gpu interpolate them); here they are set alike.
-    c.rollout.log_prob_use_dynamic_bsz = True
-    c.rollout.log_prob_max_token_len_per_gpu = 24000
+    # The log-prob passes follow the actor (rollout.log_prob_use_dynamic_bsz and
+    # log_prob_max_token_len_per_gpu left None, verl's interpolation): packed, 24000 tokens.
     c.model.enable_gradient_checkpointing = True
     c.rollout.n = 5
     c.algorithm.adv_estimator = "grpo"

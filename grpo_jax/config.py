@@ -140,7 +140,11 @@ class DataConfig:
     # train_batch_size); None = train_batch_size. With algorithm.filter_groups it is 1 (verl).
     gen_batch_size: int | None = None
     val_batch_size: int = 256  # prompts per validation generate call
-    val_max_samples: int = -1  # -1 = the whole validation split
+    # Caps on the prompts read (verl): -1 = all; else that many, drawn before the overlong
+    # filter as verl's RLHFDataset draws them: a seeded random subset (data.seed) with
+    # data.shuffle, the first ones without (prompts.select_samples).
+    train_max_samples: int = -1
+    val_max_samples: int = -1
     max_prompt_length: int = 512  # tokens after the chat template
     max_response_length: int = 512  # generated tokens per completion
     prompt_length_bucket: int = 64  # the update's prompt width rounds up to this (fewer compiles)
@@ -149,6 +153,11 @@ class DataConfig:
     shuffle: bool = True  # reshuffle the train set every epoch (seeded)
     seed: int = 1  # shuffle seed
     on_malformed: str = "skip"  # "skip" (count + warn with line numbers) | "error"
+    # Keyword arguments of the tokenizer's apply_chat_template for chat-message prompts, train
+    # and validation alike (verl), e.g. {"enable_thinking": False} for Qwen3. On the command
+    # line a Python dict literal: --config.data.apply_chat_template_kwargs="{'enable_thinking':
+    # False}" (a key that the config file sets can also be overridden alone).
+    apply_chat_template_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     arithmetic: ArithmeticConfig = ArithmeticConfig()
 
     def __post_init__(self):
@@ -158,12 +167,10 @@ class DataConfig:
         c.choice("on_malformed", self.on_malformed, readers.ON_MALFORMED_MODES)
         _positive(c, self, "train_batch_size", "val_batch_size", "max_prompt_length")
         _positive(c, self, "max_response_length", "prompt_length_bucket")
-        c.need(
-            self.val_max_samples == -1 or self.val_max_samples >= 1,
-            "val_max_samples",
-            self.val_max_samples,
-            "must be -1 (all) or >= 1",
-        )
+        for name in ("train_max_samples", "val_max_samples"):
+            value = getattr(self, name)
+            c.need(value == -1 or value >= 1, name, value, "must be -1 (all) or >= 1")
+        c.call(prompts.check_chat_template_kwargs, self.apply_chat_template_kwargs)
         c.need(self.seed >= 0, "seed", self.seed, "must be >= 0")
         c.need(self.gen_batch_size is None or self.gen_batch_size >= 1, "gen_batch_size",
                self.gen_batch_size, "must be >= 1 or None")
@@ -361,6 +368,11 @@ class ActorConfig:
     # that budget, tokens per device (grpo_jax/trainer/packing.py)
     ppo_max_token_len_per_gpu: int = 16384
     ppo_epochs: int = 1  # passes over the batch (mu)
+    # Each ppo epoch, the batch's rows are shuffled before being cut into mini-batches, within
+    # each data-parallel block as verl's per-rank dataloader (train_stage.mini_batch_order); the
+    # draws are seeded by data_loader_seed and the block, the same every step (verl).
+    shuffle: bool = False
+    data_loader_seed: int = 42
     clip_ratio: float = 0.2  # epsilon; verl's ActorConfig sets low/high explicitly (below)
     # epsilon_low / epsilon_high (DAPO clip-higher: high 0.28). verl's default is 0.2 each, not
     # clip_ratio; None (verl's YAML null) means clip_ratio, as every verl policy loss reads it.
@@ -559,8 +571,11 @@ class RolloutConfig:
     # "processed_logits" / "raw_logits" = the logit (not a log-prob: no rollout correction).
     logprobs_mode: str = "processed_logprobs"
     log_prob_micro_batch_size_per_gpu: int = 16  # sequences per device for old/ref log-probs
-    log_prob_use_dynamic_bsz: bool = False  # packed token-budget micro-batches instead
-    log_prob_max_token_len_per_gpu: int = 16384  # that budget, tokens per device
+    # Packed token-budget micro-batches instead, and that budget in tokens per device. None
+    # follows the actor (verl's oc.select of actor.use_dynamic_bsz / ppo_max_token_len_per_gpu);
+    # RunConfig.log_prob_use_dynamic_bsz / log_prob_max_token_len_per_gpu are the values used.
+    log_prob_use_dynamic_bsz: bool | None = None
+    log_prob_max_token_len_per_gpu: int | None = None
     # vLLM's --tensor-parallel-size (rollout.name="vllm"); verl's default is 2, for its GPUs.
     tensor_model_parallel_size: int = 1
     # With trainer.async_rollout and name="jax": devices of their own for the sampler (the last
@@ -576,8 +591,12 @@ class RolloutConfig:
         c = _Checks("rollout")
         c.choice("name", self.name, ("jax", "vllm"))
         c.choice("logprobs_mode", self.logprobs_mode, sampler.LOGPROBS_MODES)
-        _positive(
-            c, self, "n", "log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu"
+        _positive(c, self, "n", "log_prob_micro_batch_size_per_gpu")
+        c.need(
+            self.log_prob_max_token_len_per_gpu is None or self.log_prob_max_token_len_per_gpu >= 1,
+            "log_prob_max_token_len_per_gpu",
+            self.log_prob_max_token_len_per_gpu,
+            "must be >= 1 or None (actor.ppo_max_token_len_per_gpu)",
         )
         c.need(self.num_devices >= 0, "num_devices", self.num_devices, "must be >= 0")
         c.need(self.num_devices == 0 or self.name == "jax", "num_devices", self.num_devices,
@@ -882,6 +901,14 @@ class TrainerConfig:
     save_freq: int = -1  # checkpoint every N steps; -1 = never (see checkpoint.save_last)
     test_freq: int = -1  # validate every N steps and at the last step; -1 = never
     val_before_train: bool = True  # validate before the first step
+    # Validate (the restored checkpoint's policy, when the workdir has one) and exit without
+    # training, no checkpoint and no HF export (verl; needs val_before_train)
+    val_only: bool = False
+    # Directories that receive every step's rollouts / every validation's samples as JSONL,
+    # one file per step `{step}.jsonl` (verl 0.9.1's v1 trainer: keys input, output, gts,
+    # score, step, uid; validation adds reward and the scorer's extra keys); None = no dump.
+    rollout_data_dir: str | None = None
+    validation_data_dir: str | None = None
     resume_mode: str = "auto"  # "auto" (latest checkpoint in the workdir) | "disable"
     seed: int = 0  # rollout rng seed
     max_consecutive_nonfinite: int = 10  # stop after this many skipped (non-finite) updates
@@ -911,6 +938,10 @@ class TrainerConfig:
                self.max_staleness, "must be >= 1 with async_rollout=True (its batches are "
                "sampled one step before the update that uses them)")
         c.choice("resume_mode", self.resume_mode, ("auto", "disable"))
+        # verl ignores val_only without val_before_train and trains; here that is refused.
+        c.need(not self.val_only or self.val_before_train, "val_only", self.val_only,
+               "needs trainer.val_before_train=True (val_only validates before training and "
+               "exits)")
         c.need(self.device_peak_tflops >= 0, "device_peak_tflops", self.device_peak_tflops,
                "must be >= 0 (0 = look the device up)")
         _positive(c, self, "total_epochs", "max_consecutive_nonfinite")
@@ -1094,6 +1125,20 @@ class RunConfig:
         if rc.bypass_mode:
             return False
         return not self.on_policy or self.algorithm.use_kl_in_reward or rc.active
+
+    @property
+    def log_prob_use_dynamic_bsz(self) -> bool:
+        """Whether the old / reference log-prob passes pack token-budget micro-batches:
+        rollout.log_prob_use_dynamic_bsz, or when None the actor's use_dynamic_bsz (verl)."""
+        own = self.rollout.log_prob_use_dynamic_bsz
+        return self.actor.use_dynamic_bsz if own is None else own
+
+    @property
+    def log_prob_max_token_len_per_gpu(self) -> int:
+        """Those passes' token budget per device: rollout.log_prob_max_token_len_per_gpu, or
+        when None the actor's ppo_max_token_len_per_gpu (verl)."""
+        own = self.rollout.log_prob_max_token_len_per_gpu
+        return self.actor.ppo_max_token_len_per_gpu if own is None else own
 
     @property
     def read_chunk(self) -> int:

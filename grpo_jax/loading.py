@@ -145,7 +145,8 @@ def layout(cfg: config_lib.DataConfig) -> readers.Layout:
 
 
 def examples(cfg: config_lib.DataConfig, split: str) -> list[prompts.Example]:
-    """The examples of `split` ("train" or "val") from the configured source."""
+    """The examples of `split` ("train" or "val") from the configured source, all of them
+    (loop.train applies data.train_max_samples / val_max_samples)."""
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     cfg.check_source()
@@ -173,9 +174,7 @@ def examples(cfg: config_lib.DataConfig, split: str) -> list[prompts.Example]:
         )
         raw = train_rows if split == "train" else val_rows
         rows = readers.parse_rows(raw, source=f"arithmetic/{split}", **kw)
-    if split == "val" and cfg.val_max_samples > 0:
-        rows = rows[: cfg.val_max_samples]
-    return rows
+    return rows  # data.*_max_samples caps them in loop.train, whatever their source
 
 
 def reward_fn(

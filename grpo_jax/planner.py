@@ -224,8 +224,8 @@ class Workload:
             needs_old=run.needs_old_log_probs,
             packed=a.use_dynamic_bsz,
             tokens_per_device=a.ppo_max_token_len_per_gpu,
-            logprob_packed=r.log_prob_use_dynamic_bsz,
-            logprob_tokens_per_device=r.log_prob_max_token_len_per_gpu,
+            logprob_packed=run.log_prob_use_dynamic_bsz,
+            logprob_tokens_per_device=run.log_prob_max_token_len_per_gpu,
             row_len=packing.row_length(
                 d.max_prompt_length, d.max_response_length, a.ppo_max_token_len_per_gpu
             ),

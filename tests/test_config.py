@@ -345,3 +345,114 @@ def test_library_defaults_are_verls():
     assert (
         optim.warmup_steps(50) == 5 and config.OptimConfig(lr_warmup_steps=3).warmup_steps(50) == 3
     )
+
+
+def _parse_cli(*overrides, config_file="configs/gsm8k.py:smoke"):
+    """The config train.py would get from these command-line overrides (absl + ml_collections,
+    in-process, with train.py's locked config flag)."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    argv = ["train.py", f"--config={config_file}", *overrides]
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "", flag_values=fv, lock_config=True,
+                                    sys_argv=argv)  # fmt: skip
+    fv(argv)
+    return fv.config
+
+
+def test_chat_template_kwargs_from_the_command_line(tmp_path):
+    # verl's data.apply_chat_template_kwargs: {} by default; a Python dict literal overrides it
+    # whole, and a key that the config file sets can be overridden alone.
+    assert train.check_config(_parse_cli()).data.apply_chat_template_kwargs == {}
+    c = _parse_cli("--config.data.apply_chat_template_kwargs={'enable_thinking': False}")
+    assert train.check_config(c).data.apply_chat_template_kwargs == {"enable_thinking": False}
+    with pytest.raises(AttributeError, match="enable_thinking"):  # not declared: the dict form
+        _parse_cli("--config.data.apply_chat_template_kwargs.enable_thinking=False")
+    qwen3 = tmp_path / "qwen3_cfg.py"
+    qwen3.write_text(
+        "from configs import gsm8k\n\n\ndef get_config(arg=None):\n"
+        "    c = gsm8k.get_config('smoke')\n"
+        "    c.data.apply_chat_template_kwargs.enable_thinking = False\n"
+        "    return c\n"
+    )
+    c = _parse_cli(config_file=str(qwen3))
+    assert train.check_config(c).data.apply_chat_template_kwargs == {"enable_thinking": False}
+    c = _parse_cli("--config.data.apply_chat_template_kwargs.enable_thinking=True",
+                   config_file=str(qwen3))  # fmt: skip
+    assert train.check_config(c).data.apply_chat_template_kwargs == {"enable_thinking": True}
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"tokenize": True}, r"data.apply_chat_template_kwargs=\{'tokenize': True\}: \['tokeni"),
+        ({"add_generation_prompt": False}, r"\['add_generation_prompt'\] cannot be given"),
+    ],
+)
+def test_chat_template_kwargs_refuses_what_tokenisation_sets(kwargs, match):
+    c = gsm8k.get_config("smoke")
+    c.data.apply_chat_template_kwargs = kwargs
+    with pytest.raises(config.ConfigError, match=match):
+        train.check_config(c)
+    with pytest.raises(config.ConfigError, match=r"data.apply_chat_template_kwargs='on' must be "
+                       r"a dict"):  # fmt: skip
+        config.DataConfig(apply_chat_template_kwargs="on")
+
+
+def test_max_samples_fields():
+    # verl: -1 = all; a cap must be positive.
+    assert (config.DataConfig().train_max_samples, config.DataConfig().val_max_samples) == (-1, -1)
+    c = gsm8k.get_config("smoke")
+    c.data.train_max_samples = 0
+    with pytest.raises(config.ConfigError, match=r"data.train_max_samples=0 must be -1 \(all\)"):
+        train.check_config(c)
+    c.data.train_max_samples = 8
+    assert train.check_config(c).data.train_max_samples == 8
+
+
+def test_log_prob_packing_follows_the_actor_unless_set():
+    # verl: rollout.log_prob_use_dynamic_bsz = ${oc.select:actor...use_dynamic_bsz,false} and
+    # log_prob_max_token_len_per_gpu = ${oc.select:actor...ppo_max_token_len_per_gpu,16384}.
+    run = config.RunConfig()
+    assert (run.log_prob_use_dynamic_bsz, run.log_prob_max_token_len_per_gpu) == (False, 16384)
+    packed = config.ActorConfig(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=3000)
+    run = config.RunConfig(actor=packed)
+    assert (run.log_prob_use_dynamic_bsz, run.log_prob_max_token_len_per_gpu) == (True, 3000)
+    own = config.RolloutConfig(log_prob_use_dynamic_bsz=False, log_prob_max_token_len_per_gpu=500)
+    run = config.RunConfig(actor=packed, rollout=own)
+    assert (run.log_prob_use_dynamic_bsz, run.log_prob_max_token_len_per_gpu) == (False, 500)
+    # Through the command line: the actor's override carries over, an explicit False stays.
+    c = _parse_cli("--config.actor.use_dynamic_bsz=True",
+                   "--config.actor.ppo_max_token_len_per_gpu=1024")  # fmt: skip
+    c.rollout.log_prob_use_dynamic_bsz = None  # the smoke variant's own value, unset
+    c.rollout.log_prob_max_token_len_per_gpu = None
+    run = train.check_config(c)
+    assert (run.log_prob_use_dynamic_bsz, run.log_prob_max_token_len_per_gpu) == (True, 1024)
+    c = _parse_cli("--config.actor.use_dynamic_bsz=True",
+                   "--config.rollout.log_prob_use_dynamic_bsz=False")  # fmt: skip
+    assert train.check_config(c).log_prob_use_dynamic_bsz is False
+    # The gsm8k recipe sets only the actor's, as verl's scripts do.
+    run = train.check_config(gsm8k.get_config("model=qwen2.5-0.5b"))
+    assert (run.log_prob_use_dynamic_bsz, run.log_prob_max_token_len_per_gpu) == (True, 24000)
+    with pytest.raises(config.ConfigError, match=r"rollout.log_prob_max_token_len_per_gpu=0 must"):
+        config.RolloutConfig(log_prob_max_token_len_per_gpu=0)
+
+
+def test_val_only_and_dump_dirs_and_actor_shuffle_defaults():
+    t, a = config.TrainerConfig(), config.ActorConfig()
+    assert (t.val_only, t.rollout_data_dir, t.validation_data_dir) == (False, None, None)
+    assert (a.shuffle, a.data_loader_seed) == (False, 42)  # verl's actor.yaml
+    c = _parse_cli(
+        "--config.trainer.val_only=True",
+        "--config.trainer.val_before_train=False",
+        "--config.trainer.rollout_data_dir=/tmp/r",
+        "--config.actor.shuffle=True",
+    )
+    with pytest.raises(config.ConfigError, match=r"trainer.val_only=True needs "
+                       r"trainer.val_before_train=True"):  # fmt: skip
+        train.check_config(c)
+    c.trainer.val_before_train = True
+    run = train.check_config(c)
+    assert (run.trainer.val_only, run.trainer.rollout_data_dir, run.actor.shuffle) == (
+        True, "/tmp/r", True)  # fmt: skip

@@ -3,8 +3,11 @@
 Reading files, HF datasets and tfds into Examples is tested in tests/test_dataset.py.
 """
 
+import json
+
 import numpy as np
 import pytest
+import reference
 
 from grpo_jax.data import demo_task, prompts
 
@@ -88,3 +91,80 @@ def test_order_epochs_drop_last_and_exact_resume():
     assert prompts.epoch_order(5, epoch=4, seed=0, shuffle=False).tolist() == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="train_batch_size=11 exceeds the 10"):
         prompts.steps_per_epoch(10, 11)
+
+
+# Qwen3's chat template ends the generation prompt with an empty think block when the caller
+# passes enable_thinking=False (its own tokenizer_config.json; the lines below are that block,
+# around a ChatML loop over the messages).
+QWEN3_TEMPLATE = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+    "'<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+
+
+def qwen3_like_tokenizer():
+    """The character tokenizer with Qwen3's enable_thinking template."""
+    tok = demo_task.char_tokenizer()
+    tok.chat_template = QWEN3_TEMPLATE
+    return tok
+
+
+def test_chat_template_kwargs_reach_the_template():
+    # data.apply_chat_template_kwargs (verl: RLHFDataset and the agent loop pass them to
+    # apply_chat_template): Qwen3's enable_thinking=False appends the empty think block.
+    tok = qwen3_like_tokenizer()
+    exs = _examples(["2+3?", "10+1?"])
+
+    def ids(kwargs):
+        return prompts.encode(
+            tok,
+            exs,
+            max_prompt_length=128,
+            filter_overlong_prompts=False,
+            truncation="error",
+            chat_template_kwargs=kwargs,
+        ).prompt_ids
+
+    think = tuple(tok("<think>\n\n</think>\n\n", add_special_tokens=False)["input_ids"])
+    plain, off, on = ids(None), ids({"enable_thinking": False}), ids({"enable_thinking": True})
+    assert on == plain == ids({})
+    assert all(o == p + think for o, p in zip(off, plain, strict=True))
+    assert tok.decode(off[0]) == "<|im_start|>user\n2+3?<|im_end|>\n<|im_start|>assistant\n" + (
+        "<think>\n\n</think>\n\n")  # fmt: skip
+    # The overlong rule counts the tokens the template adds.
+    longest = max(len(p) for p in plain)  # fits without the block, not with it
+    with pytest.raises(ValueError, match=rf"line 1 has {len(plain[0]) + len(think)} tokens"):
+        prompts.encode(
+            tok,
+            exs,
+            max_prompt_length=longest,
+            filter_overlong_prompts=False,
+            truncation="error",
+            chat_template_kwargs={"enable_thinking": False},
+        )
+
+
+def test_select_samples_is_verls_rlhf_dataset(verl, tmp_path):
+    # data.train_max_samples / val_max_samples: the rows verl's RLHFDataset keeps, in its order:
+    # a default_rng(data.seed) draw with data.shuffle, the first ones without, all for -1.
+    total = 40
+    path = tmp_path / "rows.jsonl"
+    with open(path, "w") as f:
+        for i in range(total):
+            row = {
+                "prompt": [{"role": "user", "content": f"q{i}"}],
+                "data_source": "x",
+                "reward_model": {"ground_truth": str(i)},
+                "extra_info": {"index": i},
+            }
+            f.write(json.dumps(row) + "\n")
+    for max_samples, shuffle, seed in [(7, True, 3), (7, True, 1), (7, False, 3), (-1, True, 3),
+                                       (40, True, 3)]:  # fmt: skip
+        want = verl.run(reference.fn("verl_dataset:kept_rows")(
+            str(path), max_samples, shuffle, seed, str(tmp_path / "cache"))).value  # fmt: skip
+        got = prompts.select_samples(total, max_samples, shuffle=shuffle, seed=seed)
+        assert got.tolist() == want, (max_samples, shuffle, seed)
+    assert len(set(prompts.select_samples(total, 39, shuffle=True, seed=0).tolist())) == 39

@@ -351,7 +351,8 @@ def _stage_batch(seed=0, *, groups=2, n=4):
     return batch, batch_lib.HostRollout(prompt, prompt_mask, resp, resp_mask)
 
 
-def _stage_run(*, dynamic_bsz, seed=0, loss_mode="vanilla", mini_batch_size=1, **sections):
+def _stage_run(*, dynamic_bsz, seed=0, loss_mode="vanilla", mini_batch_size=1, shuffle=False,
+               **sections):  # fmt: skip
     """Two prompts x 4, `mini_batch_size` prompts a mini-batch, micro-batches of 2 rows or 128
     tokens."""
     return config.RunConfig(
@@ -359,7 +360,7 @@ def _stage_run(*, dynamic_bsz, seed=0, loss_mode="vanilla", mini_batch_size=1, *
         rollout=config.RolloutConfig(n=4, log_prob_micro_batch_size_per_gpu=8),
         actor=config.ActorConfig(
             ppo_mini_batch_size=mini_batch_size, ppo_micro_batch_size_per_gpu=2,
-            use_dynamic_bsz=dynamic_bsz,
+            use_dynamic_bsz=dynamic_bsz, shuffle=shuffle,
             ppo_max_token_len_per_gpu=128, optim=config.OptimConfig(lr=1e-3),
             policy_loss=config.PolicyLossConfig(loss_mode=loss_mode, **_CLIP_COV),
         ),
@@ -408,6 +409,54 @@ def test_update_stage_draws_clip_cov_from_the_seed_and_the_step(params, dynamic_
     assert len(seen) == len(want)
     for got, expected in zip(seen, want):
         np.testing.assert_array_equal(jax.random.key_data(got), jax.random.key_data(expected))
+
+
+def test_mini_batch_order_shuffles_within_data_parallel_blocks():
+    # verl 0.9.1 (engine_workers.train_mini_batch, tensordict_utils.make_iterator): each dp rank
+    # shuffles its own rows with a generator seeded data_loader_seed + rank, a new permutation
+    # per ppo epoch and the same ones every step; mini-batch k takes each rank's k-th slice.
+    order = train_stage.mini_batch_order(16, mini_rows=8, dp=2, epoch=0, seed=42)
+    assert sorted(order.tolist()) == list(range(16))
+    for k in range(2):  # 4 rows of each block in each mini-batch
+        mini = order[8 * k : 8 * k + 8]
+        assert sorted(mini // 8) == [0] * 4 + [1] * 4
+    again = train_stage.mini_batch_order(16, mini_rows=8, dp=2, epoch=0, seed=42)
+    np.testing.assert_array_equal(order, again)  # the same every step
+    later = train_stage.mini_batch_order(16, mini_rows=8, dp=2, epoch=1, seed=42)
+    assert sorted(later.tolist()) == list(range(16)) and later.tolist() != order.tolist()
+    other = train_stage.mini_batch_order(16, mini_rows=8, dp=2, epoch=0, seed=7)
+    assert other.tolist() != order.tolist()
+    with pytest.raises(ValueError, match=r"actor.shuffle=True .* 3 data-parallel blocks"):
+        train_stage.mini_batch_order(16, mini_rows=8, dp=3, epoch=0, seed=42)
+
+
+@pytest.mark.parametrize("dynamic_bsz", [False, True])
+def test_actor_shuffle_is_the_update_of_the_reordered_batch(params, dynamic_bsz):
+    # actor.shuffle only changes which rows form each mini-batch: the shuffled update equals
+    # the unshuffled one of the batch taken in mini_batch_order, and (two mini-batches here)
+    # differs from the unshuffled update of the batch as it is.
+    batch, host = _stage_batch(1)
+    order = train_stage.mini_batch_order(8, mini_rows=4, dp=1, epoch=0, seed=42)
+
+    def update(shuffle, batch, host):
+        run = _stage_run(dynamic_bsz=dynamic_bsz, shuffle=shuffle)
+        progs = programs.make_programs(run, CFG, _STAGE_TX, dp=1)
+        state = actor.init_state(jax.tree.map(jnp.copy, params), _STAGE_TX)
+        with sharding.use_mesh(_MESH):
+            return train_stage.update(progs, run, state, batch, 1e-3, host, _MESH)
+
+    shuffled, record = update(True, batch, host)
+    index = jnp.asarray(order)
+    reordered, want = update(False, jax.tree.map(lambda x: x[index], batch), host.take(order))
+    plain, _ = update(False, batch, host)
+    for a, b in zip(jax.tree.leaves(shuffled.params), jax.tree.leaves(reordered.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert record == want
+    moved = [
+        np.abs(np.asarray(a) - np.asarray(b)).max()
+        for a, b in zip(jax.tree.leaves(shuffled.params), jax.tree.leaves(plain.params))
+    ]
+    assert max(moved) > 0
 
 
 # ------------------------------------------------------------------------------------------

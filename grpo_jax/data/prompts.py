@@ -6,9 +6,13 @@
   TRL-style reward functions) and, when the task has one, a reference solution for the optional
   supervised warm-up. grpo_jax/data/readers.py reads files, HF datasets and tfds into Examples.
 * Tokenisation: messages go through the tokenizer's chat template with add_generation_prompt
-  (verl's RLHFDataset); a string prompt is used as it is (TRL). Overlong prompts
+  and data.apply_chat_template_kwargs (verl's RLHFDataset and agent loop, e.g. Qwen3's
+  enable_thinking); a string prompt is used as it is (TRL). Overlong prompts
   (> max_prompt_length tokens) are dropped when filter_overlong_prompts, else handled per
   truncation: "error" raises, "left" keeps the last tokens, "right" the first.
+* Size: data.train_max_samples / val_max_samples cap a split before the overlong filter, as
+  verl's RLHFDataset: a random subset seeded by data.seed with data.shuffle, else the first
+  rows (`select_samples`).
 * Order: the train set is visited in epochs; epoch e uses the permutation
   `default_rng([seed, e]).permutation(n)` (identity when shuffle is off). verl's dataloader
   drops the last incomplete batch, and so do we. The whole state is `Position(epoch, index)`,
@@ -23,6 +27,11 @@ from typing import Any
 import numpy as np
 
 TRUNCATION_MODES = ("error", "left", "right")  # data.truncation of an overlong prompt
+# apply_chat_template arguments that tokenisation sets itself (a prompt's text, with the
+# generation prompt), so data.apply_chat_template_kwargs may not.
+RESERVED_CHAT_TEMPLATE_KWARGS = (
+    "conversation", "add_generation_prompt", "tokenize", "return_dict", "return_tensors",
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +73,33 @@ class PromptSet:
         return self.lengths[i] if self.lengths is not None else len(self.prompt_ids[i])
 
 
-def prompt_text(tokenizer, prompt: str | Sequence[Mapping[str, Any]]) -> str:
-    """The text the model sees: messages in the chat template with the generation prompt."""
+def check_chat_template_kwargs(kwargs: Mapping[str, Any]) -> None:
+    """data.apply_chat_template_kwargs: a mapping of names to values, none of them an argument
+    that tokenisation sets itself.
+
+    Raises:
+      ValueError: 'apply_chat_template_kwargs=... why' (config.py prefixes the section).
+    """
+    if not isinstance(kwargs, Mapping):
+        raise ValueError(
+            f"apply_chat_template_kwargs={kwargs!r} must be a dict of keyword arguments, e.g. "
+            "{'enable_thinking': False}"
+        )
+    bad = [k for k in kwargs if not isinstance(k, str) or k in RESERVED_CHAT_TEMPLATE_KWARGS]
+    if bad:
+        raise ValueError(
+            f"apply_chat_template_kwargs={dict(kwargs)!r}: {bad} cannot be given (names are "
+            f"strings; {list(RESERVED_CHAT_TEMPLATE_KWARGS)} are set by the tokenisation)"
+        )
+
+
+def prompt_text(
+    tokenizer,
+    prompt: str | Sequence[Mapping[str, Any]],
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> str:
+    """The text the model sees: messages in the chat template with the generation prompt and
+    `chat_template_kwargs` (data.apply_chat_template_kwargs); a string prompt as it is."""
     if isinstance(prompt, str):
         return prompt
     if tokenizer.chat_template is None:
@@ -74,12 +108,33 @@ def prompt_text(tokenizer, prompt: str | Sequence[Mapping[str, Any]]) -> str:
             "string prompts or a tokenizer with a template"
         )
     messages = [dict(m) for m in prompt]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False, **(chat_template_kwargs or {})
+    )
 
 
-def chat_prompt(tokenizer, question: str, *, suffix: str) -> str:
+def chat_prompt(
+    tokenizer, question: str, *, suffix: str, chat_template_kwargs: Mapping[str, Any] | None = None
+) -> str:
     """verl's GSM8K prompt: question + suffix as one user turn, in the chat template."""
-    return prompt_text(tokenizer, [{"role": "user", "content": question + suffix}])
+    return prompt_text(
+        tokenizer, [{"role": "user", "content": question + suffix}], chat_template_kwargs
+    )
+
+
+def select_samples(total: int, max_samples: int, *, shuffle: bool, seed: int) -> np.ndarray:
+    """The rows kept of a split of `total` under data.train_max_samples / val_max_samples.
+
+    verl's RLHFDataset: all rows when max_samples is -1 or not below total; else, with
+    data.shuffle, `max_samples` distinct rows drawn by default_rng(seed).choice (in the drawn
+    order, which is verl's numpy call: the same rows as verl's with the same data.seed), and
+    without, the first `max_samples`.
+    """
+    if max_samples < 0 or max_samples >= total:
+        return np.arange(total)
+    if shuffle:
+        return np.random.default_rng(seed).choice(total, size=max_samples, replace=False)
+    return np.arange(max_samples)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +169,8 @@ class _ShareTokens(Sequence):
         return self._held[i]
 
 
-def _tokenize(tokenizer, examples: Sequence[Example]) -> list[list[int]]:
-    texts = [prompt_text(tokenizer, ex.prompt) for ex in examples]
+def _tokenize(tokenizer, examples: Sequence[Example], chat_template_kwargs=None) -> list[list[int]]:
+    texts = [prompt_text(tokenizer, ex.prompt, chat_template_kwargs) for ex in examples]
     return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
 
 
@@ -127,8 +182,10 @@ def encode(
     filter_overlong_prompts: bool,
     truncation: str,
     share: Share | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> PromptSet:
-    """Tokenises the prompts and applies verl's overlong-prompt policy (see module doc).
+    """Tokenises the prompts (chat messages with `chat_template_kwargs`) and applies verl's
+    overlong-prompt policy (see module doc).
 
     With a `share` of several processes, each tokenises only its share (every count-th row) and
     the processes exchange the prompt lengths, so every process knows which prompts are kept
@@ -140,7 +197,8 @@ def encode(
     n = len(examples)
     index, count = (0, 1) if share is None else (share.index, share.count)
     mine = range(index, n, count)
-    held = dict(zip(mine, _tokenize(tokenizer, [examples[i] for i in mine]), strict=True))
+    tokens = _tokenize(tokenizer, [examples[i] for i in mine], chat_template_kwargs)
+    held = dict(zip(mine, tokens, strict=True))
     if count == 1:
         lengths = [len(held[i]) for i in range(n)]
     else:
@@ -180,7 +238,11 @@ def encode(
     if count == 1:
         ids = tuple(held_kept[j] for j in range(len(kept)))
     else:
-        ids = _ShareTokens(lambda ex: fit(_tokenize(tokenizer, [ex])[0]), tuple(kept), held_kept)
+        ids = _ShareTokens(
+            lambda ex: fit(_tokenize(tokenizer, [ex], chat_template_kwargs)[0]),
+            tuple(kept),
+            held_kept,
+        )
     return PromptSet(tuple(kept), ids, num_filtered, tuple(kept_len))
 
 

@@ -2,9 +2,10 @@
 
 `train` owns what happens around each step (the step itself: rollout_stage.py and train_stage.py):
 
-  setup     mesh and rules, prompts tokenised, params placed in their shardings, AdamW state,
-            the frozen reference (when a KL term needs it), the jitted programs, the rollout
-            engine, the reward worker pool;
+  setup     mesh and rules, prompts capped (data.train_max_samples / val_max_samples) and
+            tokenised (data.apply_chat_template_kwargs), params placed in their shardings,
+            AdamW state, the frozen reference (when a KL term needs it), the jitted programs,
+            the rollout engine, the reward worker pool;
   LoRA      (model.lora_rank > 0, grpo_jax/models/lora.py) the given params are the frozen base;
             fresh adapters are what the state trains (and all the optimizer holds), the
             reference is the base itself with the adapters off (no copy), and checkpoints hold
@@ -24,6 +25,10 @@
   async     (trainer.async_rollout, grpo_jax/rollout/async_rollout.py) the next step's rollout stage
             runs in a background thread, with the engine's own copy of the weights, while this
             step trains; never across a checkpoint, so resume stays exact;
+  outputs   (verl's trainer.rollout_data_dir / validation_data_dir) every step's and every
+            validation's samples as <dir>/<step>.jsonl (trainer/dumps.py);
+  val_only  (trainer.val_only) the validation before training, of the restored policy when
+            there is a checkpoint, and no step;
   result    the final state and the metrics history.
 
 Only process 0 writes metrics. With several JAX processes, each tokenises and scores its own
@@ -57,6 +62,7 @@ from grpo_jax.rollout import async_rollout, engines
 from grpo_jax.trainer import (
     actor,
     checkpoint,
+    dumps,
     metrics,
     perf,
     programs,
@@ -162,14 +168,13 @@ def _train(
         filter_overlong_prompts=run.data.filter_overlong_prompts,
         truncation=run.data.truncation,
         share=distributed.share(),
+        chat_template_kwargs=run.data.apply_chat_template_kwargs,
     )
     columns = loading.layout(run.data)
-    train_set = encode(_examples(train_data, "train_data", columns, run.data.on_malformed))
-    val_set = (
-        encode(_examples(val_data, "val_data", columns, run.data.on_malformed))
-        if val_data
-        else None
-    )
+    train_set = encode(_examples(train_data, "train_data", columns, run.data, "train"))
+    val_set = None
+    if val_data:
+        val_set = encode(_examples(val_data, "val_data", columns, run.data, "val"))
     steps = setup.total_steps(run, len(train_set))
     # verl's total_training_steps: the schedule's horizon even when the epochs end the run first
     last_step = setup.total_training_steps(run, len(train_set))
@@ -286,14 +291,27 @@ def _train(
             policy_version=int(jax.device_get(state.step)),
             num_generations=run.trainer.log_val_generations,
             overlong_buffer=run.reward.overlong_buffer,
+            keep_outputs=bool(run.trainer.validation_data_dir),
         )
         if result.generations and is_main:
             validation.write_generations(workdir, step_done, result.generations)
+        if run.trainer.validation_data_dir and is_main:
+            dumps.write_validation(
+                run.trainer.validation_data_dir, step_done, tokenizer, val_set,
+                outputs=result.outputs, scores=result.result.scores_B,
+                extras=result.result.extras, n=val_sampling.n,
+            )  # fmt: skip
         return result.metrics
 
     history = []
+    if run.trainer.val_only and val_set is None:
+        raise ValueError("trainer.val_only=True validates, but there are no validation prompts")
     try:
         engine.start(ctx.policy(loop.state), int(jax.device_get(loop.state.step)))
+        if run.trainer.val_only:  # verl: validate (a restored policy too) and stop
+            row = first_row | evaluate(loop.state, start_step)
+            writer.write(start_step, row)
+            return Result(loop.state, model_config, [{"step": start_step, **row}], workdir, base)
         if revalidate:  # under step 0, or under the resumed step (verl's global_steps)
             first_row |= evaluate(loop.state, start_step)
         if first_row:
@@ -328,10 +346,17 @@ def _is_resume_validation(row: dict, step: int) -> bool:
     return step > 0 and row["step"] == step and "training/global_step" not in row
 
 
-def _examples(rows, name: str, layout, on_malformed: str) -> list[prompts.Example]:
-    if all(isinstance(r, prompts.Example) for r in rows):
-        return list(rows)
-    return readers.parse_rows(rows, source=name, on_malformed=on_malformed, layout=layout)
+def _examples(rows, name: str, layout, data: config_lib.DataConfig, split: str):
+    """The split's Examples, capped by data.train_max_samples / val_max_samples (verl's subset,
+    drawn before the overlong filter)."""
+    if not all(isinstance(r, prompts.Example) for r in rows):
+        rows = readers.parse_rows(rows, source=name, on_malformed=data.on_malformed, layout=layout)
+    cap = data.train_max_samples if split == "train" else data.val_max_samples
+    keep = prompts.select_samples(len(rows), cap, shuffle=data.shuffle, seed=data.seed)
+    if len(keep) < len(rows):
+        logging.info("data.%s_max_samples=%d: %d of %d %s prompts", split, cap, len(keep),
+                     len(rows), split)  # fmt: skip
+    return [rows[i] for i in keep]
 
 
 @dataclasses.dataclass
@@ -540,6 +565,8 @@ def _steps(
                 t0 = time.perf_counter()
                 checkpoint.save(mngr, done, loop.tree(with_ref=with_ref), loop.meta(done, row))
                 row["timing_s/save_checkpoint"] = time.perf_counter() - t0
+            if t.rollout_data_dir and is_main:  # verl: after the step's metrics
+                dumps.write_rollouts(t.rollout_data_dir, done, ctx.tokenizer, batch)
             writer.write(done, row)
             history.append({"step": done, **row})
             for callback in callbacks:

@@ -154,7 +154,7 @@ def make_programs(
         micro_rows=micro_rows,
         logprob_rows=logprob_rows,
         update_tokens=a.ppo_max_token_len_per_gpu * dp,
-        logprob_tokens=r.log_prob_max_token_len_per_gpu * dp,
+        logprob_tokens=run.log_prob_max_token_len_per_gpu * dp,
         row_len=packing.row_length(
             run.data.max_prompt_length, run.data.max_response_length, a.ppo_max_token_len_per_gpu
         ),

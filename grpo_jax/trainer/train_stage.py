@@ -135,7 +135,7 @@ def log_probs(
             )
         batch = batch.replace(old_log_probs_BT=rollout_log_probs_BT)
     packed = None
-    if run.rollout.log_prob_use_dynamic_bsz and needed:
+    if run.log_prob_use_dynamic_bsz and needed:
         packed = host.pack(progs.logprob_tokens, row_multiple=progs.dp, row_len=progs.row_len)
 
     def run_pass(params, with_entropy):
@@ -267,6 +267,43 @@ def advantages(
     return batch.replace(advantages_BT=adv_BT, old_log_probs_BT=old), scalars
 
 
+def mini_batch_order(
+    num_rows: int, *, mini_rows: int, dp: int, epoch: int, seed: int
+) -> np.ndarray:
+    """actor.shuffle: the row order of ppo epoch `epoch` whose consecutive `mini_rows` slices
+    are its mini-batches (verl 0.9.1's engine worker, train_mini_batch: each data-parallel rank
+    iterates a shuffled dataloader over its own rows).
+
+    The B rows are dp consecutive blocks, one per data-parallel rank; block r's rows are
+    permuted by the epoch-th draw of a generator seeded with seed + r (fresh every step, as
+    verl seeds the dataloader's generator at every update), and mini-batch k takes the k-th
+    mini_rows / dp of each block's permuted rows. verl draws with torch.randperm, here numpy's:
+    the same structure, not the same permutations.
+    """
+    if num_rows % dp or mini_rows % dp:
+        raise ValueError(
+            f"actor.shuffle=True shuffles the rows of each of the {dp} data-parallel blocks: "
+            f"the batch of {num_rows} rows and its mini-batches of {mini_rows} must split over "
+            "them"
+        )
+    local, local_mini = num_rows // dp, mini_rows // dp
+    blocks = []
+    for r in range(dp):
+        rng = np.random.default_rng(seed + r)
+        for _ in range(epoch):
+            rng.permutation(local)
+        blocks.append(r * local + rng.permutation(local))
+    minis = range(local // local_mini)
+    return np.concatenate([b[k * local_mini : (k + 1) * local_mini] for k in minis for b in blocks])
+
+
+def _take_rows(batch: actor.TrainBatch, host: batch_lib.HostRollout, order: np.ndarray):
+    """The batch with its rows in `order` (device arrays keep their shardings)."""
+    index = jnp.asarray(order)
+    moved = jax.tree.map(lambda x: jax.device_put(x[index], x.sharding), batch)
+    return moved, host.take(order)
+
+
 def update(
     progs: programs.Programs,
     run: config_lib.RunConfig,
@@ -285,14 +322,23 @@ def update(
     otherwise it runs as padded micro-batches inside one jitted step. With LoRA, `base_params`
     is the frozen base (state.params, the gradients and the optimizer state: the adapters only).
     Each optimizer step draws from actor.update_key(trainer.seed, state.step), micro-batch m
-    from its fold_in with m (clip_cov).
+    from its fold_in with m (clip_cov). With actor.shuffle each epoch first reorders the rows
+    (`mini_batch_order`).
     """
     base = () if base_params is None else (base_params,)
     updates = []
     mini = progs.mini_rows
     packs = {}
     lr = jnp.float32(lr)
-    for _ in range(run.actor.ppo_epochs):
+    unshuffled = batch, host
+    for epoch in range(run.actor.ppo_epochs):
+        if run.actor.shuffle:
+            order = mini_batch_order(
+                len(host.response_mask_BT), mini_rows=mini, dp=progs.dp, epoch=epoch,
+                seed=run.actor.data_loader_seed,
+            )  # fmt: skip
+            batch, host = _take_rows(*unshuffled, order)
+            packs = {}
         for i in range(run.mini_batches_per_step):
             key = actor.update_key(run.trainer.seed, state.step)
             if not run.actor.use_dynamic_bsz:
@@ -300,7 +346,7 @@ def update(
                 state, m = progs.update(state, batch, index, lr, *base, rng=key)
                 updates.append(m)
                 continue
-            if i not in packs:  # mini-batches are the same slices in every epoch
+            if i not in packs:  # the same slices in every epoch (unless shuffled)
                 rows = host.rows(i * mini, (i + 1) * mini)
                 packs[i] = rows.pack(
                     progs.update_tokens, row_multiple=progs.dp, row_len=progs.row_len
@@ -337,6 +383,7 @@ def update(
     record = {k: float(np.mean([u[k] for u in updates])) for k in updates[0]}
     record["actor/update_skipped"] = sum(float(u["actor/update_skipped"]) for u in updates)
     # verl's model FLOPs of every sequence, once per epoch (perf.estimate_flops)
+    host = unshuffled[1]
     seqlens = host.prompt_mask_BP.sum(1) + host.response_mask_BT.sum(1)
     record["perf/actor_flops"] = run.actor.ppo_epochs * perf.estimate_flops(
         progs.model_config, seqlens

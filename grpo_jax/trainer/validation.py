@@ -58,10 +58,14 @@ def validate(
 @dataclasses.dataclass(frozen=True)
 class Validation:
     """One validation pass: verl's metrics, and the first samples (trainer.log_val_generations)
-    as {"input", "output", "score", "ground_truth"} dicts."""
+    as {"input", "output", "score", "ground_truth"} dicts; with `run(..., keep_outputs=True)`
+    every sample's completion and reward results, n per prompt in prompt order
+    (trainer.validation_data_dir)."""
 
     metrics: dict[str, float]
     generations: list[dict]
+    outputs: list[str] | None = None
+    result: reward_fns.RewardResult | None = None
 
 
 def run(
@@ -79,8 +83,10 @@ def run(
     policy_version: int | None = None,
     num_generations: int = 0,
     overlong_buffer: config_lib.OverlongBufferConfig = config_lib.OverlongBufferConfig(),
+    keep_outputs: bool = False,
 ) -> Validation:
-    """`validate`, returning a Validation with the first `num_generations` samples.
+    """`validate`, returning a Validation with the first `num_generations` samples (and with
+    `keep_outputs` every completion, gathered from every process).
 
     The prompts go in chunks of `batch_size`; the last chunk is padded with its last prompt so
     every call has one compiled shape (the padding rows are not scored). `overlong_buffer`
@@ -88,7 +94,7 @@ def run(
     manager scores validation the same way.
     """
     n = sampling.n
-    results, sources, lengths, generations = [], [], [], []
+    results, sources, lengths, generations, outputs = [], [], [], [], []
     procs = jax.process_count()
     if procs > 1 and batch_size % procs:
         raise ValueError(
@@ -126,16 +132,21 @@ def run(
                     }
                 )
         chunk_lengths = mask.sum(1).tolist()
+        chunk_texts = texts if keep_outputs else []
         if rows is not None:  # every process's results, in row order
-            parts = distributed.gather_objects([(res, chunk_lengths)])
-            res = reward_fns.RewardResult.concat([r for r, _ in parts])
-            chunk_lengths = [v for _, c in parts for v in c]
+            parts = distributed.gather_objects([(res, chunk_lengths, chunk_texts)])
+            res = reward_fns.RewardResult.concat([r for r, _, _ in parts])
+            chunk_lengths = [v for _, c, _ in parts for v in c]
+            chunk_texts = [t for _, _, ts in parts for t in ts]
+        outputs += chunk_texts
         results.append(res)
         sources += [ex.data_source for ex in pb.examples[:real] for _ in range(n)]
         lengths += chunk_lengths
     merged = reward_fns.RewardResult.concat(results)  # a key missing from a chunk is None there
     out = metrics_of(sources, verl_variables(merged), n=n)
     out["val-aux/response_length/mean"] = float(np.mean(lengths))  # not verl's
+    if keep_outputs:
+        return Validation(out, generations, outputs, merged)
     return Validation(out, generations)
 
 
