@@ -82,6 +82,16 @@ def advantage_stats(adv_BT, returns_BT, rewards_BT, mask_BT) -> dict:
     )
 
 
+def reduce_metrics(values: dict[str, list]) -> dict[str, float]:
+    """verl's reduce_metrics (verl/utils/metric/utils.py) of per-mini-batch values: the largest
+    for a key containing "max", the smallest for one containing "min", else the mean."""
+    out = {}
+    for key, v in values.items():
+        reduce = np.max if "max" in key else np.min if "min" in key else np.mean
+        out[key] = float(reduce(np.asarray(v, np.float64)))
+    return out
+
+
 def read(workdir: str) -> list[dict]:
     """All records of workdir/metrics.jsonl (a torn last line from a kill is ignored)."""
     path = os.path.join(workdir, METRICS_FILE)

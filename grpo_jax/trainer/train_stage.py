@@ -280,6 +280,11 @@ def update(
 ) -> tuple[actor.TrainState, dict]:
     """Stage 5: actor.ppo_epochs x mini-batches of optimizer steps; metrics averaged.
 
+    verl reduces a mini-batch's micro-batch metrics with actor.combine_micro_metrics and then
+    reduces every metric over the mini-batches of all epochs with metrics.reduce_metrics (the
+    mean, or the max / min of a key naming one; actor/update_skipped, grpo_jax's, is their
+    count).
+
     With actor.use_dynamic_bsz each mini-batch is packed into token-budget micro-batches whose
     gradients are summed (one compiled shape per packed shape, however many micro-batches),
     otherwise it runs as padded micro-batches inside one jitted step. With LoRA, `base_params`
@@ -313,7 +318,7 @@ def update(
                 batch.replace(input_ids_BS=None, attention_mask_BS=None),
             )
             grads = jax.tree.map(jnp.zeros_like, state.params)
-            summed = {}
+            micro_metrics, loss = [], jnp.zeros((), jnp.float32)
             for m in range(packed.num_micro):
                 micro = _micro(packed, m, mesh)
                 micro_key = jax.random.fold_in(key, m)
@@ -329,12 +334,17 @@ def update(
                 grads, m = progs.packed_grads(
                     state.params, grads, micro, mini_batch, *base, rng=micro_key
                 )
+                micro_metrics.append(m)
                 # Added from zeros even for one micro-batch: the same programs every step.
-                summed = jax.tree.map(jnp.add, summed or jax.tree.map(jnp.zeros_like, m), m)
-            state, opt_metrics = progs.apply(state, grads, summed["actor/loss"], lr)
-            updates.append({**summed, **opt_metrics, "actor/micro_batches": packed.num_micro})
-    updates = jax.device_get(updates)
-    record = {k: float(np.mean([u[k] for u in updates])) for k in updates[0]}
+                loss = loss + m["actor/loss"]
+            state, opt_metrics = progs.apply(state, grads, loss, lr)
+            # combined on the host below: stacking a step's micro-batch count of scalars on the
+            # device would compile a program per count
+            updates.append(
+                (micro_metrics, {**opt_metrics, "actor/micro_batches": packed.num_micro})
+            )
+    updates = [_mini_batch_metrics(u) for u in jax.device_get(updates)]
+    record = metrics.reduce_metrics({k: [u[k] for u in updates] for k in updates[0]})
     record["actor/update_skipped"] = sum(float(u["actor/update_skipped"]) for u in updates)
     # verl's model FLOPs of every sequence, once per epoch (perf.estimate_flops)
     seqlens = host.prompt_mask_BP.sum(1) + host.response_mask_BT.sum(1)
@@ -342,6 +352,16 @@ def update(
         progs.model_config, seqlens
     )
     return state, record
+
+
+def _mini_batch_metrics(update) -> dict:
+    """An optimizer step's metrics (host values): the padded step's own, or a packed step's
+    micro-batch metrics combined as verl (actor.combine_micro_metrics) and its own."""
+    if isinstance(update, dict):
+        return update
+    micro_metrics, own = update
+    stacked = {k: np.stack([m[k] for m in micro_metrics]) for k in micro_metrics[0]}
+    return actor.combine_micro_metrics(stacked) | own
 
 
 def train_stage(
