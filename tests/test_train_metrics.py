@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from grpo_jax.trainer import metrics, plot
@@ -90,3 +91,84 @@ def test_tensorboard_gets_legal_tags_and_metrics_jsonl_verls_keys(tmp_path, capl
         "val-core/openai/gsm8k/acc/mean_at_1", "actor/pg_loss"}  # fmt: skip
     assert metrics.read(str(tmp_path)) == [
         {"step": 2, "actor/pg_loss": -0.1, "val-core/openai/gsm8k/acc/mean@1": 0.5}]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# A step's data, timing and throughput metrics against verl 0.9.1's own functions
+# (tests/verl_metrics.py:step_metrics runs them as verl's v1 trainer feeds them).
+
+# grpo_jax's own keys among those below (docs/verl.md, "Metrics").
+_OWN_DATA_KEYS = {"response_length/truncated_ratio", "prompt_length/truncated_ratio",
+                  "reward/num_errors", "reward/num_lost"}  # fmt: skip
+
+
+def _generated_step(seed, *, B=12, P=5, T=6, all_aborted=False, at_limits=True):
+    """A random batch: prompt lengths 1..P, response lengths 0..T (0: aborted, T: at the
+    limit; without `at_limits` none reaches P or T), tied 0/1/0.5 scores, token rewards with
+    an in-reward KL term, advantages and returns that differ, and rejection sampling zeroing
+    some tokens of the response mask."""
+    r = np.random.default_rng(seed)
+    short = 0 if at_limits else 2
+    prompt_len = r.integers(1, P + 1 - short, B)
+    resp_len = np.zeros(B, int) if all_aborted else r.integers(0, T + 1 - short, B)
+    if not all_aborted:
+        resp_len[:2] = T - short, 0
+    prompt_mask = (np.arange(P)[None] >= P - prompt_len[:, None]).astype(np.int32)
+    mask = (np.arange(T)[None] < resp_len[:, None]).astype(np.int32)
+    kept = mask * (r.random((B, T)) > 0.2)  # rejection sampling keeps these tokens
+    scores = r.choice([0.0, 0.5, 1.0], B).astype(np.float32)
+    last = np.eye(T, dtype=np.float32)[np.maximum(resp_len - 1, 0)] * mask
+    rewards = (scores[:, None] * last - 0.01 * r.random((B, T)) * mask).astype(np.float32)
+    adv = (r.normal(size=(B, 1)) * mask).astype(np.float32)
+    returns = (r.normal(size=(B, T)) * mask).astype(np.float32)
+    return prompt_len, resp_len, prompt_mask, mask, kept, scores, rewards, adv, returns
+
+
+@pytest.mark.parametrize(
+    "seed, all_aborted, at_limits",
+    [(0, False, True), (1, False, True), (2, False, False), (3, True, True)],
+)
+def test_step_metrics_match_verl(verl, seed, all_aborted, at_limits):
+    import reference
+
+    from grpo_jax.rewards import functions as reward_fns
+    from grpo_jax.trainer import perf
+
+    P, T = 5, 6
+    (prompt_len, resp_len, prompt_mask, mask, kept, scores, rewards, adv,
+     returns) = _generated_step(seed, P=P, T=T, all_aborted=all_aborted,
+                                at_limits=at_limits)  # fmt: skip
+    timing = {"timing_s/gen": 1.5, "timing_s/ref": 0.25, "timing_s/adv": 0.125,
+              "timing_s/update_actor": 2.0, "timing_s/old_log_prob": 0.5,
+              "timing_s/step": 4.5}  # fmt: skip
+    result = reward_fns.RewardResult(list(map(float, scores)), {"f": list(scores)}, {}, 0, 0)
+    ours = metrics.data_metrics(result, mask, prompt_mask, max_response_length=T,
+                                max_prompt_length=P)  # fmt: skip
+    device = metrics.advantage_stats(adv, returns, rewards, kept, mask.sum(1))
+    ours |= {k: float(v) for k, v in device.items()} | timing
+    ours |= perf.timing_per_token(timing, prompt_tokens=int(prompt_len.sum()),
+                                  response_tokens=int(resp_len.sum()))  # fmt: skip
+    ours |= perf.throughput(ours["perf/total_num_tokens"], timing["timing_s/step"], devices=2)
+
+    def row(b):
+        n = resp_len[b]
+        return {"prompt_len": int(prompt_len[b]), "response_len": int(n),
+                "response_mask": kept[b, :n].tolist(), "advantages": adv[b, :n].tolist(),
+                "returns": returns[b, :n].tolist(), "rm_scores": (scores[b] * last[b, :n]).tolist(),
+                "token_level_rewards": rewards[b, :n].tolist()}  # fmt: skip
+
+    last = np.eye(T, dtype=np.float32)[np.maximum(resp_len - 1, 0)]
+    theirs = verl.run(reference.fn("verl_metrics:step_metrics")(
+        [row(b) for b in range(len(resp_len))],
+        {k.removeprefix("timing_s/"): v for k, v in timing.items()}, 2,
+    )).value  # fmt: skip
+    assert set(ours) - set(theirs) == _OWN_DATA_KEYS
+    assert set(theirs) <= set(ours)
+    for k, v in theirs.items():
+        np.testing.assert_allclose(ours[k], v, rtol=1e-6, atol=1e-7, err_msg=k)
+    # verl's v1 clip ratio is the share as long as the batch's longest, whatever the limit
+    assert ours["response_length/clip_ratio"] > 0 and ours["prompt_length/clip_ratio"] > 0
+    if not at_limits:
+        assert ours["response_length/truncated_ratio"] == ours["prompt_length/truncated_ratio"] == 0
+    if all_aborted:
+        assert np.isnan(ours["critic/score/mean"]) and np.isnan(ours["critic/advantages/max"])

@@ -519,9 +519,8 @@ def _steps(
                 logging.info("step %d compiled %d programs (%d from the cache): %s", done,
                              compiled.programs, compiled.cache_hits,
                              ", ".join(f"{k} x{v}" if v > 1 else k for k, v in names.items()))
-            row["perf/time_per_step"] = timing["timing_s/step"]
-            row["perf/throughput"] = (
-                row["perf/total_num_tokens"] / timing["timing_s/step"] / jax.device_count()
+            row |= perf.throughput(
+                row["perf/total_num_tokens"], timing["timing_s/step"], devices=jax.device_count()
             )
             if saves_after(done):
                 t0 = time.perf_counter()

@@ -1,5 +1,6 @@
-"""verl's performance metrics of a step: timing_per_token_ms/*, global_seqlen/*, perf/max_memory_*
-and perf/mfu/actor (model FLOP utilisation of the update, verl's analytic FLOP count).
+"""verl's performance metrics of a step: timing_per_token_ms/*, perf/total_num_tokens,
+perf/time_per_step, perf/throughput, global_seqlen/*, actor/perf/*_memory_* and perf/mfu/actor
+(model FLOP utilisation of the update, verl's analytic FLOP count).
 
 verl 0.9.1 definitions (verl/trainer/ppo/metric_utils.py, verl/utils/seqlen_balancing.py,
 verl/workers/engine_workers.py):
@@ -81,6 +82,16 @@ def timing_per_token(timing: Mapping[str, float], *, prompt_tokens: int,
             n = counts[which]
             out[f"timing_per_token_ms/{stage}"] = seconds * 1000 / n if n > 0 else 0.0
     return out
+
+
+def throughput(total_num_tokens: int, step_seconds: float, *, devices: int) -> dict[str, float]:
+    """verl's compute_throughout_metrics: the step's prompt + response tokens, its seconds
+    (timing_s/step) and the tokens per second per device."""
+    return {
+        "perf/total_num_tokens": total_num_tokens,
+        "perf/time_per_step": step_seconds,
+        "perf/throughput": total_num_tokens / (step_seconds * devices),
+    }
 
 
 def global_seqlen(seq_lengths_B, dp: int) -> dict[str, float]:

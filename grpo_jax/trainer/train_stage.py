@@ -261,7 +261,10 @@ def advantages(
     adv_BT, returns_BT = perf.timed(
         timing, "adv", progs.advantage, rewards_BT, mask_BT, rollout.group_ids, extras or {}
     )
-    device |= metrics.advantage_stats(adv_BT, returns_BT, rewards_BT, mask_BT)
+    # verl: advantages and returns over the response mask after rejection, sequence rewards
+    # over the samples whose response is not empty (lengths as sampled)
+    length_B = jnp.sum(rollout.response_mask, axis=1)
+    device |= metrics.advantage_stats(adv_BT, returns_BT, rewards_BT, mask_BT, length_B)
     scalars = {k: float(v) for k, v in jax.device_get(device).items()}
     old = None if run.on_policy and not bypass else batch.old_log_probs_BT
     return batch.replace(advantages_BT=adv_BT, old_log_probs_BT=old), scalars
@@ -420,8 +423,9 @@ def train_stage(
     entropy = old_metrics.get("actor/entropy", update_entropy)
     if entropy is not None:
         record["actor/entropy"] = entropy
-    record |= adv_metrics | metrics.reward_metrics(rollout_batch.result)
-    record |= metrics.length_metrics(
+    record |= adv_metrics
+    record |= metrics.data_metrics(
+        rollout_batch.result,
         host.response_mask_BT,
         host.prompt_mask_BP,
         max_response_length=run.data.max_response_length,
