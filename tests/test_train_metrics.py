@@ -172,3 +172,45 @@ def test_step_metrics_match_verl(verl, seed, all_aborted, at_limits):
         assert ours["response_length/truncated_ratio"] == ours["prompt_length/truncated_ratio"] == 0
     if all_aborted:
         assert np.isnan(ours["critic/score/mean"]) and np.isnan(ours["critic/advantages/max"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The update's memory metrics: verl's actor/perf/* names (workers/engine_workers.py).
+
+
+class _Device:
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_memory_metrics_use_verls_names_and_measure_only_what_exists(verl):
+    import reference
+
+    from grpo_jax.trainer import perf
+
+    gib = 1024**3
+    # CPU devices report no allocator stats: no device keys rather than a made-up number
+    got = perf.memory()
+    assert not any("max_memory" in k for k in got)
+    # verl: psutil.virtual_memory().used, the machine's used memory (it moves between reads)
+    used = verl.run(reference.attr(reference.fn("psutil:virtual_memory")(), "used")).value
+    np.testing.assert_allclose(got["actor/perf/cpu_memory_used_gb"], used / gib, rtol=0.05,
+                               atol=0.5)  # fmt: skip
+    assert got["perf/cpu_memory_used_gb"] > 0.05  # grpo_jax's: this process's peak RSS
+    # GPU-like stats: the largest peak over the local devices; torch's reserved memory is the
+    # peak of XLA's allocator pool, not its limit
+    devices = [_Device({"peak_bytes_in_use": 3 * gib, "peak_pool_bytes": 5 * gib,
+                        "bytes_limit": 80 * gib}),
+               _Device({"peak_bytes_in_use": 4 * gib, "peak_pool_bytes": 4 * gib}),
+               _Device(None)]  # fmt: skip
+    got = perf.memory(devices)
+    for prefix in ("actor/perf", "perf"):
+        assert got[f"{prefix}/max_memory_allocated_gb"] == 4.0
+        assert got[f"{prefix}/max_memory_reserved_gb"] == 5.0
+    # a backend without the pool's stat reports no reserved memory
+    got = perf.memory([_Device({"peak_bytes_in_use": gib, "bytes_limit": 80 * gib})])
+    assert got["actor/perf/max_memory_allocated_gb"] == 1.0
+    assert "actor/perf/max_memory_reserved_gb" not in got
