@@ -214,3 +214,51 @@ def test_memory_metrics_use_verls_names_and_measure_only_what_exists(verl):
     got = perf.memory([_Device({"peak_bytes_in_use": gib, "bytes_limit": 80 * gib})])
     assert got["actor/perf/max_memory_allocated_gb"] == 1.0
     assert "actor/perf/max_memory_reserved_gb" not in got
+
+
+# ---------------------------------------------------------------------------------------------
+# actor/lr and training/epoch of the loop's rows (tiny random model, one device)
+
+
+def test_loop_logs_verls_learning_rate_and_epoch(verl, tmp_path):
+    # verl steps its LR scheduler after a step's last mini-batch and logs the rate
+    # get_last_lr() returns then (workers/engine_workers.py train_batch, transformer_impl.py
+    # lr_scheduler_step): the rate of the *next* step. With a warm-up from 0, step 1 trains at
+    # lr 0 and logs lr / warmup. training/epoch is (global_step - 1) // steps_per_epoch.
+    import jax
+    import reference
+
+    from grpo_jax import config, loading, sharding
+    from grpo_jax.data import demo_task
+    from grpo_jax.trainer import loop
+
+    optim = config.OptimConfig(lr=1e-3, lr_warmup_steps=2, lr_scheduler_type="cosine",
+                               min_lr_ratio=0.1)  # fmt: skip
+    run = config.RunConfig(
+        data=config.DataConfig(train_batch_size=2, max_prompt_length=32, max_response_length=4),
+        actor=config.ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=4,
+                                 optim=optim),
+        rollout=config.RolloutConfig(n=2, log_prob_micro_batch_size_per_gpu=4),
+        reward=config.RewardConfig(num_workers=0),
+        trainer=config.TrainerConfig(total_training_steps=3, save_freq=-1, test_freq=-1,
+                                     val_before_train=False, progress_bar=False,
+                                     tensorboard=False, default_local_dir=str(tmp_path)),
+    )  # fmt: skip
+    tok = demo_task.char_tokenizer()
+    mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    with sharding.use_mesh(mesh):
+        model_config, params = loading.model(
+            config.ModelSpec(source="random", tokenizer="char", path=None), tok, mesh,
+            sharding.LOGICAL_RULES, max_positions=64,
+        )  # fmt: skip
+        rows, _ = demo_task.arithmetic_rows(4, 1, max_operand=20, seed=0)  # 2 steps an epoch
+        result = loop.train(run, model_config=model_config, params=params, tokenizer=tok,
+                            train_data=rows, reward_fn=lambda solution_str, ground_truth: 0.0,
+                            mesh=mesh)  # fmt: skip
+    history = [r for r in result.history if "actor/lr" in r]
+    want = verl.run(reference.fn("verl_metrics:lr_after_steps")(
+        lr=1e-3, kind="cosine", warmup_steps=2, total_steps=3, min_lr_ratio=0.1, steps=3
+    )).value  # fmt: skip
+    np.testing.assert_allclose([r["actor/lr"] for r in history], want, rtol=1e-6)
+    assert want[0] == 0.5e-3  # the rate after step 1, not the 0 step 1 trained at
+    assert [r["training/epoch"] for r in history] == [0, 0, 1]
