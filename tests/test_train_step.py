@@ -619,3 +619,72 @@ def test_update_metrics_are_verls_reduction_over_micro_and_mini_batches(
     assert theirs["actor/pg_clipfrac"] > 0  # the clip is live
     for k, v in theirs.items():
         np.testing.assert_allclose(record[k], v, rtol=2e-5, atol=1e-7, err_msg=k)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("settings", [
+    {"rollout_rs": "token_k1", "rollout_rs_threshold": "0.8_1.25"},
+    {"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.9_1.1", "rollout_is": "token",
+     "rollout_is_threshold": 2.0},
+], ids=["token_k1", "seq_mean_k1+is"])  # fmt: skip
+def test_token_mean_under_rejection_is_verls_on_generated_batches(verl, seed, settings):
+    # Generated batches of 8 responses (1..10 tokens, some rejected whole), two mini-batches of
+    # two micro-batches: verl's rejection mask and IS weights (rollout_corr_helper), then verl's
+    # ppo_loss with batch_num_tokens = the mini-batch's loss_mask (as sampled) sum, reduced as
+    # the engine does (tests/verl_metrics.py), against the actor loss with
+    # actor.batch_num_tokens of a TrainBatch carrying loss_mask_BT.
+    import reference
+
+    from grpo_jax import rollout_correction
+
+    r = np.random.default_rng(seed)
+    B, T = 8, 10
+    lengths = r.integers(1, T + 1, B)
+    mask = (np.arange(T)[None] < lengths[:, None]).astype(np.float32)
+    lp = (r.normal(-1.5, 0.5, (B, T)) * mask).astype(np.float32)
+    old = (lp + r.normal(0, 0.2, (B, T)) * mask).astype(np.float32)
+    rollout = (old + r.normal(0, 0.2, (B, T)) * mask).astype(np.float32)
+    adv = (r.choice([-1.0, 0.0, 1.0], (B, 1)) * mask).astype(np.float32)
+    call = reference.fn("verl.trainer.ppo.rollout_corr_helper:"
+                        "compute_rollout_correction_and_rejection_mask")(
+        old, rollout, mask, **settings)  # fmt: skip
+    their_w = None
+    if "rollout_is" in settings:
+        their_w = reference.item(reference.attr(reference.item(call, 0), "batch"),
+                                 "rollout_is_weights")  # fmt: skip
+    their_w, kept = verl.run((their_w, reference.item(call, 1))).value
+    weights, ours_kept, _ = rollout_correction.compute_rollout_correction(
+        jnp.asarray(old), jnp.asarray(rollout), jnp.asarray(mask), **settings
+    )
+    np.testing.assert_array_equal(np.asarray(ours_kept), kept)
+    assert 0 < kept.sum() < mask.sum()  # rejection is live
+    batch = actor.TrainBatch(
+        input_ids_BS=None, attention_mask_BS=None, response_ids_BT=None,
+        response_mask_BT=jnp.asarray(kept), advantages_BT=jnp.asarray(adv),
+        old_log_probs_BT=jnp.asarray(old), rollout_is_weights_BT=weights,
+        loss_mask_BT=jnp.asarray(mask),
+    )  # fmt: skip
+    pg_losses, minis = [], []
+    for i in range(2):
+        mini = jax.tree.map(lambda x, i=i: x[4 * i : 4 * i + 4], batch)
+        total, micros = 0.0, []
+        for m in range(2):
+            rows = slice(2 * m, 2 * m + 2)
+            micro = jax.tree.map(lambda x, rows=rows: x[rows], mini)
+            total += float(loss.actor_loss(
+                micro.old_log_probs_BT, jnp.asarray(lp[4 * i:][rows]), micro.advantages_BT,
+                micro.response_mask_BT, rollout_is_weights=micro.rollout_is_weights_BT,
+                batch_num_tokens=actor.batch_num_tokens(mini), global_batch_size=4,
+            )[0])  # fmt: skip
+            micros.append([{
+                "prompt_len": 1, "log_probs": lp[b, :n].tolist(),
+                "old_log_probs": old[b, :n].tolist(), "advantages": adv[b, :n].tolist(),
+                "response_mask": kept[b, :n].tolist(), "loss_mask": mask[b, :n].tolist(),
+                **({} if their_w is None else {"rollout_is_weights": their_w[b, :n].tolist()}),
+            } for b in range(4 * i + 2 * m, 4 * i + 2 * m + 2) for n in [lengths[b]]])  # fmt: skip
+        pg_losses.append(total)
+        minis.append(micros)
+    theirs = verl.run(reference.fn("verl_metrics:actor_update_metrics")(
+        minis, actor_kwargs={"loss_agg_mode": "token-mean"})).value  # fmt: skip
+    np.testing.assert_allclose(np.mean(pg_losses), theirs["actor/pg_loss"], rtol=1e-5,
+                               atol=1e-7)  # fmt: skip

@@ -83,8 +83,8 @@ def actor_update_metrics(mini_batches, *, actor_kwargs):
       mini_batches: the update's mini-batches in order (epochs included), each a list of
         micro-batches, each a list of samples: dicts of "prompt_len" (int) and the response's
         "log_probs" (current policy), "old_log_probs", "advantages", "response_mask" (the mask
-        after rejection sampling), optionally "loss_mask" (as sampled; default response_mask)
-        and "ref_log_prob" (lists of the response's length).
+        after rejection sampling), optionally "loss_mask" (as sampled; default response_mask),
+        "ref_log_prob" and "rollout_is_weights" (lists of the response's length).
       actor_kwargs: verl.workers.config.ActorConfig fields (loss_agg_mode, clip ratios, ...).
     """
     import itertools
@@ -105,7 +105,8 @@ def actor_update_metrics(mini_batches, *, actor_kwargs):
         num_tokens = sum(sum(s.get("loss_mask", s["response_mask"])) for s in samples)
         gathered = {}
         for micro in mini:
-            fields = ["old_log_probs", "advantages", "response_mask", "ref_log_prob"]
+            fields = ["old_log_probs", "advantages", "response_mask", "ref_log_prob",
+                      "rollout_is_weights"]
             rows = []
             for s in micro:
                 n = len(s["response_mask"])
