@@ -144,7 +144,7 @@ def test_step_metrics_match_verl(verl, seed, all_aborted, at_limits):
     result = reward_fns.RewardResult(list(map(float, scores)), {"f": list(scores)}, {}, 0, 0)
     ours = metrics.data_metrics(result, mask, prompt_mask, max_response_length=T,
                                 max_prompt_length=P)  # fmt: skip
-    device = metrics.advantage_stats(adv, returns, rewards, kept, mask.sum(1))
+    device = metrics.advantage_stats(adv, returns, rewards, kept, mask)
     ours |= {k: float(v) for k, v in device.items()} | timing
     ours |= perf.timing_per_token(timing, prompt_tokens=int(prompt_len.sum()),
                                   response_tokens=int(resp_len.sum()))  # fmt: skip

@@ -149,13 +149,14 @@ def masked_stats(prefix: str, x, valid) -> dict:
 
 
 @jax.jit
-def advantage_stats(adv_BT, returns_BT, rewards_BT, mask_BT, response_length_B) -> dict:
+def advantage_stats(adv_BT, returns_BT, rewards_BT, mask_BT, sampled_mask_BT) -> dict:
     """verl's critic/advantages/*, critic/returns/* (over the valid tokens of `mask_BT`, the
-    response mask after rejection sampling) and critic/rewards/* (per sequence, aborted
-    samples, `response_length_B` 0, skipped) as device scalars: 9 numbers fetched with the
-    step's other metrics, not [B, T] arrays."""
+    response mask after rejection sampling) and critic/rewards/* (per sequence, skipping the
+    aborted samples: no token in `sampled_mask_BT`, the mask as sampled) as device scalars: 9
+    numbers fetched with the step's other metrics, not [B, T] arrays."""
     valid_BT = mask_BT != 0
     rewards_B = jnp.sum(rewards_BT, 1)
+    response_length_B = jnp.sum(sampled_mask_BT != 0, 1)
     return (
         masked_stats("critic/advantages", adv_BT, valid_BT)
         | masked_stats("critic/returns", returns_BT, valid_BT)

@@ -262,9 +262,10 @@ def advantages(
         timing, "adv", progs.advantage, rewards_BT, mask_BT, rollout.group_ids, extras or {}
     )
     # verl: advantages and returns over the response mask after rejection, sequence rewards
-    # over the samples whose response is not empty (lengths as sampled)
-    length_B = jnp.sum(rollout.response_mask, axis=1)
-    device |= metrics.advantage_stats(adv_BT, returns_BT, rewards_BT, mask_BT, length_B)
+    # over the samples whose response is not empty (as sampled)
+    device |= metrics.advantage_stats(
+        adv_BT, returns_BT, rewards_BT, mask_BT, rollout.response_mask
+    )
     scalars = {k: float(v) for k, v in jax.device_get(device).items()}
     old = None if run.on_policy and not bypass else batch.old_log_probs_BT
     return batch.replace(advantages_BT=adv_BT, old_log_probs_BT=old), scalars
