@@ -26,8 +26,12 @@ def _nested(rows, dtype):
     from tensordict import TensorDict
 
     return TensorDict(
-        {k: torch.nested.as_nested_tensor([torch.tensor(r[k], dtype=dtype[k]) for r in rows],
-                                          layout=torch.jagged) for k in rows[0]},
+        {
+            k: torch.nested.as_nested_tensor(
+                [torch.tensor(r[k], dtype=dtype[k]) for r in rows], layout=torch.jagged
+            )
+            for k in rows[0]
+        },
         batch_size=[len(rows)],
     )
 
@@ -53,8 +57,10 @@ def step_metrics(samples, timing_raw, n_gpus):
         row = {"prompts": [1] * s["prompt_len"], "responses": [1] * s["response_len"]}
         row |= {k: s[k] for k in token_fields if k in s}
         rows.append(row)
-    dtype = {k: torch.float32 for k in token_fields} | {"prompts": torch.int64,
-                                                      "responses": torch.int64}
+    dtype = {k: torch.float32 for k in token_fields} | {
+        "prompts": torch.int64,
+        "responses": torch.int64,
+    }
     data = _nested(rows, dtype)
     prompt_length = data["prompts"].offsets().diff()
     response_length = data["responses"].offsets().diff()
@@ -70,8 +76,9 @@ def step_metrics(samples, timing_raw, n_gpus):
     batch.non_tensor_batch["__num_turns__"] = num_turns
     out = metric_utils.compute_data_metrics(batch=batch, use_critic=False)
     out |= metric_utils.compute_timing_metrics(batch=batch, timing_raw=timing_raw)
-    out |= metric_utils.compute_throughout_metrics(batch=batch, timing_raw=timing_raw,
-                                                   n_gpus=n_gpus)
+    out |= metric_utils.compute_throughout_metrics(
+        batch=batch, timing_raw=timing_raw, n_gpus=n_gpus
+    )
     out |= {f"training/num_turns/{k}": getattr(num_turns, k)() for k in ("mean", "max", "min")}
     return {k: float(v) for k, v in out.items()}
 
@@ -96,8 +103,9 @@ def actor_update_metrics(mini_batches, *, actor_kwargs):
     from verl.workers.config import ActorConfig
     from verl.workers.utils.losses import ppo_loss
 
-    config = ActorConfig(strategy="fsdp", ppo_micro_batch_size_per_gpu=1, rollout_n=1,
-                         **actor_kwargs)
+    config = ActorConfig(
+        strategy="fsdp", ppo_micro_batch_size_per_gpu=1, rollout_n=1, **actor_kwargs
+    )
     per_mini = {}
     for mini in mini_batches:
         samples = [s for micro in mini for s in micro]
@@ -105,19 +113,27 @@ def actor_update_metrics(mini_batches, *, actor_kwargs):
         num_tokens = sum(sum(s.get("loss_mask", s["response_mask"])) for s in samples)
         gathered = {}
         for micro in mini:
-            fields = ["old_log_probs", "advantages", "response_mask", "ref_log_prob",
-                      "rollout_is_weights"]
+            fields = [
+                "old_log_probs",
+                "advantages",
+                "response_mask",
+                "ref_log_prob",
+                "rollout_is_weights",
+            ]
             rows = []
             for s in micro:
                 n = len(s["response_mask"])
                 row = {"prompts": [1] * s["prompt_len"], "responses": [1] * n}
                 row |= {k: s[k] for k in fields if k in s}
                 rows.append(row)
-            dtype = {k: torch.float32 for k in fields} | {"prompts": torch.int64,
-                                                          "responses": torch.int64}
+            dtype = {k: torch.float32 for k in fields} | {
+                "prompts": torch.int64,
+                "responses": torch.int64,
+            }
             data = _nested(rows, dtype)
-            tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=num_tokens,
-                                 global_batch_size=len(samples))
+            tu.assign_non_tensor(
+                data, dp_size=1, batch_num_tokens=num_tokens, global_batch_size=len(samples)
+            )
             # the model's log-probs over prompt + response, position p predicting token p + 1
             seq = [[0.0] * (s["prompt_len"] - 1) + list(s["log_probs"]) + [0.0] for s in micro]
             log_probs = torch.nested.as_nested_tensor(
@@ -129,8 +145,11 @@ def actor_update_metrics(mini_batches, *, actor_kwargs):
         out = {}
         for key, val in gathered.items():
             val = [val]
-            out[key] = (Metric.aggregate_dp(val) if isinstance(val[0], Metric)
-                        else list(itertools.chain.from_iterable(val)))
+            out[key] = (
+                Metric.aggregate_dp(val)
+                if isinstance(val[0], Metric)
+                else list(itertools.chain.from_iterable(val))
+            )
         append_to_dict(per_mini, out)
     return {k: float(v) for k, v in reduce_metrics(rename_dict(per_mini, "actor/")).items()}
 
@@ -146,7 +165,9 @@ def lr_after_steps(*, lr, kind, warmup_steps, total_steps, min_lr_ratio, steps):
         scheduler = F.get_constant_schedule_with_warmup(optimizer, num_warmup_steps=warmup_steps)
     else:
         scheduler = F.get_cosine_schedule_with_warmup(
-            optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps,
+            optimizer,
+            num_warmup_steps=warmup_steps,
+            num_training_steps=total_steps,
             min_lr_ratio=min_lr_ratio,
         )
     out = []
