@@ -104,7 +104,8 @@ class _DigitsTokenizer:
         return [f"{int(r[0])}:{int(r[1])}" for r in rows]
 
 
-def _dynamic_sample(monkeypatch, outputs, *, n, train_batch_size, lengths=None, **fg):
+def _dynamic_sample(monkeypatch, outputs, *, n, train_batch_size, lengths=None,
+                    adv_estimator="grpo", **fg):  # fmt: skip
     """rollout_stage.dynamic_sample over a fake engine: the k-th prompt read is prompt k, its
     j-th sample has `lengths[k][j]` tokens (default 2) and the reward function returns
     `outputs[k][j]` (a float or a dict). Returns (batch, the counts asked of next_prompts)."""
@@ -148,7 +149,7 @@ def _dynamic_sample(monkeypatch, outputs, *, n, train_batch_size, lengths=None, 
         actor=config.ActorConfig(ppo_mini_batch_size=train_batch_size),
         rollout=config.RolloutConfig(n=n),
         algorithm=config.AlgorithmConfig(
-            filter_groups=config.FilterGroupsConfig(enable=True, **fg)
+            adv_estimator=adv_estimator, filter_groups=config.FilterGroupsConfig(enable=True, **fg)
         ),
         reward=config.RewardConfig(
             overlong_buffer=config.OverlongBufferConfig(enable=True, len=4, log=True)
@@ -197,6 +198,36 @@ def test_dapo_refills_as_verls_sync_replay_buffer(verl, monkeypatch, metric, inf
     assert batch.filter_metrics == ref["metrics"]
     values = rollout_stage.group_values(batch.result, metric, group_size=3)
     assert not rollout_stage.filtered_groups(values).any()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_dapo_refills_as_verls_sync_replay_buffer_on_generated_values(verl, monkeypatch, seed,
+                                                                      n):  # fmt: skip
+    """As above on random metric values from {0, 0.5, 1}: exact ties within a group (the
+    filtered ones), groups of one sample (n = 1, never filtered; grpo needs n >= 2, so
+    reinforce_plus_plus there) and mixed groups."""
+    r = np.random.default_rng(seed)
+    # some groups uniform by construction, so a round filters and refills
+    values = (0.0, 0.5, 1.0)
+    outputs = [[float(r.choice(values))] * n if r.random() < 0.4 else r.choice(values, n).tolist()
+               for _ in range(400)]  # fmt: skip
+    inflight = 1 + seed % 2
+    extra = {} if inflight == 1 else {"max_inflight_gen_batches": inflight}
+    estimator = "grpo" if n > 1 else "reinforce_plus_plus"
+    batch, asked = _dynamic_sample(monkeypatch, outputs, n=n, train_batch_size=4, metric="acc",
+                                   adv_estimator=estimator, **extra)  # fmt: skip
+    ref = verl.run(reference.fn("verl_replay:sync_dapo_sample")(
+        outputs, train_batch_size=4, max_inflight_gen_batches=inflight, metric="acc"
+    )).value  # fmt: skip
+    assert asked == ref["dispatched"]
+    assert len(batch.examples) == 4 * n and len(_kept(batch)) == 4
+    assert set(_kept(batch)) <= set(ref["selected"]) | set(ref["surplus"])
+    assert batch.filter_metrics == ref["metrics"]
+    if n == 1:  # a one-sample group is never filtered: the first 4 prompts, no refill
+        assert asked == [4] and _kept(batch) == [0, 1, 2, 3]
+    else:
+        assert len(ref["dispatched"]) > 1  # uniform groups were filtered and refilled
 
 
 # verl's reward_extra_info for each kind of scorer output (experimental/reward_loop/

@@ -97,7 +97,8 @@ def _run(tmp_path, *, lr=1e-3, steps=4, devices=1, callbacks=(), lora_rank=0, **
 
 def _learning(row):
     return {k: v for k, v in row.items()
-            if not k.startswith(("timing", "perf/", "async/")) and isinstance(v, float | int)}
+            if not k.startswith(("timing", "perf/", "actor/perf/", "async/"))
+            and isinstance(v, float | int)}
 
 
 def test_async_with_frozen_params_equals_sync(tmp_path):

@@ -75,7 +75,7 @@ BASE_OVERRIDES = (
     "--config.reward.fn=test_faults:digit_reward",
 )
 # Wall-clock, memory and compile measurements, different in every run (module docstring).
-TIMING_PREFIX = ("timing_s/", "timing_per_token_ms/", "perf/max_memory_")
+TIMING_PREFIX = ("timing_s/", "timing_per_token_ms/", "perf/max_memory_", "actor/perf/")
 TIMING_KEYS = (
     "perf/throughput",
     "perf/time_per_step",

@@ -130,7 +130,8 @@ def test_two_processes_train_as_one(tmp_path):
 
     def measured(summary):
         return {k: v for k, v in summary.items() if k != "history"} | {"history": [
-            {k: v for k, v in row.items() if not k.startswith(("timing", "perf/"))}
+            {k: v for k, v in row.items()
+             if not k.startswith(("timing", "perf/", "actor/perf/"))}
             for row in summary["history"]]}
 
     assert measured(two[0]) == measured(two[1])  # both processes end with the same state
@@ -143,7 +144,7 @@ def test_two_processes_train_as_one(tmp_path):
     numerics.assert_close(got["param_abs"], want["param_abs"], ulps=64, err_msg="param |sums|")
     assert [r["step"] for r in got["history"]] == [0, 1, 2]
     for g, w in zip(got["history"], want["history"], strict=True):
-        keys = [k for k in w if not k.startswith(("timing", "perf/"))
+        keys = [k for k in w if not k.startswith(("timing", "perf/", "actor/perf/"))
                 and isinstance(w[k], (int, float))]
         assert set(keys) <= set(g)
         for k in keys:  # sums of O(1) terms: rounding at the scale max(|value|, 1)

@@ -3,8 +3,10 @@
 The reference is the padded computation on one micro-batch (trainer.train_step with the whole
 mini-batch as its micro-batch; padding never contributes there either): the packed loss,
 gradients and metrics, summed over however many micro-batches the token budget makes, must
-equal it for every loss_agg_mode, on mixed prompt and response lengths. geo_mean, which verl
-averages per micro-batch, must equal the padded update of each micro-batch's sequences, summed.
+equal it for every loss_agg_mode, on mixed prompt and response lengths; the masked-mean metrics
+(pg_clipfrac, ppo_kl, ...), which verl averages over micro-batches, the mean of the padded
+update's on each micro-batch's sequences. geo_mean, which verl averages per micro-batch, must
+equal the padded update of each micro-batch's sequences, summed.
 """
 
 import functools
@@ -228,28 +230,31 @@ def test_packed_update_equals_the_unpadded_one_in_every_agg_mode(params, agg, gr
     packed = packing.pack(prompt_ids, prompt_mask, resp_ids, resp_mask, max_tokens=32, row_len=16)
     step = jax.jit(functools.partial(actor.packed_micro_grads, model_config=CFG, loss_config=lc))
     grads = jax.tree.map(jnp.zeros_like, params)
-    got_m = {}
+    micro_metrics, micro_want = [], []
     for m in range(packed.num_micro):
         micro = actor.PackedMicro(**{k: jnp.asarray(v) for k, v in packed.micro(m).items()})
         grads, metrics = step(params, grads, micro, batch)
-        for k, v in metrics.items():
-            got_m[k] = got_m.get(k, 0.0) + float(v)
+        micro_metrics.append(metrics)
+        slot_bt = packed.micro(m)["slot_bt_GN"]
+        micro_want.append(_padded_sub_batch_update(params, batch, np.unique(slot_bt[
+            slot_bt < B * T] // T), lc)[1])  # fmt: skip
+    got_m = actor.combine_micro_metrics(
+        {k: jnp.stack([m[k] for m in micro_metrics]) for k in micro_metrics[0]}
+    )
     assert packed.num_micro > 1
     # Packing changes every reduction order of the forward and backward pass (row layout,
     # micro-batch sums); the x20 weights make the softmaxes sharp, so rounding is amplified.
     numerics.assert_trees_close(grads, want_g, ulps=GRAD_ULPS, err_msg="grad")
     assert float(want_m["actor/pg_clipfrac"]) > 0  # the clip branch is exercised
-    for key in (
-        "actor/pg_loss",
-        "actor/kl_loss",
-        "actor/entropy",
-        "actor/loss",
-        "actor/pg_clipfrac",
-        "actor/ppo_kl",
-        "actor/pg_clipfrac_lower",
-    ):
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/loss"):
         # Sums over tokens of O(1) or larger terms: rounding at the scale max(|value|, 1).
         want = float(want_m[key])
+        numerics.assert_close(got_m[key], want, ulps=METRIC_ULPS, scale=max(abs(want), 1.0),
+                              err_msg=key)  # fmt: skip
+    for key in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"):
+        # verl: each micro-batch's masked mean over its own tokens, averaged over the
+        # micro-batches with equal weights (actor.combine_micro_metrics)
+        want = float(np.mean([float(w[key]) for w in micro_want]))
         numerics.assert_close(got_m[key], want, ulps=METRIC_ULPS, scale=max(abs(want), 1.0),
                               err_msg=key)  # fmt: skip
 

@@ -317,7 +317,10 @@ def test_clip_cov_update_detaches_the_tokens_its_key_draws(params):
     key = jax.random.key(11)
     g, metrics = _grads_via_sgd(params, batch, micro=4, loss_config=_CLIP_COV_LOSS, rng=key)
     numerics.assert_trees_close(g, jax.grad(reference)(params, key), ulps=GRAD_ULPS)
-    np.testing.assert_allclose(float(metrics["actor/pg_clipfrac"]), 6 / 21, rtol=1e-6)
+    # 3 of micro-batch 0's 10 tokens and 3 of micro-batch 1's 11 are detached; verl averages
+    # the micro-batches' fractions with equal weights (not 6 / 21)
+    np.testing.assert_allclose(float(metrics["actor/pg_clipfrac"]), (3 / 10 + 3 / 11) / 2,
+                               rtol=1e-6)  # fmt: skip
     # Another key detaches other tokens: the check has teeth.
     other = jax.grad(reference)(params, jax.random.key(12))
     moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), g, other)
@@ -585,3 +588,152 @@ def test_a_fully_rejected_mini_batch_takes_an_adamw_step_on_zero_loss(params, dy
     assert min(jax.tree.leaves(moved)) > 0  # every tensor moves
     numerics.assert_trees_close(after.params, want, ulps=4)
     numerics.assert_trees_close(after.opt_state, opt_state, ulps=4)
+
+
+# ------------------------------------------------------------------------------------------
+# The update's actor/* metrics, reduced over micro-batches and mini-batches as verl 0.9.1 does.
+
+
+@pytest.mark.parametrize("dynamic_bsz", [False, True])
+def test_update_metrics_are_verls_reduction_over_micro_and_mini_batches(
+    verl, params, dynamic_bsz
+):
+    # verl 0.9.1: ppo_loss (workers/utils/losses.py) reports pg_loss as a partial sum of the
+    # mini-batch loss (Metric SUM) and pg_clipfrac / ppo_kl / pg_clipfrac_lower as masked means
+    # over each micro-batch's own tokens (Metric MEAN: a plain mean over micro-batches, not
+    # weighted by their tokens); the trainer then averages over mini-batches. Two mini-batches
+    # of 4 sequences (30..40 tokens each), two micro-batches each (2 rows, or packed under a
+    # 128-token budget), off-policy so the clip is live. The tests/verl_metrics.py helper runs
+    # verl's ppo_loss on the same log-probs and reduces its Metric objects with verl's code.
+    import reference
+
+    run = _stage_run(dynamic_bsz=dynamic_bsz)
+    progs = programs.make_programs(run, CFG, _STAGE_TX, dp=1)
+    batch, host = _stage_batch(4)
+    r = np.random.default_rng(7)
+    lp0, _ = actor.compute_log_probs(CFG, params, batch, micro_batch_size=8, temperature=1.0,
+                                     chunk_size=1024, calculate_entropy=False)  # fmt: skip
+    old = np.asarray(lp0) + r.normal(0, 0.3, lp0.shape).astype(np.float32)
+    batch = batch.replace(old_log_probs_BT=jnp.asarray(old * host.response_mask_BT))
+    name = "packed_grads" if dynamic_bsz else "update"
+    real, real_apply, calls = getattr(progs, name), progs.apply, []
+
+    def spy(*args, **kwargs):
+        if dynamic_bsz:  # (params, grads, micro, mini_batch, ...): this micro-batch's rows
+            slot_bt = np.asarray(args[2].slot_bt_GN)
+            rows = np.unique(slot_bt[slot_bt < 4 * TR] // TR)
+            calls.append((jax.tree.map(jnp.copy, args[0]), rows))  # apply donates the state
+        else:  # (state, batch, mini_batch_index, ...): the state is donated
+            calls.append((jax.tree.map(jnp.copy, args[0].params), int(args[2])))
+        return real(*args, **kwargs)
+
+    def apply_spy(*args, **kwargs):  # the packed path's optimizer step ends a mini-batch
+        calls.append(None)
+        return real_apply(*args, **kwargs)
+
+    progs = dataclasses.replace(progs, **{name: spy, "apply": apply_spy})
+    progs.precompiled.add("packed_grads")  # the spy has no .lower; shapes compile on first use
+    state = actor.init_state(jax.tree.map(jnp.copy, params), _STAGE_TX)
+    with sharding.use_mesh(_MESH):
+        _, record = train_stage.update(progs, run, state, batch, 1e-3, host, _MESH)
+
+    def sample(p, b):
+        n = int(host.response_mask_BT[b].sum())
+        lp_BT, _ = actor.compute_log_probs(CFG, p, batch, micro_batch_size=8, temperature=1.0,
+                                           chunk_size=1024, calculate_entropy=False)  # fmt: skip
+        return {"prompt_len": int(host.prompt_mask_BP[b].sum()),
+                "log_probs": np.asarray(lp_BT)[b, :n].tolist(),
+                "old_log_probs": old[b, :n].tolist(),
+                "advantages": np.asarray(batch.advantages_BT)[b, :n].tolist(),
+                "response_mask": [1.0] * n}  # fmt: skip
+
+    minis = [[], []]
+    if dynamic_bsz:  # packed micro-batches, then the mini-batch's optimizer step
+        i = 0
+        for call in calls:
+            if call is None:
+                i += 1
+                continue
+            p, rows = call
+            minis[i].append([sample(p, 4 * i + b) for b in rows])
+        assert i == 2
+    else:
+        for p, i in calls:
+            minis[i] += [[sample(p, 4 * i + 2 * m + b) for b in range(2)] for m in range(2)]
+    assert all(len(m) >= 2 for m in minis)
+    theirs = verl.run(reference.fn("verl_metrics:actor_update_metrics")(
+        minis, actor_kwargs={"loss_agg_mode": "token-mean"})).value  # fmt: skip
+    assert set(theirs) == {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl",
+                           "actor/pg_clipfrac_lower"}  # fmt: skip
+    assert theirs["actor/pg_clipfrac"] > 0  # the clip is live
+    for k, v in theirs.items():
+        np.testing.assert_allclose(record[k], v, rtol=2e-5, atol=1e-7, err_msg=k)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("settings", [
+    {"rollout_rs": "token_k1", "rollout_rs_threshold": "0.8_1.25"},
+    {"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.9_1.1", "rollout_is": "token",
+     "rollout_is_threshold": 2.0},
+], ids=["token_k1", "seq_mean_k1+is"])  # fmt: skip
+def test_token_mean_under_rejection_is_verls_on_generated_batches(verl, seed, settings):
+    # Generated batches of 8 responses (1..10 tokens, some rejected whole), two mini-batches of
+    # two micro-batches: verl's rejection mask and IS weights (rollout_corr_helper), then verl's
+    # ppo_loss with batch_num_tokens = the mini-batch's loss_mask (as sampled) sum, reduced as
+    # the engine does (tests/verl_metrics.py), against the actor loss with
+    # actor.batch_num_tokens of a TrainBatch carrying loss_mask_BT.
+    import reference
+
+    from grpo_jax import rollout_correction
+
+    r = np.random.default_rng(seed)
+    B, T = 8, 10
+    lengths = r.integers(1, T + 1, B)
+    mask = (np.arange(T)[None] < lengths[:, None]).astype(np.float32)
+    lp = (r.normal(-1.5, 0.5, (B, T)) * mask).astype(np.float32)
+    old = (lp + r.normal(0, 0.2, (B, T)) * mask).astype(np.float32)
+    rollout = (old + r.normal(0, 0.2, (B, T)) * mask).astype(np.float32)
+    adv = (r.choice([-1.0, 0.0, 1.0], (B, 1)) * mask).astype(np.float32)
+    call = reference.fn("verl.trainer.ppo.rollout_corr_helper:"
+                        "compute_rollout_correction_and_rejection_mask")(
+        old, rollout, mask, **settings)  # fmt: skip
+    their_w = None
+    if "rollout_is" in settings:
+        their_w = reference.item(reference.attr(reference.item(call, 0), "batch"),
+                                 "rollout_is_weights")  # fmt: skip
+    their_w, kept = verl.run((their_w, reference.item(call, 1))).value
+    weights, ours_kept, _ = rollout_correction.compute_rollout_correction(
+        jnp.asarray(old), jnp.asarray(rollout), jnp.asarray(mask), **settings
+    )
+    np.testing.assert_array_equal(np.asarray(ours_kept), kept)
+    assert 0 < kept.sum() < mask.sum()  # rejection is live
+    batch = actor.TrainBatch(
+        input_ids_BS=None, attention_mask_BS=None, response_ids_BT=None,
+        response_mask_BT=jnp.asarray(kept), advantages_BT=jnp.asarray(adv),
+        old_log_probs_BT=jnp.asarray(old), rollout_is_weights_BT=weights,
+        loss_mask_BT=jnp.asarray(mask),
+    )  # fmt: skip
+    pg_losses, minis = [], []
+    for i in range(2):
+        mini = jax.tree.map(lambda x, i=i: x[4 * i : 4 * i + 4], batch)
+        total, micros = 0.0, []
+        for m in range(2):
+            rows = slice(2 * m, 2 * m + 2)
+            micro = jax.tree.map(lambda x, rows=rows: x[rows], mini)
+            total += float(loss.actor_loss(
+                micro.old_log_probs_BT, jnp.asarray(lp[4 * i:][rows]), micro.advantages_BT,
+                micro.response_mask_BT, rollout_is_weights=micro.rollout_is_weights_BT,
+                batch_num_tokens=actor.batch_num_tokens(mini), global_batch_size=4,
+            )[0])  # fmt: skip
+            micros.append([{
+                "prompt_len": 1, "log_probs": lp[b, :n].tolist(),
+                "old_log_probs": old[b, :n].tolist(), "advantages": adv[b, :n].tolist(),
+                "response_mask": kept[b, :n].tolist(), "loss_mask": mask[b, :n].tolist(),
+                **({} if their_w is None else {"rollout_is_weights": their_w[b, :n].tolist()}),
+            } for b in range(4 * i + 2 * m, 4 * i + 2 * m + 2) for n in [lengths[b]]])  # fmt: skip
+        pg_losses.append(total)
+        minis.append(micros)
+    theirs = verl.run(reference.fn("verl_metrics:actor_update_metrics")(
+        minis, actor_kwargs={"loss_agg_mode": "token-mean"})).value  # fmt: skip
+    np.testing.assert_allclose(np.mean(pg_losses), theirs["actor/pg_loss"], rtol=1e-5,
+                               atol=1e-7)  # fmt: skip

@@ -332,19 +332,27 @@ def apply_gradients(state: TrainState, grads, loss_value, lr, tx):
     return new_state, metrics
 
 
-# Metrics that are global-count-normalised partial sums per micro-batch (summed over the
-# micro-batches they give the mini-batch value); the others are masked means per micro-batch,
-# combined weighted by each micro-batch's share of the valid tokens (so they equal the
-# mini-batch's masked mean, however it is split).
-_SUMMED_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/loss")
+# How verl 0.9.1 reduces the loss's metrics over a mini-batch's micro-batches
+# (verl/workers/utils/losses.py ppo_loss, verl/utils/metric/utils.py Metric.aggregate_dp): the
+# losses, normalised by the mini-batch's global counts, are partial sums (AggregationType.SUM);
+# everything else the policy loss reports (actor/pg_clipfrac, actor/ppo_kl,
+# actor/pg_clipfrac_lower, the bypass mode's rollout_corr/*), a masked mean over the
+# micro-batch's own tokens, is averaged over the micro-batches with equal weights
+# (AggregationType.MEAN), however many tokens each holds.
+SUMMED_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/loss")
 
 
-def _combine(metrics_M: dict, share_M) -> dict:
-    """Micro-batch metrics [M] -> mini-batch metrics (sums, or token-share weighted sums)."""
-    return {
-        k: jnp.sum(v) if k in _SUMMED_METRICS else jnp.sum(v * share_M)
-        for k, v in metrics_M.items()
-    }
+def combine_micro_metrics(metrics_M: dict) -> dict:
+    """One mini-batch's metrics from its micro-batches' ([M] jax or NumPy arrays): the sum of
+    the losses (SUMMED_METRICS), the plain mean of the others, as verl.
+
+    verl averages per-GPU micro-batches; grpo_jax's micro-batch spans the data devices
+    (ppo_micro_batch_size_per_gpu x devices rows, or one packed micro-batch), so with one
+    data device (or one micro-batch) the values are verl's, and otherwise the mean runs over
+    other groupings of the same rows (docs/verl.md).
+    """
+    # the arrays' own methods: jax arrays under jit, NumPy arrays on the host
+    return {k: v.sum() if k in SUMMED_METRICS else v.mean() for k, v in metrics_M.items()}
 
 
 def _objective(
@@ -456,8 +464,6 @@ def train_step(
     num_micro = _num_chunks(mini_batch_size, micro_batch_size, "actor.ppo_micro_batch_size")
     # verl 0.9.1 engine normalisation: the global counts of the whole mini-batch.
     num_tokens = batch_num_tokens(mini)
-    # The masked-mean metrics weigh each micro-batch by its share of the kept tokens.
-    num_kept = jnp.sum(mini.response_mask_BT.astype(jnp.float32))
     lc = loss_config
     _check_rng(lc, rng)
 
@@ -487,13 +493,12 @@ def train_step(
         micro, m = xs
         key = None if rng is None else jax.random.fold_in(rng, m)
         (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(state.params, micro, key)
-        share = jnp.sum(micro.response_mask_BT.astype(jnp.float32)) / jnp.maximum(num_kept, 1)
-        return jax.tree.map(jnp.add, grads, g), (metrics, share)
+        return jax.tree.map(jnp.add, grads, g), metrics
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
     xs = (_micro_batches(mini, num_micro), jnp.arange(num_micro, dtype=jnp.int32))
-    grads, (metrics_M, share_M) = jax.lax.scan(body, zeros, xs)
-    metrics = _combine(metrics_M, share_M)
+    grads, metrics_M = jax.lax.scan(body, zeros, xs)
+    metrics = combine_micro_metrics(metrics_M)
     state, opt_metrics = apply_gradients(state, grads, metrics["actor/loss"], lr, tx)
     return state, {**metrics, **opt_metrics}
 
@@ -618,7 +623,8 @@ def packed_micro_grads(
     micro-batch's key, fold_in(update_key, m) for micro-batch m (required by clip_cov).
 
     Returns:
-      (grads, metrics): metrics already weighted to be summed over the micro-batches.
+      (grads, metrics): this micro-batch's metrics (the mini-batch's come from
+      `combine_micro_metrics` over its micro-batches).
     """
     lc = loss_config
     _check_rng(lc, rng)
@@ -652,8 +658,6 @@ def packed_micro_grads(
         )  # fmt: skip
 
     (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    share = jnp.sum(mask_BT) / jnp.maximum(jnp.sum(mask_all_BT), 1)
-    metrics = {k: v if k in _SUMMED_METRICS else v * share for k, v in metrics.items()}
     return jax.tree.map(jnp.add, grads, g), metrics
 
 

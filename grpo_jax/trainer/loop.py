@@ -470,6 +470,7 @@ def _steps(
         dynamic_ncols=True,
     )
     with_ref = run.needs_reference and run.warmup.steps > 0
+    steps_per_epoch = prompts.steps_per_epoch(len(train_set), run.data.train_batch_size)
     history, last_val = [], {}
     t = run.trainer
 
@@ -540,8 +541,13 @@ def _steps(
                     f"norm {row['actor/grad_norm']}"
                 )
             row["actor/nonfinite_consecutive"] = loop.consecutive_bad
-            row["training/epoch"] = loop.position.epoch
+            # verl's v1 trainer: the epoch of the step's index, (global_step - 1) //
+            # steps_per_epoch, however many prompts the step read (DAPO reads more)
+            row["training/epoch"] = i // steps_per_epoch
             row["training/global_step"] = i + 1
+            # verl steps its scheduler after the step's last mini-batch and logs the learning
+            # rate it returns then: the next step's (schedule(i) trained this step)
+            row["actor/lr"] = float(schedule(i + 1))
             timing["timing_s/step"] = time.perf_counter() - t_step  # verl: validation excluded
             compiled = perf.compile_stats() - compiled
             timing["timing_s/compile"] = compiled.seconds
@@ -557,9 +563,8 @@ def _steps(
                 logging.info("step %d compiled %d programs (%d from the cache): %s", done,
                              compiled.programs, compiled.cache_hits,
                              ", ".join(f"{k} x{v}" if v > 1 else k for k, v in names.items()))
-            row["perf/time_per_step"] = timing["timing_s/step"]
-            row["perf/throughput"] = (
-                row["perf/total_num_tokens"] / timing["timing_s/step"] / jax.device_count()
+            row |= perf.throughput(
+                row["perf/total_num_tokens"], timing["timing_s/step"], devices=jax.device_count()
             )
             if saves_after(done):
                 t0 = time.perf_counter()

@@ -1,5 +1,6 @@
-"""verl's performance metrics of a step: timing_per_token_ms/*, global_seqlen/*, perf/max_memory_*
-and perf/mfu/actor (model FLOP utilisation of the update, verl's analytic FLOP count).
+"""verl's performance metrics of a step: timing_per_token_ms/*, perf/total_num_tokens,
+perf/time_per_step, perf/throughput, global_seqlen/*, actor/perf/*_memory_* and perf/mfu/actor
+(model FLOP utilisation of the update, verl's analytic FLOP count).
 
 verl 0.9.1 definitions (verl/trainer/ppo/metric_utils.py, verl/utils/seqlen_balancing.py,
 verl/workers/engine_workers.py):
@@ -10,10 +11,20 @@ verl/workers/engine_workers.py):
   held by each data-parallel rank. verl reorders the batch to balance the ranks first
   (trainer.balance_batch) and also logs `balanced_min/max`; grpo_jax packs by token budget
   instead of reordering, so it logs the ranks' contiguous shares and no balanced_* keys.
-* `perf/max_memory_allocated_gb` / `perf/max_memory_reserved_gb`: the device allocator's peak
-  (torch.cuda there; here the largest `peak_bytes_in_use` / `bytes_limit` over local devices,
-  when the backend reports memory stats: GPU and TPU do, CPU does not). `perf/cpu_memory_used_gb`
-  is the process's peak resident memory (verl: the machine's used memory).
+* `actor/perf/max_memory_allocated_gb` / `actor/perf/max_memory_reserved_gb` /
+  `actor/perf/cpu_memory_used_gb` (verl/workers/engine_workers.py `_postprocess_output`, logged
+  after every mini-batch of the update under the worker's "actor/" prefix; the trainer keeps the
+  largest of the max_memory_* values and the mean of cpu_memory_used_gb): torch's peak
+  allocated device memory, the peak its caching allocator held, and psutil's used memory of
+  the machine. Here, sampled once after the update: the largest `peak_bytes_in_use` and
+  `peak_pool_bytes` (the peak of XLA's BFC allocator pool, the counterpart of torch's reserved
+  memory) over the local devices, and MemTotal - MemAvailable of /proc/meminfo (psutil's
+  `used` on Linux). A key is absent when nothing measures it: the device keys on CPU, whose
+  devices report no memory stats (and on a backend without that stat), the machine's memory
+  without /proc/meminfo.
+* `perf/max_memory_allocated_gb` / `perf/max_memory_reserved_gb` (grpo_jax's earlier names,
+  kept): the same values as the actor/perf/ keys. `perf/cpu_memory_used_gb` (grpo_jax's, not
+  verl's meaning): this process's peak resident memory.
 * `timing_s/compile` (grpo_jax's, not verl's): the seconds the step spent tracing, lowering and
   compiling (`compile_stats`), included in `timing_s/step`; a new prompt-length bucket or
   packed micro-batch shape compiles once in a run.
@@ -83,6 +94,16 @@ def timing_per_token(timing: Mapping[str, float], *, prompt_tokens: int,
     return out
 
 
+def throughput(total_num_tokens: int, step_seconds: float, *, devices: int) -> dict[str, float]:
+    """verl's compute_throughout_metrics: the step's prompt + response tokens, its seconds
+    (timing_s/step) and the tokens per second per device."""
+    return {
+        "perf/total_num_tokens": total_num_tokens,
+        "perf/time_per_step": step_seconds,
+        "perf/throughput": total_num_tokens / (step_seconds * devices),
+    }
+
+
 def global_seqlen(seq_lengths_B, dp: int) -> dict[str, float]:
     """global_seqlen/*: per data-parallel rank, the summed lengths of its contiguous rows."""
     per_rank = np.asarray(seq_lengths_B, np.int64).reshape(dp, -1).sum(1)
@@ -113,19 +134,37 @@ def trim_host_memory() -> None:
         _LIBC.malloc_trim(0)
 
 
-def memory() -> dict[str, float]:
-    """perf/max_memory_* from the local devices' allocator stats, and the process peak RSS."""
+def _machine_used_bytes() -> int | None:
+    """The machine's used memory as psutil (verl) counts it on Linux: MemTotal - MemAvailable
+    of /proc/meminfo; None without /proc/meminfo (not Linux)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            fields = dict(line.split(":", 1) for line in f)
+    except OSError:
+        return None
+    kib = {k: int(v.split()[0]) for k, v in fields.items() if k in ("MemTotal", "MemAvailable")}
+    return (kib["MemTotal"] - kib["MemAvailable"]) * 1024
+
+
+def memory(devices=None) -> dict[str, float]:
+    """The update's memory metrics (see the module docstring), in GiB.
+
+    Args:
+      devices: whose allocator stats count (default jax.local_devices()).
+    """
     gib = 1024**3
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     out = {"perf/cpu_memory_used_gb": peak_rss / gib}
-    stats = [d.memory_stats() for d in jax.local_devices()]
-    stats = [s for s in stats if s]
-    if stats:
-        peak = max(s.get("peak_bytes_in_use", 0) for s in stats)
-        out["perf/max_memory_allocated_gb"] = peak / gib
-        out["perf/max_memory_reserved_gb"] = max(
-            s.get("bytes_reserved", s.get("bytes_limit", 0)) for s in stats
-        ) / gib
+    used = _machine_used_bytes()
+    if used is not None:
+        out["actor/perf/cpu_memory_used_gb"] = used / gib
+    stats = [d.memory_stats() for d in (jax.local_devices() if devices is None else devices)]
+    stats = [s for s in stats if s]  # CPU devices report none
+    for name, key in (("allocated", "peak_bytes_in_use"), ("reserved", "peak_pool_bytes")):
+        values = [s[key] for s in stats if key in s]
+        if values:
+            out[f"actor/perf/max_memory_{name}_gb"] = max(values) / gib
+            out[f"perf/max_memory_{name}_gb"] = max(values) / gib  # grpo_jax's earlier name
     return out
 
 

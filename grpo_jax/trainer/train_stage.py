@@ -261,7 +261,11 @@ def advantages(
     adv_BT, returns_BT = perf.timed(
         timing, "adv", progs.advantage, rewards_BT, mask_BT, rollout.group_ids, extras or {}
     )
-    device |= metrics.advantage_stats(adv_BT, returns_BT, rewards_BT, mask_BT)
+    # verl: advantages and returns over the response mask after rejection, sequence rewards
+    # over the samples whose response is not empty (as sampled)
+    device |= metrics.advantage_stats(
+        adv_BT, returns_BT, rewards_BT, mask_BT, rollout.response_mask
+    )
     scalars = {k: float(v) for k, v in jax.device_get(device).items()}
     old = None if run.on_policy and not bypass else batch.old_log_probs_BT
     return batch.replace(advantages_BT=adv_BT, old_log_probs_BT=old), scalars
@@ -317,6 +321,11 @@ def update(
 ) -> tuple[actor.TrainState, dict]:
     """Stage 5: actor.ppo_epochs x mini-batches of optimizer steps; metrics averaged.
 
+    verl reduces a mini-batch's micro-batch metrics with actor.combine_micro_metrics and then
+    reduces every metric over the mini-batches of all epochs with metrics.reduce_metrics (the
+    mean, or the max / min of a key naming one; actor/update_skipped, grpo_jax's, is their
+    count).
+
     With actor.use_dynamic_bsz each mini-batch is packed into token-budget micro-batches whose
     gradients are summed (one compiled shape per packed shape, however many micro-batches),
     otherwise it runs as padded micro-batches inside one jitted step. With LoRA, `base_params`
@@ -359,7 +368,7 @@ def update(
                 batch.replace(input_ids_BS=None, attention_mask_BS=None),
             )
             grads = jax.tree.map(jnp.zeros_like, state.params)
-            summed = {}
+            micro_metrics, loss = [], jnp.zeros((), jnp.float32)
             for m in range(packed.num_micro):
                 micro = _micro(packed, m, mesh)
                 micro_key = jax.random.fold_in(key, m)
@@ -375,12 +384,17 @@ def update(
                 grads, m = progs.packed_grads(
                     state.params, grads, micro, mini_batch, *base, rng=micro_key
                 )
+                micro_metrics.append(m)
                 # Added from zeros even for one micro-batch: the same programs every step.
-                summed = jax.tree.map(jnp.add, summed or jax.tree.map(jnp.zeros_like, m), m)
-            state, opt_metrics = progs.apply(state, grads, summed["actor/loss"], lr)
-            updates.append({**summed, **opt_metrics, "actor/micro_batches": packed.num_micro})
-    updates = jax.device_get(updates)
-    record = {k: float(np.mean([u[k] for u in updates])) for k in updates[0]}
+                loss = loss + m["actor/loss"]
+            state, opt_metrics = progs.apply(state, grads, loss, lr)
+            # combined on the host below: stacking a step's micro-batch count of scalars on the
+            # device would compile a program per count
+            updates.append(
+                (micro_metrics, {**opt_metrics, "actor/micro_batches": packed.num_micro})
+            )
+    updates = [_mini_batch_metrics(u) for u in jax.device_get(updates)]
+    record = metrics.reduce_metrics({k: [u[k] for u in updates] for k in updates[0]})
     record["actor/update_skipped"] = sum(float(u["actor/update_skipped"]) for u in updates)
     # verl's model FLOPs of every sequence, once per epoch (perf.estimate_flops)
     host = unshuffled[1]
@@ -389,6 +403,16 @@ def update(
         progs.model_config, seqlens
     )
     return state, record
+
+
+def _mini_batch_metrics(update) -> dict:
+    """An optimizer step's metrics (host values): the padded step's own, or a packed step's
+    micro-batch metrics combined as verl (actor.combine_micro_metrics) and its own."""
+    if isinstance(update, dict):
+        return update
+    micro_metrics, own = update
+    stacked = {k: np.stack([m[k] for m in micro_metrics]) for k in micro_metrics[0]}
+    return actor.combine_micro_metrics(stacked) | own
 
 
 def train_stage(
@@ -447,8 +471,9 @@ def train_stage(
     entropy = old_metrics.get("actor/entropy", update_entropy)
     if entropy is not None:
         record["actor/entropy"] = entropy
-    record |= adv_metrics | metrics.reward_metrics(rollout_batch.result)
-    record |= metrics.length_metrics(
+    record |= adv_metrics
+    record |= metrics.data_metrics(
+        rollout_batch.result,
         host.response_mask_BT,
         host.prompt_mask_BP,
         max_response_length=run.data.max_response_length,
