@@ -37,8 +37,9 @@ Knobs of the script that grpo_jax does not have:
     the devices (4 GB a device at FSDP 8, float32), there is no offload.
   * ref.log_prob_use_dynamic_bsz / ref.log_prob_max_token_len_per_gpu: rollout.log_prob_*
     serve both the old and the reference pass.
-  * model.use_remove_padding and trainer.balance_batch: packing (README "Packed sequences")
-    removes the padding and fills every micro-batch to its token budget.
+  * model.use_remove_padding: packing (README "Packed sequences") removes the padding and
+    fills every micro-batch to its token budget. trainer.balance_batch is verl's (True, its
+    default): the mini-batches of a step are cut from the 8 ranks' balanced parts as verl's.
   * fsdp_config.ulysses_sequence_parallel_size (sp_size 1 in the script): no sequence
     parallelism.
   * The rollout engine: verl puts vLLM to sleep while the actor trains; grpo_jax's sidecar
@@ -77,6 +78,7 @@ def get_config(arg=None):
     # The interpreter of the README's GPU setup (`python -m venv ~/vllm-venv`).
     c.rollout.vllm.python = os.path.expanduser("~/vllm-venv/bin/python")
     c.mesh.shape = (1, -1, 1)
+    c.trainer.balance_batch = True
     c.trainer.default_local_dir = "runs/gsm8k_qwen3_8b"
     if arg.smoke:  # the same code path on CPU: tiny random model, native sampler
         common.make_smoke(c)

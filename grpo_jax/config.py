@@ -910,6 +910,12 @@ class TrainerConfig:
     rollout_data_dir: str | None = None
     validation_data_dir: str | None = None
     resume_mode: str = "auto"  # "auto" (latest checkpoint in the workdir) | "disable"
+    # verl's mini-batch make-up (grpo_jax/trainer/balance.py): each step's rows are split over
+    # the data-parallel ranks in equal parts of balanced workload, and mini-batch k takes the
+    # k-th slice of every rank's part, so it depends on the mesh. False (grpo_jax's default;
+    # verl's YAML says true and its v1 trainer always balances): mini-batches of whole groups in
+    # data order, the same on any mesh. On one data-parallel device the two are the same.
+    balance_batch: bool = False
     seed: int = 0  # rollout rng seed
     max_consecutive_nonfinite: int = 10  # stop after this many skipped (non-finite) updates
     progress_bar: bool = True  # tqdm bar with ETA

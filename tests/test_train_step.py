@@ -15,7 +15,7 @@ import optax
 import pytest
 
 from grpo_jax import config, loss, model, sampler, sharding
-from grpo_jax.trainer import actor, programs, setup, train_stage
+from grpo_jax.trainer import actor, balance, programs, setup, train_stage
 from grpo_jax.trainer import batch as batch_lib
 
 CFG = model.ModelConfig.tiny()
@@ -355,6 +355,7 @@ def _stage_batch(seed=0, *, groups=2, n=4):
 
 
 def _stage_run(*, dynamic_bsz, seed=0, loss_mode="vanilla", mini_batch_size=1, shuffle=False,
+               balance_batch=False, loss_agg_mode="token-mean", loss_scale_factor=None,
                **sections):  # fmt: skip
     """Two prompts x 4, `mini_batch_size` prompts a mini-batch, micro-batches of 2 rows or 128
     tokens."""
@@ -363,11 +364,12 @@ def _stage_run(*, dynamic_bsz, seed=0, loss_mode="vanilla", mini_batch_size=1, s
         rollout=config.RolloutConfig(n=4, log_prob_micro_batch_size_per_gpu=8),
         actor=config.ActorConfig(
             ppo_mini_batch_size=mini_batch_size, ppo_micro_batch_size_per_gpu=2,
-            use_dynamic_bsz=dynamic_bsz, shuffle=shuffle,
+            use_dynamic_bsz=dynamic_bsz, shuffle=shuffle, loss_agg_mode=loss_agg_mode,
+            loss_scale_factor=loss_scale_factor,
             ppo_max_token_len_per_gpu=128, optim=config.OptimConfig(lr=1e-3),
             policy_loss=config.PolicyLossConfig(loss_mode=loss_mode, **_CLIP_COV),
         ),
-        trainer=config.TrainerConfig(seed=seed),
+        trainer=config.TrainerConfig(seed=seed, balance_batch=balance_batch),
         **sections,
     )  # fmt: skip
 
@@ -414,6 +416,30 @@ def test_update_stage_draws_clip_cov_from_the_seed_and_the_step(params, dynamic_
         np.testing.assert_array_equal(jax.random.key_data(got), jax.random.key_data(expected))
 
 
+def _assert_same_params(a, b):
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _max_moved(a, b) -> float:
+    return max(
+        float(np.abs(np.asarray(x) - np.asarray(y)).max())
+        for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params))
+    )
+
+
+def _assert_is_the_update_of_the_reordered_batch(update, batch, host, order):
+    """update(True, ...) equals update(False, ...) of the batch taken in `order`, metrics too,
+    and differs from update(False, ...) of the batch as it is."""
+    changed, record = update(True, batch, host)
+    index = jnp.asarray(order)
+    reordered, want = update(False, jax.tree.map(lambda x: x[index], batch), host.take(order))
+    plain, _ = update(False, batch, host)
+    _assert_same_params(changed, reordered)
+    assert record == want
+    assert _max_moved(changed, plain) > 0
+
+
 def test_mini_batch_order_shuffles_within_data_parallel_blocks():
     # verl 0.9.1 (engine_workers.train_mini_batch, tensordict_utils.make_iterator): each dp rank
     # shuffles its own rows with a generator seeded data_loader_seed + rank, a new permutation
@@ -448,18 +474,61 @@ def test_actor_shuffle_is_the_update_of_the_reordered_batch(params, dynamic_bsz)
         with sharding.use_mesh(_MESH):
             return train_stage.update(progs, run, state, batch, 1e-3, host, _MESH)
 
-    shuffled, record = update(True, batch, host)
-    index = jnp.asarray(order)
-    reordered, want = update(False, jax.tree.map(lambda x: x[index], batch), host.take(order))
-    plain, _ = update(False, batch, host)
-    for a, b in zip(jax.tree.leaves(shuffled.params), jax.tree.leaves(reordered.params)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert record == want
-    moved = [
-        np.abs(np.asarray(a) - np.asarray(b)).max()
-        for a, b in zip(jax.tree.leaves(shuffled.params), jax.tree.leaves(plain.params))
-    ]
-    assert max(moved) > 0
+    _assert_is_the_update_of_the_reordered_batch(update, batch, host, order)
+
+
+@pytest.mark.parametrize("dynamic_bsz", [False, True])
+def test_sum_norm_without_a_scale_factor_divides_by_the_response_budget(params, dynamic_bsz):
+    # Deliberate difference (docs/verl.md): seq-mean-token-sum-norm without
+    # actor.loss_scale_factor divides by the batch's response width, data.max_response_length
+    # (the rollout pads to it), in every micro-batch and packed or not; verl 0.9.1's engine
+    # divides by each micro-batch's padded width, its longest response. Here micro-batches of
+    # 2 rows whose longest responses are shorter than TR.
+    batch, host = _stage_batch(3)
+    assert host.response_mask_BT.shape[1] == TR
+    longest = [host.response_mask_BT[i : i + 2].sum(1).max() for i in range(0, 8, 2)]
+    assert max(longest) < TR
+
+    def update(factor):
+        run = _stage_run(dynamic_bsz=dynamic_bsz, loss_agg_mode="seq-mean-token-sum-norm",
+                         loss_scale_factor=factor)  # fmt: skip
+        progs = programs.make_programs(run, CFG, _STAGE_TX, dp=1)
+        state = actor.init_state(jax.tree.map(jnp.copy, params), _STAGE_TX)
+        with sharding.use_mesh(_MESH):
+            return train_stage.update(progs, run, state, batch, 1e-3, host, _MESH)[0]
+
+    default, budget = update(None), update(float(TR))
+    _assert_same_params(default, budget)
+    other = update(float(max(longest)))
+    assert _max_moved(default, other) > 0
+
+
+@pytest.mark.parametrize("dynamic_bsz", [False, True])
+def test_balance_batch_is_the_update_of_verls_mini_batches(params, dynamic_bsz):
+    # trainer.balance_batch on 2 data devices: the update equals the plain one of the batch
+    # taken in verl's order (each rank's balanced part, mini-batch k its k-th slice), and moves
+    # rows between the mini-batches, so it differs from the plain update of the batch.
+    batch, host = _stage_batch(2)
+    parts = balance.rank_parts(host.seq_lengths_B(), 2, balance=True)
+    order = train_stage.mini_batch_order(
+        8, mini_rows=4, dp=2, epoch=0, seed=42, parts=parts, shuffle=False
+    )
+    assert set(order[:4].tolist()) != {0, 1, 2, 3}
+    mesh = sharding.make_mesh((2, 1, 1), devices=jax.devices()[:2])
+
+    def update(balanced, batch, host):
+        run = _stage_run(dynamic_bsz=dynamic_bsz, balance_batch=balanced)
+        progs = programs.make_programs(run, CFG, _STAGE_TX, dp=2)
+        state = jax.device_put(
+            actor.init_state(jax.tree.map(jnp.copy, params), _STAGE_TX), sharding.replicated(mesh)
+        )
+        batch = jax.tree.map(
+            lambda x: jax.device_put(x, sharding.batch_sharding(mesh, x.ndim)), batch
+        )
+        with sharding.use_mesh(mesh):
+            return train_stage.update(progs, run, state, batch, 1e-3, host, mesh)
+
+    _assert_is_the_update_of_the_reordered_batch(update, batch, host, order)
 
 
 # ------------------------------------------------------------------------------------------

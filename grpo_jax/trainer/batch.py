@@ -28,6 +28,10 @@ class HostRollout:
     response_ids_BT: np.ndarray
     response_mask_BT: np.ndarray
 
+    def seq_lengths_B(self) -> np.ndarray:
+        """Each row's valid tokens, prompt and response (verl's seq_len)."""
+        return self.prompt_mask_BP.sum(1) + self.response_mask_BT.sum(1)
+
     def rows(self, start: int, stop: int) -> HostRollout:
         return HostRollout(*(x[start:stop] for x in dataclasses.astuple(self)))
 

@@ -8,9 +8,9 @@ verl/workers/engine_workers.py):
 * `timing_per_token_ms/<stage>`: the stage's seconds x 1000 per token; "gen" counts response
   tokens, "ref", "adv" and "update_actor" count prompt + response tokens.
 * `global_seqlen/{min,max,minmax_diff,mean}`: the sum of sequence lengths (prompt + response)
-  held by each data-parallel rank. verl reorders the batch to balance the ranks first
-  (trainer.balance_batch) and also logs `balanced_min/max`; grpo_jax packs by token budget
-  instead of reordering, so it logs the ranks' contiguous shares and no balanced_* keys.
+  held by each data-parallel rank, as the batch's contiguous shares (before verl's reorder).
+  With trainer.balance_batch also `balanced_min/max`, the least and most of the balanced
+  parts (trainer/balance.py).
 * `actor/perf/max_memory_allocated_gb` / `actor/perf/max_memory_reserved_gb` /
   `actor/perf/cpu_memory_used_gb` (verl/workers/engine_workers.py `_postprocess_output`, logged
   after every mini-batch of the update under the worker's "actor/" prefix; the trainer keeps the

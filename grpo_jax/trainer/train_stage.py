@@ -23,7 +23,7 @@ import numpy as np
 from grpo_jax import config as config_lib
 from grpo_jax import distributed, sampler
 from grpo_jax import loss as loss_lib
-from grpo_jax.trainer import actor, metrics, packing, perf, programs
+from grpo_jax.trainer import actor, balance, metrics, packing, perf, programs
 from grpo_jax.trainer import batch as batch_lib
 
 
@@ -272,31 +272,44 @@ def advantages(
 
 
 def mini_batch_order(
-    num_rows: int, *, mini_rows: int, dp: int, epoch: int, seed: int
+    num_rows: int,
+    *,
+    mini_rows: int,
+    dp: int,
+    epoch: int,
+    seed: int,
+    parts: list[np.ndarray] | None = None,
+    shuffle: bool = True,
 ) -> np.ndarray:
-    """actor.shuffle: the row order of ppo epoch `epoch` whose consecutive `mini_rows` slices
-    are its mini-batches (verl 0.9.1's engine worker, train_mini_batch: each data-parallel rank
-    iterates a shuffled dataloader over its own rows).
+    """The row order of ppo epoch `epoch` whose consecutive `mini_rows` slices are its
+    mini-batches, laid out as verl 0.9.1's engine worker does (train_mini_batch: each
+    data-parallel rank iterates a dataloader over its own rows).
 
-    The B rows are dp consecutive blocks, one per data-parallel rank; block r's rows are
-    permuted by the epoch-th draw of a generator seeded with seed + r (fresh every step, as
-    verl seeds the dataloader's generator at every update), and mini-batch k takes the k-th
-    mini_rows / dp of each block's permuted rows. verl draws with torch.randperm, here numpy's:
-    the same structure, not the same permutations.
+    The B rows are dp parts, one per data-parallel rank: `parts` (trainer.balance_batch,
+    balance.rank_parts), else dp consecutive blocks. With `shuffle` (actor.shuffle) part r's
+    rows are permuted by the epoch-th draw of a generator seeded with seed + r (fresh every
+    step, as verl seeds the dataloader's generator at every update); mini-batch k takes the
+    k-th mini_rows / dp of each part's rows. verl draws with torch.randperm, here numpy's: the
+    same structure, not the same permutations.
     """
     if num_rows % dp or mini_rows % dp:
+        what = "actor.shuffle=True shuffles" if shuffle else "trainer.balance_batch=True balances"
         raise ValueError(
-            f"actor.shuffle=True shuffles the rows of each of the {dp} data-parallel blocks: "
+            f"{what} the rows of each of the {dp} data-parallel blocks: "
             f"the batch of {num_rows} rows and its mini-batches of {mini_rows} must split over "
             "them"
         )
     local, local_mini = num_rows // dp, mini_rows // dp
+    if parts is None:
+        parts = list(np.arange(num_rows, dtype=np.int64).reshape(dp, local))
     blocks = []
-    for r in range(dp):
-        rng = np.random.default_rng(seed + r)
-        for _ in range(epoch):
-            rng.permutation(local)
-        blocks.append(r * local + rng.permutation(local))
+    for r, part in enumerate(parts):
+        if shuffle:
+            rng = np.random.default_rng(seed + r)
+            for _ in range(epoch):
+                rng.permutation(local)
+            part = part[rng.permutation(local)]
+        blocks.append(part)
     minis = range(local // local_mini)
     return np.concatenate([b[k * local_mini : (k + 1) * local_mini] for k in minis for b in blocks])
 
@@ -340,11 +353,15 @@ def update(
     packs = {}
     lr = jnp.float32(lr)
     unshuffled = batch, host
+    parts = None
+    if run.trainer.balance_batch and run.mini_batches_per_step > 1:
+        # one mini-batch holds every row whatever the parts: nothing to reorder
+        parts = balance.rank_parts(host.seq_lengths_B(), progs.dp, balance=True)
     for epoch in range(run.actor.ppo_epochs):
-        if run.actor.shuffle:
+        if run.actor.shuffle or (parts is not None and epoch == 0):
             order = mini_batch_order(
                 len(host.response_mask_BT), mini_rows=mini, dp=progs.dp, epoch=epoch,
-                seed=run.actor.data_loader_seed,
+                seed=run.actor.data_loader_seed, parts=parts, shuffle=run.actor.shuffle,
             )  # fmt: skip
             batch, host = _take_rows(*unshuffled, order)
             packs = {}
@@ -485,6 +502,9 @@ def train_stage(
         timing, prompt_tokens=int(prompt_B.sum()), response_tokens=int(response_B.sum())
     )
     record |= perf.global_seqlen(prompt_B + response_B, ctx.programs.dp)
+    if run.trainer.balance_batch:
+        parts = balance.rank_parts(prompt_B + response_B, ctx.programs.dp, balance=True)
+        record |= balance.balanced_seqlen(prompt_B + response_B, parts)
     record |= perf.memory()
     record |= perf.mfu(
         record.pop("perf/actor_flops"),
