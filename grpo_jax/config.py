@@ -30,10 +30,13 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
+
 from grpo_jax import advantage, errors, loss, registry, sampler
 from grpo_jax import model as model_lib
 from grpo_jax import rollout_correction as rc
 from grpo_jax.data import prompts, readers
+from grpo_jax.models import attention as model_attention
 from grpo_jax.models import lora
 from grpo_jax.rewards import functions as reward_fns
 from grpo_jax.rollout import vllm_pool, vllm_sidecar
@@ -1182,9 +1185,19 @@ class RunConfig:
     def mini_batches_per_step(self) -> int:
         return self.data.train_batch_size // self.actor.ppo_mini_batch_size
 
-    def check_mesh(self, dp: int) -> None:
-        """Batch sizes that must split over the dp = data x fsdp devices of the mesh."""
+    def check_mesh(self, dp: int, backend: str | None = None) -> None:
+        """Batch sizes that must split over the dp = data x fsdp devices of the mesh, and an
+        attention implementation that can run on `backend` (default: JAX's) at model.dtype."""
         problems = []
+        impl = self.model.attention_impl
+        reason = model_attention.unsupported(
+            impl, backend=backend or jax.default_backend(), dtype=self.model.dtype
+        )
+        if reason:
+            problems.append(
+                f"model.attention_impl={impl!r} cannot run here: {reason}; "
+                "model.attention_impl=auto picks one that can"
+            )
         n, a, d = self.rollout.n, self.actor, self.data
         mini = a.ppo_mini_batch_size * n
         micro = a.ppo_micro_batch_size_per_gpu * dp

@@ -323,6 +323,7 @@ class Planner:
         self.lora = bool(model_config.lora_rank)
         self.model_name = ""  # from_run sets it, so that `variant` can re-plan a changed run
         self.backend = None  # from_run sets it: the backend "auto" attention is resolved for
+        self.stand_in_for = None  # "cudnn" when the blockwise kernel is planned in its place
         self._variants = {}
         abstract = model_lib.abstract_params(model_config)
         self.num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract))
@@ -1048,6 +1049,12 @@ def _fits(m: PhaseMemory, peak_fn, budget) -> tuple[bool, int]:
 
 
 def _attention_note(p: Planner) -> str:
+    if p.stand_in_for == "cudnn":
+        return (
+            " (for gpu: cuDNN's fused attention, which cannot compile on CPU; planned with the "
+            "blockwise kernel as its memory stand-in, plus cuDNN's [B,1,T,T] mask bias of T^2 x "
+            "2 bytes a row, not counted)"
+        )
     if p.backend in ("gpu", "tpu") and p.cfg.attention_impl == "blockwise":
         return f" (for {p.backend}: the linear-memory blockwise kernel, compiled here on CPU)"
     return ""
@@ -1081,10 +1088,16 @@ def from_run(
         )
     # What a rematerialised layer keeps changes the update's memory (loading.py does the same).
     row = run.data.max_prompt_length + run.data.max_response_length
+    impl = attention.resolve(
+        run.model.attention_impl, row, backend, dtype=dtype, head_dim=cfg.head_dim
+    )
+    # cuDNN's kernel does not compile on the CPU devices the planner uses: the blockwise
+    # kernel (linear memory too) stands in for it, and the report says so.
+    stand_in_for = impl if impl == "cudnn" else None
     cfg = dataclasses.replace(
         cfg,
         remat_policy=run.model.gradient_checkpointing_policy,
-        attention_impl=attention.resolve(run.model.attention_impl, row, backend),
+        attention_impl="blockwise" if stand_in_for else impl,
     )
     mesh = sharding.make_mesh(tuple(run.mesh.shape)) if mesh is None else mesh
     tx, _ = setup.make_optimizer(run, total_steps=1)
@@ -1093,6 +1106,7 @@ def from_run(
     planner = Planner(cfg, mesh, run, tx=tx, rules=rules)
     planner.model_name = model_name
     planner.backend = backend
+    planner.stand_in_for = stand_in_for
     return planner
 
 

@@ -169,10 +169,100 @@ def test_model_hidden_states_and_gradients_equal_across_implementations(packed):
 def test_auto_rule_and_bad_names():
     assert attention.resolve("auto", 1024, "cpu") == "xla"
     assert attention.resolve("auto", attention.AUTO_BLOCKWISE_FROM, "cpu") == "blockwise"
-    assert attention.resolve("auto", 64, "gpu") == "blockwise"
-    assert attention.resolve("auto", 64, "tpu") == "blockwise"
+    assert attention.resolve("auto", 64, "gpu", dtype=jnp.float32, head_dim=64) == "blockwise"
+    assert attention.resolve("auto", 64, "gpu", dtype=jnp.bfloat16, head_dim=128) == "cudnn"
+    assert attention.resolve("auto", 64, "gpu", dtype=jnp.bfloat16, head_dim=256) == "blockwise"
+    assert attention.resolve("auto", 64, "gpu", dtype=jnp.float16, head_dim=12) == "blockwise"
+    assert attention.resolve("auto", 64, "tpu", dtype=jnp.bfloat16, head_dim=128) == "blockwise"
     assert attention.resolve("xla", 1 << 15, "gpu") == "xla"
     with pytest.raises(ValueError, match="attention_impl='flash'"):
         model.ModelConfig.tiny(attention_impl="flash")
     with pytest.raises(ValueError, match="model.attention_impl"):
         config_lib.ModelSpec(attention_impl="flash")
+
+
+@pytest.mark.parametrize(
+    "backend,dtype,head_dim,reason,instead",
+    [
+        ("cpu", jnp.bfloat16, 64, "needs an NVIDIA GPU, and JAX's backend here is 'cpu'", "xla"),
+        ("tpu", jnp.bfloat16, 64, "needs an NVIDIA GPU", "blockwise"),
+        ("gpu", jnp.float32, 64, "takes bfloat16 or float16 inputs, and model.dtype is float32",
+         "blockwise"),
+        ("gpu", jnp.bfloat16, 160, "head dims up to 128 in multiples of 8, and the model's is "
+         "160", "blockwise"),
+    ],
+)  # fmt: skip
+def test_cudnn_where_it_cannot_run_names_the_field_and_the_fallback(
+    backend, dtype, head_dim, reason, instead
+):
+    with pytest.raises(ValueError) as e:
+        attention.resolve("cudnn", 256, backend, dtype=dtype, head_dim=head_dim)
+    assert str(e.value).startswith("model.attention_impl='cudnn' cannot run here: ")
+    assert reason in str(e.value) and f"would run {instead!r}" in str(e.value)
+    assert attention.resolve("auto", 256, backend, dtype=dtype, head_dim=head_dim) == instead
+
+
+def test_cudnn_is_refused_by_the_config_check_before_any_work():
+    run = config_lib.RunConfig(model=config_lib.ModelSpec(attention_impl="cudnn"))
+    with pytest.raises(config_lib.ConfigError, match=r"model.attention_impl='cudnn' cannot run"):
+        run.check_mesh(1, backend="cpu")
+    bf16 = config_lib.RunConfig(
+        model=config_lib.ModelSpec(attention_impl="cudnn", dtype="bfloat16")
+    )
+    bf16.check_mesh(1, backend="gpu")  # runs there
+    with pytest.raises(config_lib.ConfigError, match="model.dtype is float32"):
+        run.check_mesh(1, backend="gpu")
+
+
+@pytest.mark.parametrize("N,K", [(6, 2), (4, 4)])
+def test_fused_attention_call_equals_xla_on_every_layout(N, K):
+    # The cuDNN path's call (jax.nn.dot_product_attention with the dense mask, GQA left to
+    # the kernel), run with implementation="xla", which runs on CPU: the same arguments as on
+    # a GPU, only the kernel differs. Forward on the queries that see a key (zeros on the
+    # others) and gradients.
+    T = 80
+    q, k, v = _qkv(T, N, K, 16, jnp.float32)
+    for name, seg, pre in _layouts(T):
+        mask = attention.Mask(jnp.asarray(seg), jnp.asarray(pre))
+        visible = mask.dense()
+        seen = np.asarray(visible).any(-1)
+        w = jax.random.normal(jax.random.key(1), q.shape) * seen[:, :, None, None]
+
+        def loss(fused, q, k, v, mask=mask, visible=visible, w=w):
+            if fused:
+                o = attention.fused_attention(q, k, v, visible, kernel="xla")
+            else:
+                o = attention.self_attention(q, k, v, mask, "xla")
+            return jnp.sum(o * w), o
+
+        (_, want), want_g = jax.value_and_grad(
+            functools.partial(loss, False), argnums=(0, 1, 2), has_aux=True
+        )(q, k, v)
+        (_, got), got_g = jax.value_and_grad(
+            functools.partial(loss, True), argnums=(0, 1, 2), has_aux=True
+        )(q, k, v)
+        got = np.asarray(got)
+        assert (got[~seen] == 0).all(), name
+        sel = np.broadcast_to(seen[:, :, None, None], got.shape)
+        numerics.assert_close(got[sel], np.asarray(want)[sel], ulps=ULPS,
+                              scale=float(jnp.max(jnp.abs(want))), err_msg=name)  # fmt: skip
+        numerics.assert_trees_close(got_g, want_g, ulps=ULPS, err_msg=name)
+
+
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu",
+    reason=f"cuDNN attention needs an NVIDIA GPU; JAX's backend here is {jax.default_backend()!r}",
+)
+def test_cudnn_equals_xla_on_the_gpu():  # pragma: no cover - GPU only
+    T = 256
+    q, k, v = _qkv(T, 8, 2, 64, jnp.bfloat16)
+    for name, seg, pre in _layouts(T):
+        mask = attention.Mask(jnp.asarray(seg), jnp.asarray(pre))
+        seen = np.asarray(mask.dense()).any(-1)
+        want = attention.self_attention(q, k, v, mask, "xla").astype(jnp.float32)
+        got = attention.self_attention(q, k, v, mask, "cudnn").astype(jnp.float32)
+        sel = np.broadcast_to(seen[:, :, None, None], got.shape)
+        # bf16 outputs: a few bf16 ulps (2^-8 relative) of the outputs' scale
+        scale = float(jnp.max(jnp.abs(want)))
+        np.testing.assert_allclose(np.asarray(got)[sel], np.asarray(want)[sel],
+                                   atol=4 * 2**-8 * scale, err_msg=name)  # fmt: skip

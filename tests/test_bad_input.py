@@ -318,13 +318,18 @@ def _cli_case(tmp_path, case):
              f"--config.model.path={gguf}"],
             f"model.path='{gguf}' does not exist",
         ),
+        "cudnn_on_cpu": (
+            ["--config.model.attention_impl=cudnn"],
+            "model.attention_impl='cudnn' cannot run here: cuDNN attention needs an NVIDIA GPU",
+        ),
     }[case]  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "case",
-    ["typo", "typo_section", "not_parquet", "missing_data", "missing_model_dir", "missing_gguf"],
-)
+    ["typo", "typo_section", "not_parquet", "missing_data", "missing_model_dir", "missing_gguf",
+     "cudnn_on_cpu"],
+)  # fmt: skip
 def test_cli_input_mistake_is_one_line_without_traceback(tmp_path, case):
     args, expected = _cli_case(tmp_path, case)
     r = _train([f"--config.trainer.default_local_dir={tmp_path / 'run'}", *args])

@@ -8,7 +8,15 @@ implementation:
     a whole row (T^2 per head), the key blocks above the diagonal skipped.
   * "blockwise": `blockwise.attend`, online softmax over key blocks with a custom backward;
     memory linear in T, any backend.
-  * "auto": "blockwise" from `AUTO_BLOCKWISE_FROM` tokens a row or off the CPU, else "xla".
+  * "cudnn": cuDNN's fused (flash) attention through `jax.nn.dot_product_attention`, NVIDIA
+    GPUs only, bfloat16 / float16 compute, head dims up to 128 in multiples of 8 (cuDNN's
+    limits). The segments go in as a dense [B, 1, T, T] mask, which cuDNN reads as an additive
+    bias in the compute dtype: T^2 x 2 bytes a row (19 MB at 3,072 tokens, 2 GiB at 32K), not
+    per head, and no float32 scores.
+  * "auto": on a GPU "cudnn" where its limits hold, else "blockwise"; "blockwise" on TPU; on
+    the CPU "blockwise" from `AUTO_BLOCKWISE_FROM` tokens a row, else "xla". It never picks an
+    implementation that cannot run; asking for one explicitly where it cannot is an error that
+    names model.attention_impl (`unsupported`).
 
 `attend` is the plain form (any visibility mask, float32 softmax); the KV-cache paths (prefill
 and decode, grpo_jax/models/decode.py) use it with their own masks.
@@ -66,23 +74,63 @@ class Mask:
                                  idx_T)  # fmt: skip
 
 
-def resolve(impl: str, length: int, backend: str | None = None) -> str:
-    """The implementation `impl` runs for rows of `length` tokens on `backend` (default: JAX's).
+CUDNN_DTYPES = ("bfloat16", "float16")
+CUDNN_MAX_HEAD_DIM = 128
 
-    "auto" is "blockwise" off the CPU, and on the CPU from AUTO_BLOCKWISE_FROM tokens a row:
-    below it the dense path is as fast there (SmolLM2, rows of 1,024: docs/performance.md) and
-    its scores are small.
+
+def unsupported(impl: str, *, backend: str, dtype=None, head_dim: int | None = None) -> str | None:
+    """Why `impl` cannot run on `backend` at this compute dtype / head dim; None when it can
+    (None for the unknown ones too: a missing dtype or head dim is not checked)."""
+    if impl != "cudnn":
+        return None
+    if backend != "gpu":
+        return f"cuDNN attention needs an NVIDIA GPU, and JAX's backend here is {backend!r}"
+    if dtype is not None and jnp.dtype(dtype).name not in CUDNN_DTYPES:
+        return (
+            f"cuDNN's fused attention takes {' or '.join(CUDNN_DTYPES)} inputs, and "
+            f"model.dtype is {jnp.dtype(dtype).name}"
+        )
+    if head_dim is not None and (head_dim % 8 or head_dim > CUDNN_MAX_HEAD_DIM):
+        return (
+            f"cuDNN's fused attention takes head dims up to {CUDNN_MAX_HEAD_DIM} in multiples "
+            f"of 8, and the model's is {head_dim}"
+        )
+    return None
+
+
+def resolve(
+    impl: str, length: int, backend: str | None = None, *, dtype=None, head_dim=None
+) -> str:
+    """The implementation `impl` runs for rows of `length` tokens on `backend` (default: JAX's)
+    at compute `dtype` and `head_dim` (unchecked when None).
+
+    "auto" is "cudnn" on a GPU where cuDNN's limits hold, otherwise "blockwise" off the CPU,
+    and on the CPU "blockwise" from AUTO_BLOCKWISE_FROM tokens a row: below it the dense path
+    is as fast there (SmolLM2, rows of 1,024: docs/performance.md) and its scores are small.
+    An explicit implementation that cannot run here raises ValueError naming
+    model.attention_impl, the reason and what "auto" would run.
     """
     if impl not in IMPLEMENTATIONS:
         raise ValueError(
             f"model.attention_impl={impl!r}: expected one of {IMPLEMENTATIONS}"
         )
-    if impl != "auto":
-        return impl
     backend = backend or jax.default_backend()
-    if backend != "cpu" or length >= AUTO_BLOCKWISE_FROM:
-        return "blockwise"
-    return "xla"
+    if impl == "auto":
+        if backend == "gpu" and not unsupported(
+            "cudnn", backend=backend, dtype=dtype, head_dim=head_dim
+        ):
+            return "cudnn"
+        if backend != "cpu" or length >= AUTO_BLOCKWISE_FROM:
+            return "blockwise"
+        return "xla"
+    reason = unsupported(impl, backend=backend, dtype=dtype, head_dim=head_dim)
+    if reason:
+        instead = resolve("auto", length, backend, dtype=dtype, head_dim=head_dim)
+        raise ValueError(
+            f"model.attention_impl={impl!r} cannot run here: {reason}; "
+            f"model.attention_impl=auto would run {instead!r}"
+        )
+    return impl
 
 
 def self_attention(q_BTNH, k_BTKH, v_BTKH, mask: Mask, impl: str = "auto"):
@@ -96,11 +144,26 @@ def self_attention(q_BTNH, k_BTKH, v_BTKH, mask: Mask, impl: str = "auto"):
     Returns:
       o_BTNH. Rows a query sees nothing of (padding) are finite and implementation-specific.
     """
-    impl = resolve(impl, q_BTNH.shape[1])
+    T, H = q_BTNH.shape[1], q_BTNH.shape[3]
+    impl = resolve(impl, T, dtype=q_BTNH.dtype, head_dim=H)
     if impl == "blockwise":
         return blockwise.attend(q_BTNH, k_BTKH, v_BTKH, mask.segments_BT, mask.prefixes_BT)
+    if impl == "cudnn":
+        return fused_attention(q_BTNH, k_BTKH, v_BTKH, mask.dense(), kernel="cudnn")
     k_BKHS, v_BKSH = k_BTKH.transpose(0, 2, 3, 1), v_BTKH.transpose(0, 2, 1, 3)
     return attend_causal(q_BTNH, k_BKHS, v_BKSH, mask.dense())
+
+
+def fused_attention(q_BTNH, k_BTKH, v_BTKH, visible_BTT, *, kernel: str):
+    """`jax.nn.dot_product_attention` with `implementation=kernel` ("cudnn"; "xla" runs the
+    same call anywhere, which the tests compare with `attend_causal`): GQA by the kernel,
+    the visibility as a [B, 1, T, T] mask, the 1/sqrt(H) scale. Queries that see no key
+    (padding) get zeros, whatever the kernel leaves there."""
+    out_BTNH = jax.nn.dot_product_attention(
+        q_BTNH, k_BTKH, v_BTKH, mask=visible_BTT[:, None], implementation=kernel
+    )
+    seen_BT = jnp.any(visible_BTT, axis=-1)
+    return jnp.where(seen_BT[:, :, None, None], out_BTNH, jnp.zeros((), out_BTNH.dtype))
 
 
 def attend(q_BTNH, k_BKHS, v_BKSH, visible_BTS):
