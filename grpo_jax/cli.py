@@ -32,12 +32,62 @@ def unknown_field_message(error: Exception, argv) -> str:
     return f"unknown config field {key!r} (see {CONFIG_DOC} for the fields)"
 
 
+NULLS = ("None", "null")  # verl's Hydra spelling and Python's
+
+
+def _null_overrides(argv) -> tuple[list, list[str]]:
+    """(argv without them, paths): the `--config.a.b=None` / `=null` overrides whose path is
+    not set again later. ml_collections parses an override by the field's type, so it cannot
+    give a float or str field None; these are applied after parsing (`_apply_nulls`)."""
+    last = {}
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config.") and "=" in arg:
+            last[arg.split("=", 1)[0].removeprefix("--config.")] = i
+    keep, paths = [], []
+    for i, arg in enumerate(argv):
+        path, _, value = arg.partition("=")
+        path = path.removeprefix("--config.")
+        if arg.startswith("--config.") and value in NULLS and last.get(path) == i:
+            paths.append(path)
+        elif not (arg.startswith("--config.") and value in NULLS):
+            keep.append(arg)
+    return keep, paths
+
+
+def _apply_nulls(paths, argv) -> None:
+    """Sets each path of the parsed --config to None, where the field allows it."""
+    from grpo_jax import config as config_lib
+
+    if not paths:
+        return
+    tree = flags.FLAGS["config"].value
+    for path in paths:
+        *parents, leaf = path.split(".")
+        node = tree
+        try:
+            for name in parents:
+                node = node[name]
+            node[leaf]  # noqa: B018 - raises for a field the config does not have
+        except (AttributeError, KeyError) as e:
+            raise SystemExit(unknown_field_message(e, argv)) from None
+        if config_lib.accepts_none(path) is False:
+            raise SystemExit(
+                f"error: --config.{path} cannot be None or null (grpo_jax/config.py declares "
+                "it without None; give a value)"
+            )
+        node[leaf] = None
+
+
 def parse_flags(argv):
-    """absl flag parsing that turns an unknown `--config.a.b` override into one clear line."""
+    """absl flag parsing that turns an unknown `--config.a.b` override into one clear line, and
+    takes `--config.a.b=None` (or verl's `null`) for the fields that may be None."""
+    kept, nulls = _null_overrides(argv)
     try:
-        return flags.FLAGS(argv)
+        rest = flags.FLAGS(kept)
     except (AttributeError, KeyError) as e:
         raise SystemExit(unknown_field_message(e, argv)) from None
+    _apply_nulls(nulls, argv)
+    return rest
 
 
 def run(main_fn, argv=None) -> None:

@@ -1295,6 +1295,22 @@ def to_dict(obj) -> dict:
     }
 
 
+def accepts_none(path: str, cls=None) -> bool | None:
+    """Whether the field at dotted `path` of `cls` (default RunConfig) may be None (verl's
+    `null`): its annotation includes None. None when `path` names no field."""
+    tp = cls or RunConfig
+    for name in path.split("."):
+        if not _is_dataclass_type(tp):
+            return None
+        hints = _field_types(tp)
+        if name not in hints:
+            return None
+        tp = hints[name]
+    if _is_dataclass_type(tp):
+        return None
+    return type(None) in typing.get_args(tp)
+
+
 def defaults_with_types(cls) -> dict[str, Any]:
     """{field: default or ("placeholder", type)} for `cls` and its sections, recursively.
 

@@ -340,6 +340,54 @@ def test_cli_input_mistake_is_one_line_without_traceback(tmp_path, case):
     TRIED["config values"] += 1
 
 
+def _parsed(args: list[str]) -> subprocess.CompletedProcess:
+    """train.py's flag parsing alone (cli.parse_flags over train.py's --config flag), printing
+    the parsed values of the fields the None tests read."""
+    code = (
+        "import sys, train\n"
+        "from absl import flags\n"
+        "from grpo_jax import cli\n"
+        "cli.parse_flags(['train.py', *sys.argv[1:]])\n"
+        "c = flags.FLAGS.config\n"
+        "print(repr((c.actor.clip_ratio_low, c.actor.clip_ratio_high, c.data.val_path, "
+        "c.checkpoint.max_to_keep)))\n"
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-c", code, "--config=configs/demo.py:tiny", *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_cli_sets_a_field_to_none_as_verls_null():
+    # verl's `actor_rollout_ref.actor.clip_ratio_low=null` (read as clip_ratio): ml_collections
+    # parses an override by the field's type and cannot give a float None; None and null are
+    # taken for the fields declared Optional, the last override of a path wins.
+    r = _parsed(["--config.actor.clip_ratio_low=null", "--config.actor.clip_ratio_high=None",
+                 "--config.data.val_path=/x.parquet", "--config.data.val_path=None",
+                 "--config.checkpoint.max_to_keep=5"])  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "(None, None, None, 5)"
+    r = _parsed(["--config.actor.clip_ratio_low=None", "--config.actor.clip_ratio_low=0.1"])
+    assert r.stdout.strip().splitlines()[-1] == "(0.1, 0.2, None, 1)", r.stderr[-3000:]
+    TRIED["config values"] += 2
+
+
+@pytest.mark.parametrize(
+    "arg,expected",
+    [
+        ("--config.actor.clip_ratio=null",
+         "error: --config.actor.clip_ratio cannot be None or null"),
+        ("--config.actor.clip_ratoi_low=None",
+         "unknown config field actor.clip_ratoi_low (did you mean actor.clip_ratio_low?)"),
+    ],
+)  # fmt: skip
+def test_cli_none_for_a_field_that_cannot_be_none_is_one_line(arg, expected):
+    r = _parsed([arg])
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert _last_line(r).startswith(expected)
+    TRIED["config values"] += 1
+
+
 def test_cli_crash_keeps_its_traceback():
     """Only input errors are shortened: any other exception is a crash and propagates."""
     from grpo_jax import cli, errors
