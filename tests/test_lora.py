@@ -416,3 +416,18 @@ def test_config_checks_name_the_fields():
         rollout=config.RolloutConfig(vllm=config.VLLMSettings(lora_sync="adapter")),
     )
     assert dataclasses.asdict(config.ModelSpec())["target_modules"] == "all-linear"
+
+
+def test_adapter_init_draws_from_its_own_stream():
+    # Loop step i samples with fold_in(key(trainer.seed), i) (loop.py); the adapters' init and
+    # the update's draws fold in constants above any step count (0x10A was step 266's key).
+    from grpo_jax.trainer import setup
+
+    streams = (setup.LORA_INIT_STREAM, actor_lib.UPDATE_STREAM)
+    assert min(streams) >= 1 << 30 and len(set(streams)) == 2
+    root = jax.random.key(0)
+    init = jax.random.key_data(jax.random.fold_in(root, setup.LORA_INIT_STREAM))
+    steps = jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(root, i)))(
+        jnp.arange(4096, dtype=jnp.uint32)
+    )
+    assert not (np.asarray(steps) == np.asarray(init)).all(axis=-1).any()

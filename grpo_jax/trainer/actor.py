@@ -404,7 +404,7 @@ def _wants_entropy(lc: LossConfig) -> bool:
 
 # The rng stream of the update's random draws (clip_cov's detached tokens): fold_in of
 # trainer.seed's key, far from the rollouts' stream (fold_in of the loop step).
-_UPDATE_STREAM = 0x7FFF0CC0
+UPDATE_STREAM = 0x7FFF0CC0
 
 
 def update_key(seed: int, step) -> jax.Array:
@@ -413,7 +413,7 @@ def update_key(seed: int, step) -> jax.Array:
     Micro-batch m of the update draws with fold_in(update_key, m), padded (`train_step`) or
     packed (`packed_micro_grads`). The step is checkpointed, so a resumed run draws the same.
     """
-    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), _UPDATE_STREAM), step)
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), UPDATE_STREAM), step)
 
 
 def _check_rng(lc: LossConfig, rng) -> None:

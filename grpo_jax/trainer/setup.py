@@ -102,8 +102,10 @@ def state_layout(
     return StateLayout(model_config, param_sh, trained, trained_sh, state_sh)
 
 
-# The rng stream of the LoRA adapters' initialisation (fold_in of trainer.seed's key).
-_LORA_INIT_STREAM = 0x10A
+# The rng stream of the LoRA adapters' initialisation: fold_in of trainer.seed's key, outside
+# the range of loop steps, whose rollouts draw from fold_in(that key, step) (loop.py), and apart
+# from the update's stream (actor.UPDATE_STREAM). It was 0x10A, the rollout key of step 266.
+LORA_INIT_STREAM = 0x7FFF10A0
 
 
 def init_state(run: config_lib.RunConfig, layout: StateLayout, params, tx):
@@ -113,7 +115,7 @@ def init_state(run: config_lib.RunConfig, layout: StateLayout, params, tx):
     from trainer.seed)."""
     params = jax.device_put(params, layout.param_shardings)
     if layout.model_config.lora_rank:
-        key = jax.random.fold_in(jax.random.key(run.trainer.seed), _LORA_INIT_STREAM)
+        key = jax.random.fold_in(jax.random.key(run.trainer.seed), LORA_INIT_STREAM)
         trainable = lora.init_adapters(layout.model_config, key,
                                        shardings=layout.trained_shardings)  # fmt: skip
     else:
