@@ -39,18 +39,14 @@ def _null_overrides(argv) -> tuple[list, list[str]]:
     """(argv without them, paths): the `--config.a.b=None` / `=null` overrides whose path is
     not set again later. ml_collections parses an override by the field's type, so it cannot
     give a float or str field None; these are applied after parsing (`_apply_nulls`)."""
-    last = {}
-    for i, arg in enumerate(argv):
-        if arg.startswith("--config.") and "=" in arg:
-            last[arg.split("=", 1)[0].removeprefix("--config.")] = i
+    last = {arg.partition("=")[0]: i for i, arg in enumerate(argv)}  # flag -> its last index
     keep, paths = [], []
     for i, arg in enumerate(argv):
-        path, _, value = arg.partition("=")
-        path = path.removeprefix("--config.")
-        if arg.startswith("--config.") and value in NULLS and last.get(path) == i:
-            paths.append(path)
-        elif not (arg.startswith("--config.") and value in NULLS):
+        flag, _, value = arg.partition("=")
+        if not (flag.startswith("--config.") and value in NULLS):
             keep.append(arg)
+        elif last[flag] == i:
+            paths.append(flag.removeprefix("--config."))
     return keep, paths
 
 

@@ -62,7 +62,7 @@ def test_partitions_split_every_row_once_in_equal_balanced_parts():
 
 def test_one_rank_keeps_the_data_order():
     lengths = _lengths(3, 40)
-    (part,) = balance.rank_parts(lengths, 1, balance=True)
+    (part,) = balance.rank_parts(lengths, 1)
     np.testing.assert_array_equal(part, np.arange(40))
     order = train_stage.mini_batch_order(
         40, mini_rows=10, dp=1, epoch=0, seed=42, parts=[part], shuffle=False
@@ -73,7 +73,7 @@ def test_one_rank_keeps_the_data_order():
 def test_mini_batches_take_each_ranks_slice():
     # verl's engine worker: rank r holds part r; mini-batch k is the k-th slice of every part.
     lengths = _lengths(4, 16)
-    parts = balance.rank_parts(lengths, 2, balance=True)
+    parts = balance.rank_parts(lengths, 2)
     order = train_stage.mini_batch_order(
         16, mini_rows=8, dp=2, epoch=3, seed=42, parts=parts, shuffle=False
     )

@@ -509,7 +509,7 @@ def test_balance_batch_is_the_update_of_verls_mini_batches(params, dynamic_bsz):
     # taken in verl's order (each rank's balanced part, mini-batch k its k-th slice), and moves
     # rows between the mini-batches, so it differs from the plain update of the batch.
     batch, host = _stage_batch(2)
-    parts = balance.rank_parts(host.seq_lengths_B(), 2, balance=True)
+    parts = balance.rank_parts(host.seq_lengths_B(), 2)
     order = train_stage.mini_batch_order(
         8, mini_rows=4, dp=2, epoch=0, seed=42, parts=parts, shuffle=False
     )

@@ -36,6 +36,20 @@ def _nested(rows, dtype):
     )
 
 
+def _nested_samples(samples, fields, response_lens):
+    """`_nested` of samples: placeholder prompt and response tokens of each sample's lengths
+    (int64) and its float32 per-token `fields` (those it has)."""
+    import torch
+
+    rows = []
+    for s, n in zip(samples, response_lens):
+        row = {"prompts": [1] * s["prompt_len"], "responses": [1] * n}
+        row |= {k: s[k] for k in fields if k in s}
+        rows.append(row)
+    dtype = {k: torch.float32 for k in fields} | {"prompts": torch.int64, "responses": torch.int64}
+    return _nested(rows, dtype)
+
+
 def step_metrics(samples, timing_raw, n_gpus):
     """compute_data_metrics (no critic) + timing + throughput + training/num_turns/* of a step.
 
@@ -47,21 +61,11 @@ def step_metrics(samples, timing_raw, n_gpus):
       n_gpus: the trainer's devices.
     """
     import numpy as np
-    import torch
     from verl import DataProto
     from verl.trainer.ppo import metric_utils
 
     token_fields = ["response_mask", "advantages", "returns", "rm_scores", "token_level_rewards"]
-    rows = []
-    for s in samples:
-        row = {"prompts": [1] * s["prompt_len"], "responses": [1] * s["response_len"]}
-        row |= {k: s[k] for k in token_fields if k in s}
-        rows.append(row)
-    dtype = {k: torch.float32 for k in token_fields} | {
-        "prompts": torch.int64,
-        "responses": torch.int64,
-    }
-    data = _nested(rows, dtype)
+    data = _nested_samples(samples, token_fields, [s["response_len"] for s in samples])
     prompt_length = data["prompts"].offsets().diff()
     response_length = data["responses"].offsets().diff()
     global_token_num = (prompt_length + response_length).tolist()
@@ -120,17 +124,7 @@ def actor_update_metrics(mini_batches, *, actor_kwargs):
                 "ref_log_prob",
                 "rollout_is_weights",
             ]
-            rows = []
-            for s in micro:
-                n = len(s["response_mask"])
-                row = {"prompts": [1] * s["prompt_len"], "responses": [1] * n}
-                row |= {k: s[k] for k in fields if k in s}
-                rows.append(row)
-            dtype = {k: torch.float32 for k in fields} | {
-                "prompts": torch.int64,
-                "responses": torch.int64,
-            }
-            data = _nested(rows, dtype)
+            data = _nested_samples(micro, fields, [len(s["response_mask"]) for s in micro])
             tu.assign_non_tensor(
                 data, dp_size=1, batch_num_tokens=num_tokens, global_batch_size=len(samples)
             )

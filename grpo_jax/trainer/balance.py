@@ -94,12 +94,9 @@ def partitions(values_B, k: int) -> list[np.ndarray]:
     return [np.sort(np.array([i for i, _ in p.items], np.int64)) for p in heap[0].parts]
 
 
-def rank_parts(seq_lengths_B, dp: int, balance: bool) -> list[np.ndarray]:
-    """The rows each of the dp data-parallel ranks holds: verl's balanced parts of the rows'
-    workloads, or (balance False) dp contiguous blocks."""
-    n = len(seq_lengths_B)
-    if not balance:
-        return list(np.arange(n, dtype=np.int64).reshape(dp, -1))
+def rank_parts(seq_lengths_B, dp: int) -> list[np.ndarray]:
+    """The rows each of the dp data-parallel ranks holds after verl's reorder: the balanced
+    parts of the rows' workloads."""
     return partitions(workload(seq_lengths_B), dp)
 
 
