@@ -252,8 +252,10 @@ class ModelSpec:
     gradient_checkpointing_policy: str = "nothing_saveable"
     # How causal self-attention runs in the update and the log-prob passes
     # (grpo_jax/models/attention.py): "xla" (dense float32 scores, T^2 a row and head),
-    # "blockwise" (online softmax over key blocks: memory linear in the row length), "auto"
-    # (blockwise off the CPU and for rows of 2,048 tokens or more, else xla).
+    # "blockwise" (online softmax over key blocks: memory linear in the row length), "cudnn"
+    # (GPU, bf16/fp16), "splash" (TPU; Pallas interpret mode elsewhere, for tests), "auto"
+    # (splash on TPU, cudnn on GPU where it can run, else blockwise; on the CPU blockwise for
+    # rows of 2,048 tokens or more, else xla).
     attention_impl: str = "auto"
     # LoRA (grpo_jax/models/lora.py; verl's actor_rollout_ref.model.*): rank r of the adapters
     # trained on the frozen base; 0 = full fine-tuning. The reference is then the base, adapters

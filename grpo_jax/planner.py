@@ -323,7 +323,8 @@ class Planner:
         self.lora = bool(model_config.lora_rank)
         self.model_name = ""  # from_run sets it, so that `variant` can re-plan a changed run
         self.backend = None  # from_run sets it: the backend "auto" attention is resolved for
-        self.stand_in_for = None  # "cudnn" when the blockwise kernel is planned in its place
+        # "cudnn" / "splash" when the blockwise kernel is planned in its place
+        self.stand_in_for = None
         self._variants = {}
         abstract = model_lib.abstract_params(model_config)
         self.num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract))
@@ -1049,6 +1050,12 @@ def _fits(m: PhaseMemory, peak_fn, budget) -> tuple[bool, int]:
 
 
 def _attention_note(p: Planner) -> str:
+    if p.stand_in_for == "splash":
+        return (
+            " (for tpu: splash attention, a Pallas TPU kernel that compiles for TPUs only; "
+            "planned with the blockwise kernel as its memory stand-in: both keep per-row "
+            "statistics and one block pair of scores, linear in the row)"
+        )
     if p.stand_in_for == "cudnn":
         return (
             " (for gpu: cuDNN's fused attention, which cannot compile on CPU; planned with the "
@@ -1091,9 +1098,10 @@ def from_run(
     impl = attention.resolve(
         run.model.attention_impl, row, backend, dtype=dtype, head_dim=cfg.head_dim
     )
-    # cuDNN's kernel does not compile on the CPU devices the planner uses: the blockwise
-    # kernel (linear memory too) stands in for it, and the report says so.
-    stand_in_for = impl if impl == "cudnn" else None
+    # cuDNN's and splash's kernels do not compile on the CPU devices the planner uses (splash
+    # only in interpret mode, whose memory is not the TPU's): the blockwise kernel (linear
+    # memory too) stands in for them, and the report says so.
+    stand_in_for = impl if impl in ("cudnn", "splash") else None
     cfg = dataclasses.replace(
         cfg,
         remat_policy=run.model.gradient_checkpointing_policy,

@@ -1,6 +1,7 @@
 """Causal self-attention's implementations (grpo_jax/models/attention.py): the blockwise one
-equals the dense XLA one on every mask layout the model uses, forward and gradients, its
-memory grows linearly with the row, and `model.attention_impl` reaches the model."""
+and splash (Pallas interpret mode on the CPU) equal the dense XLA one on every mask layout the
+model uses, forward and gradients, the blockwise one's memory grows linearly with the row, and
+`model.attention_impl` reaches the model."""
 
 import dataclasses
 import functools
@@ -13,7 +14,7 @@ import pytest
 
 from grpo_jax import config as config_lib
 from grpo_jax import model
-from grpo_jax.models import attention, blockwise
+from grpo_jax.models import attention, blockwise, splash
 
 # Same math in another summation order (online softmax over key blocks): measured up to ~30
 # ulps of each tensor's scale; a key block off by one position or a wrong segment rule moves
@@ -71,30 +72,72 @@ def _qkv(T, N, K, H, dtype, seed=0):
     ],
 )
 def test_blockwise_equals_xla_forward_and_gradients(T, block, N, K):
+    _assert_equals_xla(
+        lambda q, k, v, mask: blockwise.attend(
+            q, k, v, mask.segments_BT, mask.prefixes_BT, block=block
+        ),
+        T, N, K,
+    )  # fmt: skip
+
+
+def _assert_equals_xla(attend, T, N, K):
+    """attend(q, k, v, mask) equals the dense XLA path on every layout: forward on the queries
+    that see a key (finite elsewhere) and the gradients of a weighted sum of those."""
     q, k, v = _qkv(T, N, K, 16, jnp.float32)
     for name, seg, pre in _layouts(T):
         mask = attention.Mask(jnp.asarray(seg), jnp.asarray(pre))
         seen = np.asarray(mask.dense()).any(-1)  # queries that see a key (not padding)
         w = jax.random.normal(jax.random.key(1), q.shape) * seen[:, :, None, None]
 
-        def loss(impl, q, k, v, mask=mask, w=w):
-            if impl == "xla":
-                o = attention.self_attention(q, k, v, mask, "xla")
-            else:
-                o = blockwise.attend(q, k, v, mask.segments_BT, mask.prefixes_BT, block=block)
+        def loss(f, q, k, v, mask=mask, w=w):
+            o = f(q, k, v, mask)
             return jnp.sum(o * w), o
 
+        def xla(q, k, v, mask):
+            return attention.self_attention(q, k, v, mask, "xla")
+
         (_, want), want_g = jax.value_and_grad(
-            functools.partial(loss, "xla"), argnums=(0, 1, 2), has_aux=True
+            functools.partial(loss, xla), argnums=(0, 1, 2), has_aux=True
         )(q, k, v)
         (_, got), got_g = jax.value_and_grad(
-            functools.partial(loss, "blockwise"), argnums=(0, 1, 2), has_aux=True
+            functools.partial(loss, attend), argnums=(0, 1, 2), has_aux=True
         )(q, k, v)
-        assert np.isfinite(np.asarray(got)).all(), name
+        assert np.isfinite(np.asarray(got)).all() and got.shape == want.shape, name
         sel = np.broadcast_to(seen[:, :, None, None], got.shape)
         numerics.assert_close(np.asarray(got)[sel], np.asarray(want)[sel], ulps=ULPS,
                               scale=float(jnp.max(jnp.abs(want))), err_msg=name)  # fmt: skip
         numerics.assert_trees_close(got_g, want_g, ulps=ULPS, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "T,N,K",
+    [
+        (80, 6, 2),  # GQA, one 128-token block (the row padded to it)
+        (80, 4, 4),  # MHA
+        (300, 6, 2),  # 3 blocks of 128 after padding to 384: the causal block skipping
+    ],
+)
+def test_splash_equals_xla_forward_and_gradients(T, N, K):
+    # JAX's Pallas TPU kernel in interpret mode: two splash calls (own segment, the prompt of a
+    # packed response) merged by log-sum-exp, with the merge's own backward (grpo_jax/models/
+    # splash.py). A wrong merge weight or a backward run with the unmerged statistics moves
+    # the outputs or the gradients by a fraction of their scale.
+    _assert_equals_xla(
+        lambda q, k, v, mask: attention.self_attention(q, k, v, mask, "splash"), T, N, K
+    )
+
+
+def test_splash_bf16_inputs_keep_a_float32_softmax():
+    T = 96
+    q, k, v = _qkv(T, 6, 2, 16, jnp.bfloat16)
+    _, seg, pre = _layouts(T)[2]
+    mask = attention.Mask(jnp.asarray(seg), jnp.asarray(pre))
+    seen = np.asarray(mask.dense()).any(-1)[:, :, None, None]
+    got = splash.attend(q, k, v, mask.segments_BT, mask.prefixes_BT, interpret=True)
+    assert got.dtype == jnp.bfloat16
+    want = attention.self_attention(*(x.astype(jnp.float32) for x in (q, k, v)), mask, "xla")
+    err = np.abs(np.asarray(got, np.float32) - np.asarray(want)) * seen
+    assert err.max() < 2e-2 * float(jnp.max(jnp.abs(want)))
 
 
 def test_blockwise_bf16_inputs_keep_a_float32_softmax():
@@ -159,11 +202,15 @@ def test_model_hidden_states_and_gradients_equal_across_implementations(packed):
         return jax.value_and_grad(f, has_aux=True)(params)
 
     (_, want), want_g = run("xla")
-    (_, got), got_g = run("blockwise")
-    sel = np.broadcast_to(np.asarray(mask_BT, bool)[..., None], got.shape)
-    numerics.assert_close(np.asarray(got)[sel], np.asarray(want)[sel], ulps=MODEL_ULPS,
-                          scale=float(jnp.max(jnp.abs(want))))  # fmt: skip
-    numerics.assert_trees_close(got_g, want_g, ulps=MODEL_ULPS)
+    sel = np.broadcast_to(np.asarray(mask_BT, bool)[..., None], want.shape)
+    # splash rounds twice more per query (the queries scaled before the product, the two key
+    # sets' outputs merged by weights exp(lse_i - lse)): the key biases' gradient, rounding
+    # noise only, came out at 2,775 ulps of its scale where blockwise's stays under 2,048.
+    for impl, ulps in (("blockwise", MODEL_ULPS), ("splash", 2 * MODEL_ULPS)):
+        (_, got), got_g = run(impl)
+        numerics.assert_close(np.asarray(got)[sel], np.asarray(want)[sel], ulps=ulps,
+                              scale=float(jnp.max(jnp.abs(want))), err_msg=impl)  # fmt: skip
+        numerics.assert_trees_close(got_g, want_g, ulps=ulps, err_msg=impl)
 
 
 def test_auto_rule_and_bad_names():
@@ -173,7 +220,9 @@ def test_auto_rule_and_bad_names():
     assert attention.resolve("auto", 64, "gpu", dtype=jnp.bfloat16, head_dim=128) == "cudnn"
     assert attention.resolve("auto", 64, "gpu", dtype=jnp.bfloat16, head_dim=256) == "blockwise"
     assert attention.resolve("auto", 64, "gpu", dtype=jnp.float16, head_dim=12) == "blockwise"
-    assert attention.resolve("auto", 64, "tpu", dtype=jnp.bfloat16, head_dim=128) == "blockwise"
+    assert attention.resolve("auto", 64, "tpu", dtype=jnp.bfloat16, head_dim=128) == "splash"
+    assert attention.resolve("auto", 1 << 15, "tpu", dtype=jnp.float32, head_dim=64) == "splash"
+    assert attention.resolve("splash", 64, "cpu") == "splash"  # interpret mode (the tests)
     assert attention.resolve("xla", 1 << 15, "gpu") == "xla"
     with pytest.raises(ValueError, match="attention_impl='flash'"):
         model.ModelConfig.tiny(attention_impl="flash")
@@ -185,7 +234,7 @@ def test_auto_rule_and_bad_names():
     "backend,dtype,head_dim,reason,instead",
     [
         ("cpu", jnp.bfloat16, 64, "needs an NVIDIA GPU, and JAX's backend here is 'cpu'", "xla"),
-        ("tpu", jnp.bfloat16, 64, "needs an NVIDIA GPU", "blockwise"),
+        ("tpu", jnp.bfloat16, 64, "needs an NVIDIA GPU", "splash"),
         ("gpu", jnp.float32, 64, "takes bfloat16 or float16 inputs, and model.dtype is float32",
          "blockwise"),
         ("gpu", jnp.bfloat16, 160, "head dims up to 128 in multiples of 8, and the model's is "
@@ -200,6 +249,18 @@ def test_cudnn_where_it_cannot_run_names_the_field_and_the_fallback(
     assert str(e.value).startswith("model.attention_impl='cudnn' cannot run here: ")
     assert reason in str(e.value) and f"would run {instead!r}" in str(e.value)
     assert attention.resolve("auto", 256, backend, dtype=dtype, head_dim=head_dim) == instead
+
+
+def test_splash_on_a_gpu_names_the_field_and_the_fallback():
+    with pytest.raises(ValueError) as e:
+        attention.resolve("splash", 256, "gpu", dtype=jnp.bfloat16, head_dim=128)
+    assert str(e.value).startswith("model.attention_impl='splash' cannot run here: ")
+    assert "Pallas TPU kernel" in str(e.value) and "would run 'cudnn'" in str(e.value)
+    run = config_lib.RunConfig(model=config_lib.ModelSpec(attention_impl="splash"))
+    with pytest.raises(config_lib.ConfigError, match=r"model.attention_impl='splash' cannot run"):
+        run.check_mesh(1, backend="gpu")
+    run.check_mesh(1, backend="tpu")
+    run.check_mesh(1, backend="cpu")
 
 
 def test_cudnn_is_refused_by_the_config_check_before_any_work():

@@ -806,3 +806,32 @@ def test_token_mean_under_rejection_is_verls_on_generated_batches(verl, seed, se
         minis, actor_kwargs={"loss_agg_mode": "token-mean"})).value  # fmt: skip
     np.testing.assert_allclose(np.mean(pg_losses), theirs["actor/pg_loss"], rtol=1e-5,
                                atol=1e-7)  # fmt: skip
+
+
+@pytest.mark.parametrize("dynamic_bsz", [False, True])
+def test_update_stage_is_the_same_with_every_cpu_attention_impl(params, dynamic_bsz):
+    # model.attention_impl changes how attention runs, not what the update computes: one
+    # update stage (two mini-batches, padded micro-batches or packed rows with shared prompts)
+    # with the blockwise kernel and with splash (Pallas interpret mode) gives the gradients and
+    # the metrics of the dense XLA one. SGD at SGD_LR recovers each step's gradient.
+    batch, host = _stage_batch(2)
+
+    def update(impl):
+        run = _stage_run(dynamic_bsz=dynamic_bsz, mini_batch_size=1)
+        cfg = dataclasses.replace(CFG, attention_impl=impl)
+        progs = programs.make_programs(run, cfg, _SGD, dp=1)
+        state = actor.init_state(jax.tree.map(jnp.copy, params), _SGD)
+        with sharding.use_mesh(_MESH):
+            return train_stage.update(progs, run, state, batch, SGD_LR, host, _MESH)
+
+    want, want_record = update("xla")
+    want_g = _recovered(params, want.params)
+    assert _max_moved(want, actor.init_state(params, _SGD)) > 0
+    for impl in ("blockwise", "splash"):
+        got, record = update(impl)
+        numerics.assert_trees_close(_recovered(params, got.params), want_g, ulps=GRAD_ULPS,
+                                    err_msg=impl)  # fmt: skip
+        assert record.keys() == want_record.keys()
+        for key, value in want_record.items():
+            numerics.assert_close(record[key], value, ulps=GRAD_ULPS,
+                                  scale=max(abs(value), 1.0), err_msg=f"{impl} {key}")  # fmt: skip

@@ -13,7 +13,10 @@ implementation:
     limits). The segments go in as a dense [B, 1, T, T] mask, which cuDNN reads as an additive
     bias in the compute dtype: T^2 x 2 bytes a row (19 MB at 3,072 tokens, 2 GiB at 32K), not
     per head, and no float32 scores.
-  * "auto": on a GPU "cudnn" where its limits hold, else "blockwise"; "blockwise" on TPU; on
+  * "splash": JAX's Pallas TPU flash-attention kernel (`splash.attend`: two splash calls, the
+    own segment and a response's prompt, merged by log-sum-exp); TPUs, and Pallas interpret
+    mode on the CPU (for tests: far too slow to train with), not GPUs.
+  * "auto": "splash" on a TPU; on a GPU "cudnn" where its limits hold, else "blockwise"; on
     the CPU "blockwise" from `AUTO_BLOCKWISE_FROM` tokens a row, else "xla". It never picks an
     implementation that cannot run; asking for one explicitly where it cannot is an error that
     names model.attention_impl (`unsupported`).
@@ -29,7 +32,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from grpo_jax.models import blockwise
+from grpo_jax.models import blockwise, splash
 from grpo_jax.models import config as config_lib
 
 IMPLEMENTATIONS = config_lib.ATTENTION_IMPLS
@@ -81,6 +84,13 @@ CUDNN_MAX_HEAD_DIM = 128
 def unsupported(impl: str, *, backend: str, dtype=None, head_dim: int | None = None) -> str | None:
     """Why `impl` cannot run on `backend` at this compute dtype / head dim; None when it can
     (None for the unknown ones too: a missing dtype or head dim is not checked)."""
+    if impl == "splash":
+        if backend == "gpu":
+            return (
+                "splash attention is a Pallas TPU kernel (it runs on TPUs, and in interpret "
+                "mode on the CPU), and JAX's backend here is 'gpu'"
+            )
+        return None
     if impl != "cudnn":
         return None
     if backend != "gpu":
@@ -104,9 +114,10 @@ def resolve(
     """The implementation `impl` runs for rows of `length` tokens on `backend` (default: JAX's)
     at compute `dtype` and `head_dim` (unchecked when None).
 
-    "auto" is "cudnn" on a GPU where cuDNN's limits hold, otherwise "blockwise" off the CPU,
-    and on the CPU "blockwise" from AUTO_BLOCKWISE_FROM tokens a row: below it the dense path
-    is as fast there (SmolLM2, rows of 1,024: docs/performance.md) and its scores are small.
+    "auto" is "splash" on a TPU, "cudnn" on a GPU where cuDNN's limits hold and "blockwise"
+    where they do not, and on the CPU "blockwise" from AUTO_BLOCKWISE_FROM tokens a row: below
+    it the dense path is as fast there (SmolLM2, rows of 1,024: docs/performance.md) and its
+    scores are small.
     An explicit implementation that cannot run here raises ValueError naming
     model.attention_impl, the reason and what "auto" would run.
     """
@@ -116,6 +127,8 @@ def resolve(
         )
     backend = backend or jax.default_backend()
     if impl == "auto":
+        if backend == "tpu":
+            return "splash"
         if backend == "gpu" and not unsupported(
             "cudnn", backend=backend, dtype=dtype, head_dim=head_dim
         ):
@@ -150,6 +163,8 @@ def self_attention(q_BTNH, k_BTKH, v_BTKH, mask: Mask, impl: str = "auto"):
         return blockwise.attend(q_BTNH, k_BTKH, v_BTKH, mask.segments_BT, mask.prefixes_BT)
     if impl == "cudnn":
         return fused_attention(q_BTNH, k_BTKH, v_BTKH, mask.dense(), kernel="cudnn")
+    if impl == "splash":
+        return splash.attend(q_BTNH, k_BTKH, v_BTKH, mask.segments_BT, mask.prefixes_BT)
     k_BKHS, v_BKSH = k_BTKH.transpose(0, 2, 3, 1), v_BTKH.transpose(0, 2, 1, 3)
     return attend_causal(q_BTNH, k_BKHS, v_BKSH, mask.dense())
 

@@ -38,7 +38,7 @@ REMAT_POLICIES = (
 
 
 # model.attention_impl: how causal self-attention runs (grpo_jax/models/attention.py).
-ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn")
+ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn", "splash")
 
 
 # The projections LoRA can adapt (HF module names; PEFT's "all-linear" is all of them: the
@@ -72,8 +72,8 @@ class ModelConfig:
         largest: MaxText's "save_dot_except_mlpwi"; see ``remat_policy_fn``).
       attention_impl: causal self-attention's implementation, one of ATTENTION_IMPLS
         ("auto", "xla": dense float32 scores, "blockwise": memory linear in the row length,
-        "cudnn": cuDNN's fused attention on NVIDIA GPUs; ``attention.resolve`` says what
-        "auto" runs).
+        "cudnn": cuDNN's fused attention on NVIDIA GPUs, "splash": Pallas splash attention
+        on TPUs (interpret mode elsewhere); ``attention.resolve`` says what "auto" runs).
       eos_token_ids: every EOS id from config.json (an int or list there).
       lora_rank: r of the LoRA adapters (grpo_jax/models/lora.py) the projections in `lora_targets`
         take when the params carry them (``params["lora"]``); 0 = no adapters. The adapters
