@@ -9,12 +9,11 @@ Needs 8 GPUs on one host (the script's trainer.n_gpus_per_node=8, nnodes=1) and 
 Does it fit? (README "Memory planner"; simulates the 8 devices on a CPU):
   python plan.py --config=configs/gsm8k_qwen3_8b.py --model=qwen3-8b --device=h200 --devices=8
   python plan.py --config=configs/gsm8k_qwen3_8b.py:jax --model=qwen3-8b --device=v5p --devices=8
-As the script sets it, the recipe does not fit JAX's 40 % of an H200 (the update at 24576 tokens
-a device peaks at 64 GiB of 47): add --config.actor.ppo_max_token_len_per_gpu=12288 (43 GiB,
-same gradients), or keep it with rollout.vllm.gpu_memory_utilization=0.45 and
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.55. On a TPU v5p-16 (8 chips) the native sampler's KV cache of
-the step's 5120 rollouts is 270 GiB a chip: data.train_batch_size=128 (and
-ppo_mini_batch_size=128) is the most that fits.
+As the script sets it, the recipe fits JAX's 40 % of an H200 (docs/scaling.md: the update at
+24576 tokens a device peaks at 43.1 GiB of 47.3 on FSDP 8, 39.1 on FSDP 4 x tensor 2, with the
+GPUs' linear-memory attention). On a TPU v5p-16 (8 chips) the native sampler's KV cache of the
+step's 5120 rollouts is 198 GiB a chip: data.train_batch_size=128 (and ppo_mini_batch_size=128)
+is the most that fits.
 
 Data as in the script: GSM8K and MATH in verl's parquet layout (configs/math.py, whose recipe
 this extends), ~/data/{gsm8k,math}/{train,test}.parquet; for GSM8K alone set data.path and

@@ -80,6 +80,9 @@ DEVICE_HBM = {"h200": 141 * 10**9, "v5p": 95 * GIB}
 # itself compiles on CPU devices).
 DEVICE_BACKEND = {"h200": "gpu", "v5p": "tpu"}
 
+# The XLA pass the planner skips for GPU / TPU plans in 16-bit compute (Planner.compiler_options).
+CPU_ONLY_HOIST = "while-loop-invariant-code-motion"
+
 # Architectures from the models' config.json, so planning needs no download.
 _QWEN = {"rope_theta": 1e6, "rms_norm_eps": 1e-6}
 _QWEN25 = {**_QWEN, "arch": "qwen2", "qkv_bias": True, "max_position_embeddings": 32768}
@@ -463,6 +466,24 @@ class Planner:
         """``sampler.sample`` of ``prompts`` x n completions of response_len tokens."""
         return self._memo(("sample", prompts), self._sample)
 
+    def compiler_options(self) -> dict:
+        """XLA options of the planner's compiles (on CPU devices) for an accelerator's plan.
+
+        XLA:CPU has no bfloat16 dynamic slices: its float normalisation upcasts the slices of
+        the scanned layer stack (the remat's saved layer inputs, [L, rows, T, D]) to float32,
+        and loop-invariant code motion then hoists that upcast of the whole stack out of the
+        backward loop, a float32 copy of every layer's saved input that a GPU or TPU (bf16
+        native) never allocates: 13.5 GiB of Qwen3-8B's 50.1 GiB update peak at 24,576 tokens
+        a device (docs/scaling.md). Planning a GPU or TPU in 16-bit compute, the compiles skip
+        that pass; what remains is still above the native-bf16 buffers (the CPU's float32
+        temporaries of the bf16 dots). Plans for the CPU itself compile as XLA:CPU runs."""
+        if self.backend in ("gpu", "tpu") and jnp.dtype(self.cfg.dtype).itemsize == 2:
+            return {"xla_disable_hlo_passes": CPU_ONLY_HOIST}
+        return {}
+
+    def _compile(self, lowered) -> PhaseMemory:
+        return PhaseMemory.of(lowered.compile(compiler_options=self.compiler_options()))
+
     def _memo(self, key, compile_fn) -> PhaseMemory:
         # Each compile takes seconds to minutes; the report and the searches reuse results.
         # Traced inside use_mesh so that the model's activation constraints see the mesh.
@@ -492,7 +513,7 @@ class Planner:
         batch = self._batch(w.prompts * w.n)
         base = (self.base,) if self.lora else ()  # LoRA: the frozen base is an argument
         lowered = update.lower(self.state, batch, *self._scalars(), *base, rng=self._key())
-        return PhaseMemory.of(lowered.compile())
+        return self._compile(lowered)
 
     def _packed_train(self, tokens_per_device: int) -> PhaseMemory:
         params = self.state.params  # the gradients have the trained params' shapes and shardings
@@ -503,26 +524,26 @@ class Planner:
         micro = self._micro(tokens_per_device)
         fn = self.programs().packed_grads
         lowered = fn.lower(params, params, micro, mini_batch, *base, rng=self._key())
-        return PhaseMemory.of(lowered.compile())
+        return self._compile(lowered)
 
     def _apply(self) -> PhaseMemory:
         _, lr = self._scalars()
         fn = self.programs().apply
-        return PhaseMemory.of(fn.lower(self.state, self.state.params, lr, lr).compile())
+        return self._compile(fn.lower(self.state, self.state.params, lr, lr))
 
     def _logprob(self, micro_per_device: int) -> PhaseMemory:
         programs = self.programs(logprob_micro_per_device=micro_per_device)
         # The old-log-prob pass also returns the entropy; it is the larger of the two.
         fn = programs.log_probs_entropy if self.w.needs_old else programs.log_probs
         batch = self._batch(self.w.prompts * self.w.n)
-        return PhaseMemory.of(fn.lower(self.params, batch).compile())
+        return self._compile(fn.lower(self.params, batch))
 
     def _packed_logprob(self, tokens_per_device: int) -> PhaseMemory:
         programs = self.programs()
         fn = programs.packed_log_probs_entropy if self.w.needs_old else programs.packed_log_probs
         lp_BT = self._arr((self.w.prompts * self.w.n, self.w.response_len), jnp.float32)
         micro = self._micro(tokens_per_device)
-        return PhaseMemory.of(fn.lower(self.params, micro, lp_BT, lp_BT).compile())
+        return self._compile(fn.lower(self.params, micro, lp_BT, lp_BT))
 
     def _sample(self, prompts: int) -> PhaseMemory:
         w = self.w
@@ -537,7 +558,7 @@ class Planner:
             )
 
         fn = jax.jit(sample)
-        return PhaseMemory.of(fn.lower(self.params, ids, ids, rng).compile())
+        return self._compile(fn.lower(self.params, ids, ids, rng))
 
     # Analytic sizes, for the report (the compiled temporaries already contain them).
     def kv_cache_bytes(self, prompts: int) -> int:
@@ -891,6 +912,15 @@ def plan(
         (
             f"mesh: {dict(p.mesh.shape)} on {p.mesh.devices.size} x {p.mesh.devices.flat[0].platform}"
             f" | budget {budget / GIB:.1f} GiB/device{share}"
+        ),
+        *(
+            [
+                f"compiled for {p.backend} in {p.cfg.dtype}: XLA:CPU without "
+                f"{CPU_ONLY_HOIST} (it hoists a float32 copy of the remat's bf16 layer stack "
+                "that native-bf16 backends never make; Planner.compiler_options)"
+            ]
+            if p.compiler_options()
+            else []
         ),
         (
             f"step: P={w.prompts} prompts x n={w.n}, Tp={w.prompt_len}, T={w.response_len}, "

@@ -124,6 +124,33 @@ def test_chunked_prefill_equals_single_prefill():
     np.testing.assert_array_equal(np.asarray(cache.pos_B), [5, 6])
 
 
+@pytest.mark.parametrize("impl", ["xla", "blockwise", "splash"])
+def test_prefill_of_a_whole_cache_runs_the_attention_entry_point(impl):
+    # The sampler prefills a fresh cache of the prompts' width: those tokens attend to
+    # themselves through attention.self_attention (model.attention_impl), not to the cache.
+    # Logits and the cache written equal a prefill into a wider cache (the cache path).
+    config = dataclasses.replace(TINY, attention_impl=impl)
+    params = _params()
+    ids_BT = _tokens(7, (3, 6))
+    mask_BT = jnp.array([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 1]], jnp.int32)
+    want, wide = model.prefill(TINY, params, ids_BT, mask_BT, model.init_cache(TINY, 3, 9))
+    got, whole = model.prefill(config, params, ids_BT, mask_BT, model.init_cache(config, 3, 6))
+    numerics.assert_close(np.asarray(got), np.asarray(want), ulps=FORWARD_ULPS, err_msg=impl)
+    # The padding slots' keys and values differ (what a query that sees nothing gets is
+    # implementation-specific) and are never read: the cache's mask hides them.
+    real = np.asarray(mask_BT, bool)
+    np.testing.assert_array_equal(np.asarray(whole.mask_BS), np.asarray(wide.mask_BS)[:, :6])
+    got_k = np.asarray(whole.k_LBKHS).swapaxes(-1, -2)
+    want_k = np.asarray(wide.k_LBKHS).swapaxes(-1, -2)[..., :6, :]
+    got_v, want_v = np.asarray(whole.v_LBKSH), np.asarray(wide.v_LBKSH)[..., :6, :]
+    for name, got_x, want_x in (("k", got_k, want_k), ("v", got_v, want_v)):
+        sel = np.broadcast_to(real[None, :, None, :, None], got_x.shape)
+        numerics.assert_close(got_x[sel], want_x[sel], ulps=FORWARD_ULPS,
+                              scale=float(np.abs(want_x).max()), err_msg=f"{impl} {name}")
+    np.testing.assert_array_equal(np.asarray(whole.pos_B), np.asarray(wide.pos_B))
+    assert int(whole.index) == int(wide.index) == 6
+
+
 @pytest.mark.parametrize(
     "config",
     [TINY, model.ModelConfig.tiny(arch="qwen3", qkv_bias=False, qk_norm=True, head_dim=16)],

@@ -479,3 +479,28 @@ def test_plan_py_prints_the_report():
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert "step peak" in out.stdout and "FITS" in out.stdout
+
+
+def test_accelerator_plans_in_16_bit_skip_xla_cpus_hoisted_float32_layer_stack():
+    # XLA:CPU upcasts the bf16 remat stack's dynamic slices and loop-invariant code motion then
+    # hoists a float32 copy of the whole stack out of the backward loop (13.5 GiB of the seed
+    # recipe's update on 8 x H200, docs/scaling.md): plans for a GPU or TPU in 16-bit compute
+    # compile without that pass and say so; float32 plans and plans for the CPU compile as
+    # XLA:CPU runs them.
+    c = _smoke_config()
+    c.model.dtype = "bfloat16"
+    bf16 = _run(c)
+    skip = {"xla_disable_hlo_passes": planner.CPU_ONLY_HOIST}
+    for backend in ("gpu", "tpu"):
+        assert planner.from_run(bf16, model_name="tiny", backend=backend).compiler_options() == skip
+    assert planner.from_run(bf16, model_name="tiny").compiler_options() == {}
+    assert planner.from_run(bf16, model_name="tiny", backend="cpu").compiler_options() == {}
+    f32 = _run(_smoke_config())
+    assert planner.from_run(f32, model_name="tiny", backend="gpu").compiler_options() == {}
+    c = _smoke_config()
+    c.model.dtype = "bfloat16"
+    c.rollout.name, c.rollout.vllm.python = "vllm", sys.executable  # no sampling phase
+    text = planner.report(_run(c), model_name="tiny", hbm_gib=80, search=False, backend="gpu")
+    assert f"compiled for gpu in bfloat16: XLA:CPU without {planner.CPU_ONLY_HOIST}" in text
+    text = planner.report(_run(c), model_name="tiny", hbm_gib=80, search=False)
+    assert "XLA:CPU without" not in text

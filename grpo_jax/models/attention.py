@@ -21,8 +21,9 @@ implementation:
     implementation that cannot run; asking for one explicitly where it cannot is an error that
     names model.attention_impl (`unsupported`).
 
-`attend` is the plain form (any visibility mask, float32 softmax); the KV-cache paths (prefill
-and decode, grpo_jax/models/decode.py) use it with their own masks.
+`attend` is the plain form (any visibility mask, float32 softmax); decode and chunked prefill
+into a partly filled KV cache (grpo_jax/models/decode.py) use it with their own masks, while a
+prefill of a whole fresh cache (the sampler's) goes through `self_attention`.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from grpo_jax.models import attention, transformer
 from grpo_jax.models import config as config_lib
-from grpo_jax.models import transformer
 
 
 @flax.struct.dataclass
@@ -184,6 +184,11 @@ def prefill(
     keeps ``index + T <= S``: the write is a ``dynamic_update_slice``, which clamps rather than
     raising when it would run past the end.
 
+    When T == S (the sampler's prefill of a fresh cache of the prompts' width: index is then 0)
+    the tokens attend to themselves through `attention.self_attention`, so
+    `config.attention_impl` applies (blockwise, cuDNN or splash: memory linear in the prompt);
+    a chunk into a partly filled cache attends to the cache (`attention.attend`).
+
     Returns:
       (logits_BV float32 at the last column, updated cache).
     """
@@ -204,10 +209,13 @@ def prefill(
     mask_BS = jax.lax.dynamic_update_slice(cache.mask_BS, mask_BT, (0, cache.index))
     query_slot_T = cache.index + jnp.arange(T, dtype=jnp.int32)
     key_slot_S = jnp.arange(S, dtype=jnp.int32)
-    visible_BTS = (key_slot_S[None, :] <= query_slot_T[:, None])[None] & (mask_BS[:, None, :] > 0)
+    if T == S:  # the whole cache: index is 0, the keys are the tokens' own
+        mask = attention.Mask.padded(mask_BT)
+    else:
+        mask = (key_slot_S[None, :] <= query_slot_T[:, None])[None] & (mask_BS[:, None, :] > 0)
     model = transformer.decoder(config, params)
     h_BTD, (k_LBKHS, v_LBKSH) = model(
-        input_ids_BT, positions_BT, visible_BTS, (cache.k_LBKHS, cache.v_LBKSH), cache.index
+        input_ids_BT, positions_BT, mask, (cache.k_LBKHS, cache.v_LBKSH), cache.index
     )
     logits_BV = model.unembed(h_BTD[:, -1])
     new_cache = KVCache(
@@ -295,7 +303,8 @@ def decode_params(config: config_lib.ModelConfig, params) -> DecodeParams:
     if adapters is not None:
         if not c.lora_rank:
             raise ValueError(
-                f"params carry LoRA adapters (params[{config_lib.ADAPTERS!r}]) but ModelConfig.lora_rank=0"
+                f"params carry LoRA adapters (params[{config_lib.ADAPTERS!r}]) but "
+                "ModelConfig.lora_rank=0"
             )
         transformer.check_adapters(c, adapters)
     dt = c.dtype

@@ -256,7 +256,9 @@ class Decoder(nnx.Module):
           positions_BT: rotary position of each token.
           mask: without a cache, the rows' `attention.Mask` (causal self-attention through
             `attention.self_attention` and `config.attention_impl`); with one, bool
-            [B, T, S]: query t may attend to cache slot s.
+            [B, T, S]: query t may attend to cache slot s, or an `attention.Mask` when the T
+            tokens are all the cache holds (a prefill from slot 0 of a cache of T slots): the
+            keys are then the tokens' own, and the attention is `self_attention`'s.
           kv: optional (k_LBKHS, v_LBKSH) cache; the new keys/values are written at slots
             [index, index + T) before attending.
           index: int32 scalar write slot (with kv).
@@ -273,11 +275,11 @@ class Decoder(nnx.Module):
             layer = nnx.merge(layer_def, state)
             q_BTNH, k_BTKH, v_BTKH = layer.attn.qkv(layer.input_norm(x_BTD), cos_BTH, sin_BTH)
             q_BTNH = nn.with_logical_constraint(q_BTNH, ("batch", "seq", "act_heads", None))
-            if kv is None:  # self-attention over T (causal)
+            if kv is None or isinstance(mask, attention.Mask):  # self-attention over T
                 o_BTNH = attention.self_attention(q_BTNH, k_BTKH.astype(c.dtype),
                                                   v_BTKH.astype(c.dtype), mask,
                                                   c.attention_impl)  # fmt: skip
-            else:
+            if kv is not None:
                 # Keys are kept transposed, [.., H, S]: the scores then read each key block
                 # with the slot axis contiguous, 3x faster on XLA:CPU than [.., S, H] at decode.
                 k_BKHT, v_BKTH = k_BTKH.transpose(0, 2, 3, 1), v_BTKH.transpose(0, 2, 1, 3)
@@ -290,11 +292,12 @@ class Decoder(nnx.Module):
                 v_LBKSH = jax.lax.dynamic_update_slice(
                     v_LBKSH, v_BKTH[None].astype(v_LBKSH.dtype), (layer_idx, 0, 0, index, 0)
                 )
-                k_BKHS, v_BKSH = k_LBKHS[layer_idx], v_LBKSH[layer_idx]
                 kv = (k_LBKHS, v_LBKSH)
-                o_BTNH = attention.attend(
-                    q_BTNH, k_BKHS.astype(c.dtype), v_BKSH.astype(c.dtype), mask
-                )
+                if not isinstance(mask, attention.Mask):
+                    k_BKHS, v_BKSH = k_LBKHS[layer_idx], v_LBKSH[layer_idx]
+                    o_BTNH = attention.attend(
+                        q_BTNH, k_BKHS.astype(c.dtype), v_BKSH.astype(c.dtype), mask
+                    )
             o_BTD = nn.with_logical_constraint(
                 layer.attn.out(o_BTNH), ("batch", "seq", "act_embed")
             )
@@ -426,7 +429,8 @@ def decoder(config: config_lib.ModelConfig, params) -> Decoder:
         return nnx.merge(graphdef, state)
     if not config.lora_rank:
         raise ValueError(
-            f"params carry LoRA adapters (params[{config_lib.ADAPTERS!r}]) but ModelConfig.lora_rank=0"
+            f"params carry LoRA adapters (params[{config_lib.ADAPTERS!r}]) but "
+            "ModelConfig.lora_rank=0"
         )
     base = {k: v for k, v in params.items() if k != config_lib.ADAPTERS}
     check_params(config, base)
