@@ -83,30 +83,34 @@ def test_blockwise_equals_xla_forward_and_gradients(T, block, N, K):
 def _assert_equals_xla(attend, T, N, K):
     """attend(q, k, v, mask) equals the dense XLA path on every layout: forward on the queries
     that see a key (finite elsewhere) and the gradients of a weighted sum of those."""
-    q, k, v = _qkv(T, N, K, 16, jnp.float32)
     for name, seg, pre in _layouts(T):
         mask = attention.Mask(jnp.asarray(seg), jnp.asarray(pre))
-        seen = np.asarray(mask.dense()).any(-1)  # queries that see a key (not padding)
-        w = jax.random.normal(jax.random.key(1), q.shape) * seen[:, :, None, None]
+        _assert_equals_xla_on(attend, mask, T, N, K, name)
 
-        def loss(f, q, k, v, mask=mask, w=w):
-            o = f(q, k, v, mask)
-            return jnp.sum(o * w), o
 
-        def xla(q, k, v, mask):
-            return attention.self_attention(q, k, v, mask, "xla")
+def _assert_equals_xla_on(attend, mask, T, N, K, name):
+    q, k, v = _qkv(T, N, K, 16, jnp.float32)
+    seen = np.asarray(mask.dense()).any(-1)  # queries that see a key (not padding)
+    w = jax.random.normal(jax.random.key(1), q.shape) * seen[:, :, None, None]
 
-        (_, want), want_g = jax.value_and_grad(
-            functools.partial(loss, xla), argnums=(0, 1, 2), has_aux=True
-        )(q, k, v)
-        (_, got), got_g = jax.value_and_grad(
-            functools.partial(loss, attend), argnums=(0, 1, 2), has_aux=True
-        )(q, k, v)
-        assert np.isfinite(np.asarray(got)).all() and got.shape == want.shape, name
-        sel = np.broadcast_to(seen[:, :, None, None], got.shape)
-        numerics.assert_close(np.asarray(got)[sel], np.asarray(want)[sel], ulps=ULPS,
-                              scale=float(jnp.max(jnp.abs(want))), err_msg=name)  # fmt: skip
-        numerics.assert_trees_close(got_g, want_g, ulps=ULPS, err_msg=name)
+    def loss(f, q, k, v, mask=mask, w=w):
+        o = f(q, k, v, mask)
+        return jnp.sum(o * w), o
+
+    def xla(q, k, v, mask):
+        return attention.self_attention(q, k, v, mask, "xla")
+
+    (_, want), want_g = jax.value_and_grad(
+        functools.partial(loss, xla), argnums=(0, 1, 2), has_aux=True
+    )(q, k, v)
+    (_, got), got_g = jax.value_and_grad(
+        functools.partial(loss, attend), argnums=(0, 1, 2), has_aux=True
+    )(q, k, v)
+    assert np.isfinite(np.asarray(got)).all() and got.shape == want.shape, name
+    sel = np.broadcast_to(seen[:, :, None, None], got.shape)
+    numerics.assert_close(np.asarray(got)[sel], np.asarray(want)[sel], ulps=ULPS,
+                          scale=float(jnp.max(jnp.abs(want))), err_msg=name)  # fmt: skip
+    numerics.assert_trees_close(got_g, want_g, ulps=ULPS, err_msg=name)
 
 
 @pytest.mark.parametrize(
@@ -125,6 +129,32 @@ def test_splash_equals_xla_forward_and_gradients(T, N, K):
     _assert_equals_xla(
         lambda q, k, v, mask: attention.self_attention(q, k, v, mask, "splash"), T, N, K
     )
+
+
+def test_splash_takes_one_call_for_padded_batches():
+    # Mask.padded (no packed prefixes) runs one splash call, splash's own backward: the same
+    # forward and gradients on the queries that see a key, at half the work.
+    T = 80
+    for name, seg, _ in _layouts(T)[:2]:
+        mask = attention.Mask.padded(jnp.asarray(seg))
+        assert not mask.shared_prefixes
+        _assert_equals_xla_on(
+            lambda q, k, v, mask: attention.self_attention(q, k, v, mask, "splash"),
+            mask, T, 6, 2, name,
+        )  # fmt: skip
+    calls = []
+    real = splash._two_sets
+    try:
+        splash._two_sets = lambda *a: calls.append(1) or real(*a)
+        q, k, v = _qkv(T, 6, 2, 16, jnp.float32)
+        attention.self_attention(q, k, v, attention.Mask.padded(jnp.asarray(seg)), "splash")
+        assert not calls
+        _, seg, pre = _layouts(T)[2]
+        attention.self_attention(q, k, v, attention.Mask.packed(jnp.asarray(seg),
+                                                                jnp.asarray(pre)), "splash")
+        assert calls
+    finally:
+        splash._two_sets = real
 
 
 def test_splash_bf16_inputs_keep_a_float32_softmax():

@@ -56,15 +56,19 @@ class Mask:
     Attributes:
       segments_BT: int32 [B, T].
       prefixes_BT: int32 [B, T].
+      shared_prefixes: static; False when each query sees exactly the earlier keys of its
+        prefix segment (`padded`: prefix 1, the real tokens), so implementations that take the
+        prefixes as a second key set (splash) need one set only.
     """
 
     segments_BT: jax.Array
     prefixes_BT: jax.Array
+    shared_prefixes: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
     @classmethod
     def padded(cls, attention_mask_BT) -> "Mask":
         seg = attention_mask_BT.astype(jnp.int32)
-        return cls(seg, jnp.ones_like(seg))
+        return cls(seg, jnp.ones_like(seg), shared_prefixes=False)
 
     @classmethod
     def packed(cls, segments_BT, prefixes_BT=None) -> "Mask":
@@ -165,7 +169,8 @@ def self_attention(q_BTNH, k_BTKH, v_BTKH, mask: Mask, impl: str = "auto"):
     if impl == "cudnn":
         return fused_attention(q_BTNH, k_BTKH, v_BTKH, mask.dense(), kernel="cudnn")
     if impl == "splash":
-        return splash.attend(q_BTNH, k_BTKH, v_BTKH, mask.segments_BT, mask.prefixes_BT)
+        return splash.attend(q_BTNH, k_BTKH, v_BTKH, mask.segments_BT, mask.prefixes_BT,
+                             prefixes=mask.shared_prefixes)  # fmt: skip
     k_BKHS, v_BKSH = k_BTKH.transpose(0, 2, 3, 1), v_BTKH.transpose(0, 2, 1, 3)
     return attend_causal(q_BTNH, k_BKHS, v_BKSH, mask.dense())
 

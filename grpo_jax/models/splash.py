@@ -20,7 +20,9 @@ theirs. That reuses splash's private forward and backward (`_splash_attention_fo
 mode against the dense path on every layout, so an API change fails there.
 
 Cost: two passes over the causal blocks, twice the attention FLOPs of one flash pass (splash's
-block sparsity comes from the static mask; the segment ids skip no block). Memory: linear in
+block sparsity comes from the static mask; the segment ids skip no block). Padded batches
+(`attention.Mask.padded`: the update without packing, the sampler's prefill) have no second
+key set and take one splash call with splash's own backward. Memory: linear in
 the row, as the blockwise kernel. Rows are padded to a multiple of 128 tokens (splash's block
 unit) with ids no query or key shares.
 
@@ -117,13 +119,19 @@ def _two_sets_bwd(kernel, res, do_RTH):
 _two_sets.defvjp(_two_sets_fwd, _two_sets_bwd)
 
 
-def attend(q_BTNH, k_BTKH, v_BTKH, segments_BT, prefixes_BT, *, interpret: bool | None = None):
+def attend(
+    q_BTNH, k_BTKH, v_BTKH, segments_BT, prefixes_BT, *, prefixes: bool = True,
+    interpret: bool | None = None,
+):  # fmt: skip
     """Causal self-attention with GQA under `attention.Mask`'s rule, by splash.
 
     Args:
       q_BTNH, k_BTKH, v_BTKH: queries, keys, values (compute dtype; the 1/sqrt(H) scale is
         applied to the queries in float32).
       segments_BT, prefixes_BT: int32 segment and prefix ids (`attention.Mask`).
+      prefixes: False when each query sees exactly the earlier keys of its prefix segment
+        (padded batches, `Mask.shared_prefixes`): one splash call (query ids = the prefixes,
+        key ids = the segments), splash's own backward.
       interpret: Pallas interpret mode; None = unless JAX's backend is a TPU.
 
     Returns:
@@ -140,8 +148,9 @@ def attend(q_BTNH, k_BTKH, v_BTKH, segments_BT, prefixes_BT, *, interpret: bool 
     own_q = jnp.pad(jnp.where(seg > 0, seg, _NO_QUERY), ((0, 0), (0, pad)),
                     constant_values=_NO_QUERY)  # fmt: skip
     own_kv = jnp.pad(seg, ((0, 0), (0, pad)), constant_values=_NO_KEY)
-    pre_q = jnp.pad(jnp.where(pre != seg, pre, _NO_QUERY), ((0, 0), (0, pad)),
-                    constant_values=_NO_QUERY)  # fmt: skip
+    if prefixes:  # the second key set: a response's prompt
+        pre = jnp.where(pre != seg, pre, _NO_QUERY)
+    pre_q = jnp.pad(pre, ((0, 0), (0, pad)), constant_values=_NO_QUERY)
     scale = np.float32(H**-0.5)
     q = (q_BTNH.astype(jnp.float32) * scale).astype(q_BTNH.dtype)
     q_BKRTH = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B, Tp, K, R, H)
@@ -151,6 +160,8 @@ def attend(q_BTNH, k_BTKH, v_BTKH, segments_BT, prefixes_BT, *, interpret: bool 
     kernel = _kernel(Tp, R, bool(interpret))
 
     def one(q_RTH, k_TH, v_TH, own_q_T, own_kv_T, pre_q_T):
+        if not prefixes:
+            return kernel(q_RTH, k_TH, v_TH, _sk.SegmentIds(q=pre_q_T, kv=own_kv_T))
         own = _sk.SegmentIds(q=own_q_T, kv=own_kv_T)
         prefix = _sk.SegmentIds(q=pre_q_T, kv=own_kv_T)
         return _two_sets(kernel, q_RTH, k_TH, v_TH, own, prefix)
