@@ -89,6 +89,7 @@ def _assert_equals_xla(attend, T, N, K):
 
 
 def _assert_equals_xla_on(attend, mask, T, N, K, name):
+    """`_assert_equals_xla` on one mask; returns attend's output."""
     q, k, v = _qkv(T, N, K, 16, jnp.float32)
     seen = np.asarray(mask.dense()).any(-1)  # queries that see a key (not padding)
     w = jax.random.normal(jax.random.key(1), q.shape) * seen[:, :, None, None]
@@ -111,6 +112,7 @@ def _assert_equals_xla_on(attend, mask, T, N, K, name):
     numerics.assert_close(np.asarray(got)[sel], np.asarray(want)[sel], ulps=ULPS,
                           scale=float(jnp.max(jnp.abs(want))), err_msg=name)  # fmt: skip
     numerics.assert_trees_close(got_g, want_g, ulps=ULPS, err_msg=name)
+    return np.asarray(got)
 
 
 @pytest.mark.parametrize(
@@ -312,32 +314,14 @@ def test_fused_attention_call_equals_xla_on_every_layout(N, K):
     # a GPU, only the kernel differs. Forward on the queries that see a key (zeros on the
     # others) and gradients.
     T = 80
-    q, k, v = _qkv(T, N, K, 16, jnp.float32)
     for name, seg, pre in _layouts(T):
         mask = attention.Mask(jnp.asarray(seg), jnp.asarray(pre))
-        visible = mask.dense()
-        seen = np.asarray(visible).any(-1)
-        w = jax.random.normal(jax.random.key(1), q.shape) * seen[:, :, None, None]
-
-        def loss(fused, q, k, v, mask=mask, visible=visible, w=w):
-            if fused:
-                o = attention.fused_attention(q, k, v, visible, kernel="xla")
-            else:
-                o = attention.self_attention(q, k, v, mask, "xla")
-            return jnp.sum(o * w), o
-
-        (_, want), want_g = jax.value_and_grad(
-            functools.partial(loss, False), argnums=(0, 1, 2), has_aux=True
-        )(q, k, v)
-        (_, got), got_g = jax.value_and_grad(
-            functools.partial(loss, True), argnums=(0, 1, 2), has_aux=True
-        )(q, k, v)
-        got = np.asarray(got)
+        got = _assert_equals_xla_on(
+            lambda q, k, v, mask: attention.fused_attention(q, k, v, mask.dense(), kernel="xla"),
+            mask, T, N, K, name,
+        )  # fmt: skip
+        seen = np.asarray(mask.dense()).any(-1)
         assert (got[~seen] == 0).all(), name
-        sel = np.broadcast_to(seen[:, :, None, None], got.shape)
-        numerics.assert_close(got[sel], np.asarray(want)[sel], ulps=ULPS,
-                              scale=float(jnp.max(jnp.abs(want))), err_msg=name)  # fmt: skip
-        numerics.assert_trees_close(got_g, want_g, ulps=ULPS, err_msg=name)
 
 
 @pytest.mark.skipif(
