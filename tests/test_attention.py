@@ -159,26 +159,21 @@ def test_splash_takes_one_call_for_padded_batches():
         splash._two_sets = real
 
 
-def test_splash_bf16_inputs_keep_a_float32_softmax():
+@pytest.mark.parametrize(
+    "impl",
+    [
+        lambda q, k, v, m: blockwise.attend(q, k, v, m.segments_BT, m.prefixes_BT, block=32),
+        lambda q, k, v, m: splash.attend(q, k, v, m.segments_BT, m.prefixes_BT, interpret=True),
+    ],
+    ids=["blockwise", "splash"],
+)
+def test_bf16_inputs_keep_a_float32_softmax(impl):
     T = 96
     q, k, v = _qkv(T, 6, 2, 16, jnp.bfloat16)
     _, seg, pre = _layouts(T)[2]
     mask = attention.Mask(jnp.asarray(seg), jnp.asarray(pre))
     seen = np.asarray(mask.dense()).any(-1)[:, :, None, None]
-    got = splash.attend(q, k, v, mask.segments_BT, mask.prefixes_BT, interpret=True)
-    assert got.dtype == jnp.bfloat16
-    want = attention.self_attention(*(x.astype(jnp.float32) for x in (q, k, v)), mask, "xla")
-    err = np.abs(np.asarray(got, np.float32) - np.asarray(want)) * seen
-    assert err.max() < 2e-2 * float(jnp.max(jnp.abs(want)))
-
-
-def test_blockwise_bf16_inputs_keep_a_float32_softmax():
-    T = 96
-    q, k, v = _qkv(T, 6, 2, 16, jnp.bfloat16)
-    _, seg, pre = _layouts(T)[2]
-    mask = attention.Mask(jnp.asarray(seg), jnp.asarray(pre))
-    seen = np.asarray(mask.dense()).any(-1)[:, :, None, None]
-    got = blockwise.attend(q, k, v, mask.segments_BT, mask.prefixes_BT, block=32)
+    got = impl(q, k, v, mask)
     assert got.dtype == jnp.bfloat16
     want = attention.self_attention(*(x.astype(jnp.float32) for x in (q, k, v)), mask, "xla")
     # bf16 inputs and output (8 bits of mantissa); the softmax itself is float32 on both paths.

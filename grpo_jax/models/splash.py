@@ -145,12 +145,16 @@ def attend(
     Tp = -(-T // LANE) * LANE
     pad = Tp - T
     seg, pre = segments_BT.astype(jnp.int32), prefixes_BT.astype(jnp.int32)
-    own_q = jnp.pad(jnp.where(seg > 0, seg, _NO_QUERY), ((0, 0), (0, pad)),
-                    constant_values=_NO_QUERY)  # fmt: skip
-    own_kv = jnp.pad(seg, ((0, 0), (0, pad)), constant_values=_NO_KEY)
-    if prefixes:  # the second key set: a response's prompt
-        pre = jnp.where(pre != seg, pre, _NO_QUERY)
-    pre_q = jnp.pad(pre, ((0, 0), (0, pad)), constant_values=_NO_QUERY)
+
+    def ids(x_BT, fill):  # padded to Tp with an id nothing else carries
+        return jnp.pad(x_BT, ((0, 0), (0, pad)), constant_values=fill)
+
+    own_kv = ids(seg, _NO_KEY)
+    if prefixes:  # own segment, then a response's prompt as the second key set
+        own_q = ids(jnp.where(seg > 0, seg, _NO_QUERY), _NO_QUERY)
+        pre_q = ids(jnp.where(pre != seg, pre, _NO_QUERY), _NO_QUERY)
+    else:  # padded: each query sees its prefix segment's keys, one set
+        own_q = pre_q = ids(pre, _NO_QUERY)
     scale = np.float32(H**-0.5)
     q = (q_BTNH.astype(jnp.float32) * scale).astype(q_BTNH.dtype)
     q_BKRTH = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B, Tp, K, R, H)
@@ -160,9 +164,9 @@ def attend(
     kernel = _kernel(Tp, R, bool(interpret))
 
     def one(q_RTH, k_TH, v_TH, own_q_T, own_kv_T, pre_q_T):
-        if not prefixes:
-            return kernel(q_RTH, k_TH, v_TH, _sk.SegmentIds(q=pre_q_T, kv=own_kv_T))
         own = _sk.SegmentIds(q=own_q_T, kv=own_kv_T)
+        if not prefixes:
+            return kernel(q_RTH, k_TH, v_TH, own)
         prefix = _sk.SegmentIds(q=pre_q_T, kv=own_kv_T)
         return _two_sets(kernel, q_RTH, k_TH, v_TH, own, prefix)
 

@@ -268,6 +268,8 @@ class Decoder(nnx.Module):
         x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "seq", "act_embed"))
         cos_BTH, sin_BTH = rope_tables(c, positions_BT)
         layer_def, layer_state = nnx.split(self.layers)
+        # Self-attention over the T tokens: training, log-probs, and a prefill of a whole cache.
+        self_attend = isinstance(mask, attention.Mask)
 
         def body(carry, xs):
             x_BTD, kv = carry
@@ -275,7 +277,7 @@ class Decoder(nnx.Module):
             layer = nnx.merge(layer_def, state)
             q_BTNH, k_BTKH, v_BTKH = layer.attn.qkv(layer.input_norm(x_BTD), cos_BTH, sin_BTH)
             q_BTNH = nn.with_logical_constraint(q_BTNH, ("batch", "seq", "act_heads", None))
-            if kv is None or isinstance(mask, attention.Mask):  # self-attention over T
+            if self_attend:
                 o_BTNH = attention.self_attention(q_BTNH, k_BTKH.astype(c.dtype),
                                                   v_BTKH.astype(c.dtype), mask,
                                                   c.attention_impl)  # fmt: skip
@@ -293,7 +295,7 @@ class Decoder(nnx.Module):
                     v_LBKSH, v_BKTH[None].astype(v_LBKSH.dtype), (layer_idx, 0, 0, index, 0)
                 )
                 kv = (k_LBKHS, v_LBKSH)
-                if not isinstance(mask, attention.Mask):
+                if not self_attend:
                     k_BKHS, v_BKSH = k_LBKHS[layer_idx], v_LBKSH[layer_idx]
                     o_BTNH = attention.attend(
                         q_BTNH, k_BKHS.astype(c.dtype), v_BKSH.astype(c.dtype), mask
