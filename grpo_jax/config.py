@@ -588,6 +588,13 @@ class RolloutConfig:
     # the weights after every update (verl one-step-off: rollout.nnodes x n_gpus_per_node).
     # 0 = the sampler shares the trainer's devices (with a copy of the params).
     num_devices: int = 0
+    # The native engine's continuous batching (vLLM's names and verl's defaults): a step with
+    # more than max_num_seqs rows (prompts x n) decodes at most that many at a time from a pool
+    # of KV pages, refilling the slots of finished rows (grpo_jax/rollout/paged.py); prompts are
+    # prefilled in chunks of at most max_num_batched_tokens tokens. Up to max_num_seqs rows, the
+    # whole step decodes at once from the grouped cache (sampler.sample).
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
     val_kwargs: ValKwargs = ValKwargs()
     vllm: VLLMSettings = VLLMSettings()
 
@@ -596,7 +603,8 @@ class RolloutConfig:
         c = _Checks("rollout")
         c.choice("name", self.name, ("jax", "vllm"))
         c.choice("logprobs_mode", self.logprobs_mode, sampler.LOGPROBS_MODES)
-        _positive(c, self, "n", "log_prob_micro_batch_size_per_gpu")
+        _positive(c, self, "n", "log_prob_micro_batch_size_per_gpu", "max_num_seqs",
+                  "max_num_batched_tokens")  # fmt: skip
         c.need(
             self.log_prob_max_token_len_per_gpu is None or self.log_prob_max_token_len_per_gpu >= 1,
             "log_prob_max_token_len_per_gpu",

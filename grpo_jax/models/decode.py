@@ -367,35 +367,10 @@ def _decode_layers(
     index = cache.index
     cos_BTH, sin_BTH = transformer.rope_tables(c, cache.pos_B[:, None])
     cos_HB, sin_HB = cos_BTH[:, 0].T, sin_BTH[:, 0].T
-    x_DB = jnp.take(params.embed_VD, tokens_B, axis=0).astype(dt).T
-    x_DB = nn.with_logical_constraint(x_DB, ("act_embed", "batch"))
-
-    def proj(w, name, x_IB):  # as _Proj: x @ W (+ LoRA, unmerged) + bias, transposed
-        y_OB = jnp.dot(w[name], x_IB.astype(dt))
-        if f"{name}_lora_a" in w:
-            lora_OB = jnp.dot(w[f"{name}_lora_b"], jnp.dot(w[f"{name}_lora_a"], x_IB.astype(dt)))
-            y_OB = y_OB + lora_OB * c.lora_scale
-        if f"{name}_bias" in w:
-            y_OB = y_OB + w[f"{name}_bias"][:, None]
-        return y_OB
-
-    def rope(x_nHB):  # as _rope, with the head dim on axis 1
-        x1, x2 = jnp.split(x_nHB, 2, axis=1)
-        rotated = jnp.concatenate([-x2, x1], axis=1)
-        cos_1HB, sin_1HB = cos_HB[None].astype(x_nHB.dtype), sin_HB[None].astype(x_nHB.dtype)
-        return x_nHB * cos_1HB + rotated * sin_1HB
-
+    x_DB = embed_fm(c, params, tokens_B)
     new_k, new_v = [], []
     for layer, w in enumerate(params.layers):
-        h_DB = _rms_norm_fm(x_DB, w["input_norm"], c.rms_norm_eps, dt, axis=0)
-        q_NHB = proj(w, "q", h_DB).reshape(N, H, B)
-        k_KHB = proj(w, "k", h_DB).reshape(K, H, B)
-        v_KHB = proj(w, "v", h_DB).reshape(K, H, B)
-        if c.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
-            q_NHB = _rms_norm_fm(q_NHB, w["q_norm"], c.rms_norm_eps, dt, axis=1)
-            k_KHB = _rms_norm_fm(k_KHB, w["k_norm"], c.rms_norm_eps, dt, axis=1)
-        q_NHB = nn.with_logical_constraint(rope(q_NHB), ("act_heads", None, "batch"))
-        k_KHB = rope(k_KHB)
+        q_NHB, k_KHB, v_KHB = qkv_fm(c, w, x_DB, cos_HB, sin_HB)
         k_BKHC = _write_block(cache.k_BKHC[layer], k_KHB.transpose(2, 0, 1)[..., None], index, 3)
         v_BKCH = _write_block(cache.v_BKCH[layer], v_KHB.transpose(2, 0, 1)[:, :, None], index, 2)
         q_BKRH = q_NHB.transpose(2, 0, 1).reshape(B, K, R, H)
@@ -410,26 +385,80 @@ def _decode_layers(
             n=cache.n,
             index=index,
         )
-        o_DB = proj(w, "o", o_BKRH.reshape(B, N * H).T)
-        x_DB = x_DB + nn.with_logical_constraint(o_DB, ("act_embed", "batch"))
-        h_DB = _rms_norm_fm(x_DB, w["post_attn_norm"], c.rms_norm_eps, dt, axis=0)
-        a_FB = jax.nn.silu(proj(w, "gate", h_DB)) * proj(w, "up", h_DB)
-        a_FB = nn.with_logical_constraint(a_FB, ("act_mlp", "batch"))
-        x_DB = x_DB + proj(w, "down", a_FB)
+        x_DB = out_mlp_fm(c, w, x_DB, o_BKRH.reshape(B, N * H).T)
         new_k.append(k_BKHC)
         new_v.append(v_BKCH)
-    # h back to [rows, D] for the head (as ``Decoder.unembed``). The barrier keeps XLA from
-    # folding the transpose into the head's dot: XLA:CPU has no bf16 kernel for that form.
-    h_BD = jax.lax.optimization_barrier(
-        _rms_norm_fm(x_DB, params.final_norm_D, c.rms_norm_eps, dt, axis=0).T
-    )
-    logits_BV = jnp.einsum(
-        "BD,VD->BV", h_BD.astype(dt), params.head_VD, preferred_element_type=jnp.float32
-    )
+    logits_BV = head_logits_fm(c, params, x_DB)
     new_cache = dataclasses.replace(
         cache, k_BKHC=tuple(new_k), v_BKCH=tuple(new_v), pos_B=cache.pos_B + 1, index=index + 1
     )
     return logits_BV, new_cache
+
+
+def embed_fm(c: config_lib.ModelConfig, params: DecodeParams, tokens_B):
+    """The token embeddings of ``tokens_B`` feature-major, [D, B], in the compute dtype."""
+    x_DB = jnp.take(params.embed_VD, tokens_B, axis=0).astype(c.dtype).T
+    return nn.with_logical_constraint(x_DB, ("act_embed", "batch"))
+
+
+def project_fm(c: config_lib.ModelConfig, w: dict, name: str, x_IB):
+    """A projection of ``DecodeParams`` layer ``w`` feature-major, as ``_Proj``: ``W_OI @ x_IB``
+    (+ LoRA, unmerged, + bias)."""
+    dt = c.dtype
+    y_OB = jnp.dot(w[name], x_IB.astype(dt))
+    if f"{name}_lora_a" in w:
+        lora_OB = jnp.dot(w[f"{name}_lora_b"], jnp.dot(w[f"{name}_lora_a"], x_IB.astype(dt)))
+        y_OB = y_OB + lora_OB * c.lora_scale
+    if f"{name}_bias" in w:
+        y_OB = y_OB + w[f"{name}_bias"][:, None]
+    return y_OB
+
+
+def _rope_fm(x_nHB, cos_HB, sin_HB):
+    """``_rope`` with the head dim on axis 1."""
+    x1, x2 = jnp.split(x_nHB, 2, axis=1)
+    rotated = jnp.concatenate([-x2, x1], axis=1)
+    cos_1HB, sin_1HB = cos_HB[None].astype(x_nHB.dtype), sin_HB[None].astype(x_nHB.dtype)
+    return x_nHB * cos_1HB + rotated * sin_1HB
+
+
+def qkv_fm(c: config_lib.ModelConfig, w: dict, x_DB, cos_HB, sin_HB):
+    """A layer's rotary-embedded (q_NHB, k_KHB, v_KHB) of the residual ``x_DB``, feature-major
+    (input RMSNorm, projections, Qwen3's q/k norm, RoPE at the columns' positions)."""
+    N, K, H, B = c.num_heads, c.num_kv_heads, c.head_dim, x_DB.shape[1]
+    h_DB = _rms_norm_fm(x_DB, w["input_norm"], c.rms_norm_eps, c.dtype, axis=0)
+    q_NHB = project_fm(c, w, "q", h_DB).reshape(N, H, B)
+    k_KHB = project_fm(c, w, "k", h_DB).reshape(K, H, B)
+    v_KHB = project_fm(c, w, "v", h_DB).reshape(K, H, B)
+    if c.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
+        q_NHB = _rms_norm_fm(q_NHB, w["q_norm"], c.rms_norm_eps, c.dtype, axis=1)
+        k_KHB = _rms_norm_fm(k_KHB, w["k_norm"], c.rms_norm_eps, c.dtype, axis=1)
+    q_NHB = _rope_fm(q_NHB, cos_HB, sin_HB)
+    q_NHB = nn.with_logical_constraint(q_NHB, ("act_heads", None, "batch"))
+    return q_NHB, _rope_fm(k_KHB, cos_HB, sin_HB), v_KHB
+
+
+def out_mlp_fm(c: config_lib.ModelConfig, w: dict, x_DB, o_XB):
+    """The rest of a layer after attention, feature-major: the output projection of the heads'
+    outputs ``o_XB`` ([N*H, B]) added to ``x_DB``, then the SwiGLU MLP block."""
+    o_DB = project_fm(c, w, "o", o_XB)
+    x_DB = x_DB + nn.with_logical_constraint(o_DB, ("act_embed", "batch"))
+    h_DB = _rms_norm_fm(x_DB, w["post_attn_norm"], c.rms_norm_eps, c.dtype, axis=0)
+    a_FB = jax.nn.silu(project_fm(c, w, "gate", h_DB)) * project_fm(c, w, "up", h_DB)
+    a_FB = nn.with_logical_constraint(a_FB, ("act_mlp", "batch"))
+    return x_DB + project_fm(c, w, "down", a_FB)
+
+
+def head_logits_fm(c: config_lib.ModelConfig, params: DecodeParams, x_DB):
+    """float32 logits [B, V] of the final residual ``x_DB`` (final norm, then the head)."""
+    # h back to [rows, D] for the head (as ``Decoder.unembed``). The barrier keeps XLA from
+    # folding the transpose into the head's dot: XLA:CPU has no bf16 kernel for that form.
+    h_BD = jax.lax.optimization_barrier(
+        _rms_norm_fm(x_DB, params.final_norm_D, c.rms_norm_eps, c.dtype, axis=0).T
+    )
+    return jnp.einsum(
+        "BD,VD->BV", h_BD.astype(c.dtype), params.head_VD, preferred_element_type=jnp.float32
+    )
 
 
 def _write_block(blocks, new, index, axis: int):

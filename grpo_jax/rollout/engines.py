@@ -19,7 +19,7 @@ import jax
 from grpo_jax import distributed, sampler, sharding
 from grpo_jax import model as model_lib
 from grpo_jax.models import lora
-from grpo_jax.rollout import vllm_sidecar
+from grpo_jax.rollout import paged, vllm_sidecar
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +99,10 @@ class NativeEngine:
 
     `logprobs_mode` (rollout.logprobs_mode, sampler.LOGPROBS_MODES) is what its rollouts'
     log_probs hold, as vLLM's server-wide --logprobs-mode.
+
+    A call of more than `max_num_seqs` rows (rollout.max_num_seqs) decodes them through
+    `rollout.paged.sample_paged` (continuous batching over a KV page pool, the same rollout);
+    up to that, all rows at once through `sampler.sample`.
     """
 
     def __init__(
@@ -111,8 +115,11 @@ class NativeEngine:
         own_params: bool = False,
         rules=sharding.LOGICAL_RULES,
         logprobs_mode: str = "processed_logprobs",
+        max_num_seqs: int = paged.MAX_NUM_SEQS,
+        max_num_batched_tokens: int = paged.MAX_NUM_BATCHED_TOKENS,
     ):
         sampler.check_logprobs_mode(logprobs_mode)
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.model_config, self.mesh = model_config, mesh
         self.eos_ids, self.pad_id = tuple(eos_ids), pad_id
         self.own_params, self.rules = own_params, rules
@@ -168,17 +175,14 @@ class NativeEngine:
             for x in (prompt_ids_PT, prompt_mask_PT)
         )
         with sharding.use_mesh(self.mesh, self.rules):  # also from another thread (async)
-            return sampler.sample(
-                self.model_config,
-                params,
-                ids,
-                mask,
-                rng,
-                eos_token_ids=self.eos_ids,
-                pad_token_id=self.pad_id,
-                logprobs_mode=self.logprobs_mode,
-                **sp.kwargs(),
-            )
+            kwargs = dict(eos_token_ids=self.eos_ids, pad_token_id=self.pad_id,
+                          logprobs_mode=self.logprobs_mode, **sp.kwargs())  # fmt: skip
+            if ids.shape[0] * sp.n > self.max_num_seqs:  # continuous batching over pages
+                return paged.sample_paged(
+                    self.model_config, params, ids, mask, rng, max_num_seqs=self.max_num_seqs,
+                    max_num_batched_tokens=self.max_num_batched_tokens, **kwargs,
+                )  # fmt: skip
+            return sampler.sample(self.model_config, params, ids, mask, rng, **kwargs)
 
     def close(self) -> None:
         self.params = None

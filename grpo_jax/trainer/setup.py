@@ -181,6 +181,8 @@ def make_engine(
             own_params=run.trainer.async_rollout,
             rules=rules,
             logprobs_mode=run.rollout.logprobs_mode,
+            max_num_seqs=run.rollout.max_num_seqs,
+            max_num_batched_tokens=run.rollout.max_num_batched_tokens,
         )
     if jax.process_count() > 1:
         raise ValueError(

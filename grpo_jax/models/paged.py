@@ -1,0 +1,202 @@
+"""A paged KV cache: a fixed pool of pages and the forward pass that reads and writes it.
+
+`KVPool` holds every layer's keys and values in `num_pages` pages of `page_size` token slots
+(vLLM's blocks). A sequence owns a list of pages, its *page table*; its logical slot j lives in
+page `page_table[j // page_size]`, column `j % page_size`. Pages are shared by reference: the
+n rows of a GRPO group point at the same prompt pages. Page `TRASH_PAGE` is never handed out:
+writes of idle slots and padding tokens go there, and no mask ever admits it.
+
+`paged_forward` runs T tokens of each of B sequences through the model over the pool: it writes
+each token's key and value at its slot, then attends over the pages of the sequence's table
+that `key_valid_BTS` admits. It is the decode step (T = 1) and a chunk of a prompt's prefill
+(T = chunk) alike, in the per-layer, feature-major form of ``decode._decode_layers``
+(``DecodeParams``, one buffer per layer so a decode loop updates the pool in place).
+
+On every platform the attention gathers the sequence's pages (an XLA gather) and runs one
+softmax over them in float32. TPU's Pallas ragged paged attention is the kernel for this layout
+(`rollout/paged.py` says why it is not wired yet).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax
+import jax
+import jax.numpy as jnp
+
+from grpo_jax.models import config as config_lib
+from grpo_jax.models import decode, transformer
+
+TRASH_PAGE = 0  # written by idle slots and padding, never read
+
+
+@flax.struct.dataclass
+class KVPool:
+    """Keys and values of every layer in pages (a pytree; donate it to the programs).
+
+    Attributes:
+      k_NKHP: L arrays [num_pages, K, H, page_size], rotary-embedded keys, head dim before the
+        slots (as ``KVCache``: a query's scores read each page with the slots contiguous).
+      v_NKPH: L arrays [num_pages, K, page_size, H].
+    """
+
+    k_NKHP: tuple[jax.Array, ...]
+    v_NKPH: tuple[jax.Array, ...]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_NKHP[0].shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_NKHP[0].shape[3]
+
+
+def init_pool(
+    config: config_lib.ModelConfig, num_pages: int, page_size: int, *, dtype=None
+) -> KVPool:
+    """An empty pool (zeros) of `num_pages` pages of `page_size` slots, in `dtype` (default:
+    the compute dtype, as ``decode.init_cache``)."""
+    if num_pages < 2 or page_size < 1:
+        raise ValueError(
+            f"a KV pool needs num_pages >= 2 (page {TRASH_PAGE} is the trash page) and "
+            f"page_size >= 1; got {num_pages} and {page_size}"
+        )
+    dtype = config.dtype if dtype is None else dtype
+    K, H = config.num_kv_heads, config.head_dim
+    return KVPool(
+        k_NKHP=tuple(
+            jnp.zeros((num_pages, K, H, page_size), dtype) for _ in range(config.num_layers)
+        ),
+        v_NKPH=tuple(
+            jnp.zeros((num_pages, K, page_size, H), dtype) for _ in range(config.num_layers)
+        ),
+    )
+
+
+def pool_bytes(config: config_lib.ModelConfig, num_pages: int, page_size: int, dtype=None) -> int:
+    """The bytes of `init_pool(config, num_pages, page_size, dtype=dtype)`."""
+    dtype = jnp.dtype(config.dtype if dtype is None else dtype)
+    per_slot = 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
+    return num_pages * page_size * per_slot
+
+
+def paged_forward(
+    config: config_lib.ModelConfig,
+    params: decode.DecodeParams,
+    pool: KVPool,
+    tokens_BT,
+    positions_BT,
+    write_page_BT,
+    write_column_BT,
+    page_table_BM,
+    key_valid_BTS,
+    pages_used=None,
+):
+    """T tokens of each of B sequences through the model over the paged cache.
+
+    Args:
+      config: the model config.
+      params: ``decode.decode_params`` weights.
+      pool: the KV pool; returned with the tokens' keys and values written.
+      tokens_BT: int32 token ids.
+      positions_BT: int32 rotary positions.
+      write_page_BT / write_column_BT: int32, where each token's key and value go
+        (`TRASH_PAGE` for tokens that must not be stored).
+      page_table_BM: int32 [B, M], the pages each sequence attends over, in logical order: key
+        slot s of the gathered sequence is page s // page_size, column s % page_size.
+      key_valid_BTS: bool [B, T, S], S = M * page_size: which slots token t attends to (its
+        own, written first, included).
+      pages_used: optional int32 scalar, how many leading pages of the tables any token
+        attends to: the attention then reads only the first `page_buckets(M)` bucket of pages
+        that covers them (a `lax.switch`), not all M.
+
+    Returns:
+      (x_DX, pool): the final residual stream feature-major, [D, B * T] (row-major over (B, T);
+      ``decode.head_logits_fm`` gives logits), and the updated pool.
+    """
+    c = config
+    dt = c.dtype
+    B, T = tokens_BT.shape
+    M = page_table_BM.shape[1]
+    N, K, H = c.num_heads, c.num_kv_heads, c.head_dim
+    R = N // K
+    P = pool.page_size
+    S = M * P
+    if key_valid_BTS.shape != (B, T, S):
+        raise ValueError(f"key_valid_BTS {key_valid_BTS.shape} must be {(B, T, S)}")
+    X = B * T
+    if pages_used is not None and pages_used.ndim != 0:
+        raise ValueError("pages_used must be a scalar")
+    cos_BTH, sin_BTH = transformer.rope_tables(c, positions_BT)
+    cos_HX, sin_HX = cos_BTH.reshape(X, H).T, sin_BTH.reshape(X, H).T
+    x_DX = decode.embed_fm(c, params, tokens_BT.reshape(X))
+    page_X, column_X = write_page_BT.reshape(X), write_column_BT.reshape(X)
+    new_k, new_v = [], []
+    for layer, w in enumerate(params.layers):
+        q_NHX, k_KHX, v_KHX = decode.qkv_fm(c, w, x_DX, cos_HX, sin_HX)
+        k_pool = pool.k_NKHP[layer].at[page_X, :, :, column_X].set(
+            k_KHX.transpose(2, 0, 1).astype(pool.k_NKHP[layer].dtype)
+        )
+        v_pool = pool.v_NKPH[layer].at[page_X, :, column_X, :].set(
+            v_KHX.transpose(2, 0, 1).astype(pool.v_NKPH[layer].dtype)
+        )
+        new_k.append(k_pool)
+        new_v.append(v_pool)
+        # Queries [N, H, B*T] -> [B, K, T*R, H] (head n = k * R + r, as the model's GQA).
+        q_BKQH = q_NHX.reshape(K, R, H, B, T).transpose(3, 0, 4, 1, 2).reshape(B, K, T * R, H)
+        if pages_used is None:
+            o_BKTRH = _attend_pages(q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS, dt)
+        else:  # only the first pages any sequence uses: a branch per bucket of page counts
+            buckets = page_buckets(M)
+            branches = [functools.partial(_attend_first, m, dt) for m in buckets]
+            o_BKTRH = jax.lax.switch(
+                jnp.searchsorted(jnp.asarray(buckets, jnp.int32), pages_used), branches,
+                q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS,
+            )  # fmt: skip
+        # [B, K, T, R, H] -> [N * H, B * T]
+        o_XX = o_BKTRH.transpose(1, 3, 4, 0, 2).reshape(N * H, X)
+        x_DX = decode.out_mlp_fm(c, w, x_DX, o_XX)
+    return x_DX, KVPool(k_NKHP=tuple(new_k), v_NKPH=tuple(new_v))
+
+
+PAGE_BUCKETS = 8  # branches of a decode step's attention (`page_buckets`)
+
+
+@functools.cache
+def page_buckets(num_pages: int) -> tuple[int, ...]:
+    """The page counts a decode step's attention is compiled for: PAGE_BUCKETS even steps up
+    to `num_pages` (fewer when num_pages is small), e.g. 28 -> (4, 7, 11, 14, 18, 21, 25, 28)."""
+    return tuple(sorted({-(-num_pages * i // PAGE_BUCKETS) for i in range(1, PAGE_BUCKETS + 1)}))
+
+
+def _attend_first(m: int, dt, q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS):
+    P = k_pool.shape[3]
+    return _attend_pages(
+        q_BKQH, k_pool, v_pool, page_table_BM[:, :m], key_valid_BTS[..., : m * P], dt
+    )
+
+
+def _attend_pages(q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS, dt):
+    """Softmax attention of q [B, K, T*R, H] over the pages of each sequence's table (gathered),
+    where `key_valid_BTS` admits; float32 [B, K, T, R, H]."""
+    B, K, Q, H = q_BKQH.shape
+    M, P = page_table_BM.shape[1], k_pool.shape[3]
+    T = key_valid_BTS.shape[1]
+    S = M * P
+    # The sequences' pages, gathered: [B, M, K, H, P] -> [B, K, H, S].
+    k_BKHS = k_pool[page_table_BM].transpose(0, 2, 3, 1, 4).reshape(B, K, H, S).astype(dt)
+    v_BKSH = v_pool[page_table_BM].transpose(0, 2, 1, 3, 4).reshape(B, K, S, H).astype(dt)
+    s_BKQS = jnp.einsum(
+        "bkqh,bkhs->bkqs", q_BKQH, k_BKHS, preferred_element_type=jnp.float32
+    ) * (H**-0.5)
+    s_BKTRS = jnp.where(
+        key_valid_BTS[:, None, :, None, :], s_BKQS.reshape(B, K, T, Q // T, S),
+        jnp.finfo(jnp.float32).min,
+    )  # fmt: skip
+    m = jnp.max(s_BKTRS, axis=-1, keepdims=True)
+    e = jnp.exp(s_BKTRS - m)
+    return jnp.einsum(
+        "bktrs,bksh->bktrh", e.astype(dt), v_BKSH, preferred_element_type=jnp.float32
+    ) / jnp.sum(e, axis=-1, keepdims=True)

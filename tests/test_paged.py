@@ -1,0 +1,229 @@
+"""The paged engine (`grpo_jax.rollout.paged`): the same rollout as `sampler.sample` whatever
+the schedule, a pool that is bounded and reused, and clear errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpo_jax import model, sampler
+from grpo_jax.models import paged as paged_model
+from grpo_jax.rollout import paged
+
+_PAD, _EOS = 0, 3
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    config = model.ModelConfig.tiny()
+    return config, model.init_params(config, jax.random.key(0))
+
+
+def _prompts(lengths, vocab, seed):
+    """Left-padded prompts of the given lengths (ids in [4, vocab): no EOS, no pad)."""
+    rng = np.random.default_rng(seed)
+    width = max(lengths)
+    ids = np.full((len(lengths), width), _PAD, np.int32)
+    mask = np.zeros_like(ids)
+    for i, length in enumerate(lengths):
+        ids[i, width - length :] = rng.integers(4, vocab, size=length)
+        mask[i, width - length :] = 1
+    return ids, mask
+
+
+def _assert_same_rollout(config, params, ids, mask, rng, ref, out, *, temperature, top_k, top_p):
+    """Equal tokens, masks and (1e-5) log-probs; where a row parts from the reference, it must
+    be at a near-tie of the reference's own logits there (greedy: the two tokens' logits
+    within 1e-4; sampled: the row's uniform within 1e-4 of a CDF boundary between them)."""
+    np.testing.assert_array_equal(np.asarray(out.prompt_ids), np.asarray(ref.prompt_ids))
+    np.testing.assert_array_equal(np.asarray(out.group_ids), np.asarray(ref.group_ids))
+    got, want = np.asarray(out.response_ids), np.asarray(ref.response_ids)
+    n = got.shape[0] // ids.shape[0]
+    parted = []
+    for b in np.flatnonzero((got != want).any(axis=1)):
+        t = int(np.argmax(got[b] != want[b]))
+        prompt = ids[b // n][mask[b // n] > 0]
+        seq = np.concatenate([prompt, want[b, :t]])[None]
+        logits = model.forward(config, params, jnp.asarray(seq), jnp.ones_like(seq))[0, -1]
+        a, c = int(want[b, t]), int(got[b, t])
+        if temperature == 0:
+            gap = abs(float(logits[a] - logits[c]))
+        else:
+            logp = jax.nn.log_softmax(logits / temperature)
+            probs = np.exp(np.asarray(sampler.top_k_top_p_filter(logp, top_k=top_k, top_p=top_p)))
+            cdf = np.cumsum(probs / probs.sum())
+            key = jax.random.fold_in(jax.random.fold_in(rng, b), t)
+            u = float(jax.random.uniform(key))
+            gap = float(np.min(np.abs(cdf[min(a, c) : max(a, c)] - u)))
+        assert gap <= 1e-4, f"row {b} parts at response token {t} ({a} vs {c}), gap {gap}"
+        parted.append(b)
+    same = np.setdiff1d(np.arange(got.shape[0]), parted)
+    for field in ("response_mask", "log_probs"):
+        x, y = np.asarray(getattr(out, field))[same], np.asarray(getattr(ref, field))[same]
+        np.testing.assert_allclose(x, y, rtol=0, atol=1e-5, err_msg=field)
+    assert len(parted) <= max(1, got.shape[0] // 10), f"{len(parted)} rows parted"
+
+
+_SCHEDULES = {  # max_num_seqs, page_size, max_num_batched_tokens, segment_steps
+    "all rows at once": (1024, 16, 8192, 16),
+    "4 slots, small pages, one chunk a call": (4, 4, 8, 3),
+    "5 slots, chunks of 16": (5, 8, 16, 16),
+    "one slot": (1, 2, 4, 2),
+}
+
+
+@pytest.mark.parametrize("schedule", list(_SCHEDULES), ids=list(_SCHEDULES))
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(0.0, -1, 1.0), (1.0, -1, 1.0), (0.8, 5, 0.9)],
+    ids=["greedy", "sampled", "top-k-top-p"],
+)  # fmt: skip
+def test_the_rollout_is_sampler_samples_whatever_the_schedule(
+    tiny, schedule, temperature, top_k, top_p
+):
+    config, params = tiny
+    # Lengths 1 (nothing shared: the prompt is the row's first fed token) to past a page, EOS
+    # in the vocabulary (rows finish early) and a 20-token cap (the rest stop at the length).
+    ids, mask = _prompts([5, 9, 1, 17, 3, 30], config.vocab_size, seed=1)
+    rng = jax.random.key(7)
+    kw = dict(n=3, max_new_tokens=20, temperature=temperature, top_k=top_k, top_p=top_p,
+              pad_token_id=_PAD)  # fmt: skip
+    # The EOS: a token the rollout draws mid-way, so some rows end early and others run on.
+    drawn = np.asarray(sampler.sample(config, params, ids, mask, rng, **kw).response_ids)
+    kw["eos_token_ids"] = (int(drawn[0, 6]),)
+    ref = sampler.sample(config, params, ids, mask, rng, **kw)
+    seqs, page, batched, segment = _SCHEDULES[schedule]
+    stats = {}
+    out = paged.sample_paged(
+        config, params, ids, mask, rng, max_num_seqs=seqs, page_size=page,
+        max_num_batched_tokens=batched, segment_steps=segment, stats=stats, **kw,
+    )  # fmt: skip
+    _assert_same_rollout(config, params, ids, mask, rng, ref, out, temperature=temperature,
+                         top_k=top_k, top_p=top_p)  # fmt: skip
+    lengths = np.asarray(mask).sum(axis=1)
+    # Every prompt is prefilled once, whatever the slots: its n rows share its pages.
+    assert stats["prefill_tokens"] == int(np.sum(lengths - 1))
+    assert stats["peak_rows"] <= min(seqs, 18)
+    assert stats["peak_pages"] <= stats["num_pages"] - 1
+    mask_out = np.asarray(out.response_mask)
+    assert (mask_out.sum(axis=1) < 20).any() and (mask_out.sum(axis=1) == 20).any()
+
+
+@pytest.mark.parametrize("logprobs_mode", sampler.LOGPROBS_MODES)
+def test_logprobs_modes_are_the_samplers(tiny, logprobs_mode):
+    config, params = tiny
+    ids, mask = _prompts([6, 2, 11], config.vocab_size, seed=2)
+    kw = dict(n=2, max_new_tokens=8, temperature=0.7, top_k=7, eos_token_ids=(_EOS,),
+              logprobs_mode=logprobs_mode)  # fmt: skip
+    ref = sampler.sample(config, params, ids, mask, jax.random.key(3), **kw)
+    out = paged.sample_paged(config, params, ids, mask, jax.random.key(3), max_num_seqs=3,
+                             page_size=4, **kw)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(out.response_ids), np.asarray(ref.response_ids))
+    np.testing.assert_allclose(np.asarray(out.log_probs), np.asarray(ref.log_probs), atol=1e-5)
+
+
+def test_finished_rows_give_their_slots_and_pages_to_waiting_rows(tiny):
+    config, params = tiny
+    ids, mask = _prompts([4, 4, 4, 4], config.vocab_size, seed=3)
+    stats = {}
+    paged.sample_paged(config, params, ids, mask, jax.random.key(0), n=4, max_new_tokens=12,
+                       eos_token_ids=(_EOS,), max_num_seqs=4, page_size=4, stats=stats)  # fmt: skip
+    # 16 rows through 4 slots: admitted in several waves, never more than 4 at once, and the
+    # pool (1 trash + 4 rows x 3 response pages + 2 groups x the prompt pages of the bucketed
+    # width, 63 shared tokens: 16) never overflows.
+    admitted = [r for kind, rows in stats["trace"] if kind == "admit" for r in rows]
+    assert sorted(admitted) == list(range(16)) and admitted == sorted(admitted)
+    assert stats["admit_calls"] >= 4 and stats["peak_rows"] == 4
+    assert stats["num_pages"] == 1 + 4 * 3 + 2 * 16
+    assert stats["peak_pages"] <= stats["num_pages"] - 1
+
+
+def test_a_long_prompt_is_prefilled_between_decode_segments(tiny):
+    config, params = tiny
+    # Group 0 is short; group 1's 40 shared tokens take 5 chunks of 8 while group 0 decodes.
+    ids, mask = _prompts([3, 41], config.vocab_size, seed=4)
+    stats = {}
+    out = paged.sample_paged(
+        config, params, ids, mask, jax.random.key(1), n=2, max_new_tokens=24, temperature=1.0,
+        max_num_seqs=4, page_size=8, max_num_batched_tokens=8, segment_steps=2, stats=stats,
+    )  # fmt: skip
+    kinds = [kind for kind, _ in stats["trace"]]
+    first_decode = kinds.index("decode")
+    assert "prefill" in kinds[first_decode:], stats["trace"]
+    chunks_of_1 = [i for i, (kind, g) in enumerate(stats["trace"]) if kind == "prefill" and 1 in g]
+    assert len(chunks_of_1) == 5
+    assert any(kinds[i] == "decode" for i in range(chunks_of_1[0], chunks_of_1[-1]))
+    ref = sampler.sample(config, params, ids, mask, jax.random.key(1), n=2, max_new_tokens=24,
+                         temperature=1.0)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(out.response_ids), np.asarray(ref.response_ids))
+
+
+def test_each_program_compiles_once_per_shape(tiny):
+    config, params = tiny
+    kw = dict(n=2, max_new_tokens=10, eos_token_ids=(_EOS,), max_num_seqs=3, page_size=4,
+              max_num_batched_tokens=16)  # fmt: skip
+    ids, mask = _prompts([7, 2, 5], config.vocab_size, seed=5)
+    paged.sample_paged(config, params, ids, mask, jax.random.key(0), **kw)
+    programs = paged._programs()
+    sizes = {name: fn._cache_size() for name, fn in programs.items()}
+    # Other prompts of the same bucket, another key: other schedules, no new program.
+    ids, mask = _prompts([3, 9, 1], config.vocab_size, seed=6)
+    paged.sample_paged(config, params, ids, mask, jax.random.key(5), **kw)
+    assert {name: fn._cache_size() for name, fn in programs.items()} == sizes
+
+
+def test_a_pool_too_small_for_one_row_names_the_knobs(tiny):
+    config, params = tiny
+    ids, mask = _prompts([30], config.vocab_size, seed=0)
+    with pytest.raises(ValueError, match="cannot hold one row") as e:
+        paged.sample_paged(config, params, ids, mask, jax.random.key(0), n=2,
+                           max_new_tokens=16, page_size=8, num_pages=8)  # fmt: skip
+    for knob in ("num_pages", "page size", "max_prompt_length", "max_response_length"):
+        assert knob in str(e.value)
+    with pytest.raises(ValueError, match="rollout.max_num_seqs=0"):
+        paged.plan_pool(num_prompts=1, n=1, prompt_width=4, max_new_tokens=4, max_num_seqs=0)
+
+
+def test_page_buckets_cover_every_count():
+    for m in (1, 2, 7, 28, 200):
+        buckets = paged_model.page_buckets(m)
+        assert buckets[-1] == m and len(buckets) <= paged_model.PAGE_BUCKETS
+        assert list(buckets) == sorted(set(buckets)) and buckets[0] >= 1
+
+
+def test_the_native_engine_pages_steps_of_more_than_max_num_seqs_rows(tiny, tmp_path,
+                                                                     monkeypatch):  # fmt: skip
+    # rollout.max_num_seqs -> setup.make_engine -> NativeEngine: on the trainer's 8-device FSDP
+    # mesh (sharded params, sharded prompts), a step of 8 x 2 = 16 rows over 5 slots takes the
+    # paged engine and returns the rollout of the grouped sampler, on the same sharding.
+    from grpo_jax import config as config_lib
+    from grpo_jax import sharding
+    from grpo_jax.rollout import engines
+    from grpo_jax.trainer import setup
+
+    config, params = tiny
+    mesh = sharding.make_mesh((1, 8, 1))
+    with sharding.use_mesh(mesh, sharding.LOGICAL_RULES):
+        params = jax.device_put(params, sharding.param_shardings(config, mesh,
+                                                                 sharding.LOGICAL_RULES))
+    ids, mask = _prompts([6, 2, 13, 1, 4, 9, 3, 7], config.vocab_size, seed=8)
+    sp = engines.SamplingParams(n=2, max_new_tokens=9, temperature=1.0, top_k=30)
+    calls = []
+    monkeypatch.setattr(paged, "sample_paged", lambda *a, **k: calls.append(k) or
+                        _real_sample_paged(*a, **k))  # fmt: skip
+    out = {}
+    for seqs in (5, 256):
+        run = config_lib.RunConfig(rollout=config_lib.RolloutConfig(max_num_seqs=seqs))
+        engine = setup.make_engine(run, config, mesh, eos_ids=(_EOS,), pad_id=_PAD,
+                                   workdir=str(tmp_path))  # fmt: skip
+        out[seqs] = engine.sample(params, ids, mask, jax.random.key(4), sp)
+    assert len(calls) == 1 and calls[0]["max_num_seqs"] == 5
+    assert calls[0]["max_num_batched_tokens"] == 8192
+    for field in ("prompt_ids", "response_ids", "response_mask", "group_ids"):
+        np.testing.assert_array_equal(np.asarray(getattr(out[5], field)),
+                                      np.asarray(getattr(out[256], field)))  # fmt: skip
+    np.testing.assert_allclose(np.asarray(out[5].log_probs), np.asarray(out[256].log_probs),
+                               atol=1e-5)  # fmt: skip
+    assert out[5].response_ids.sharding.is_equivalent_to(out[256].response_ids.sharding, 2)
+
+
+_real_sample_paged = paged.sample_paged
