@@ -329,6 +329,12 @@ def sample_paged(
     Returns:
       The same `Rollout` as `sampler.sample` (rows of a prompt adjacent).
     """
+    if jax.process_count() > 1:
+        raise ValueError(
+            f"the paged engine schedules from one process, and this run has "
+            f"{jax.process_count()} JAX processes: raise rollout.max_num_seqs to the step's rows "
+            "(prompts x n) so that the grouped sampler runs"
+        )
     ids_np, mask_np = np.asarray(prompt_ids, np.int32), np.asarray(prompt_mask, np.int32)
     eos_token_ids = sampler.check_sampling_args(
         ids_np.shape, mask_np.shape, vocab_size=config.vocab_size, n=n,
