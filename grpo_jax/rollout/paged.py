@@ -440,10 +440,11 @@ class _Schedule:
         """A waiting row's group still has prompt tokens to prefill."""
         if not self.waiting:
             return False
-        g = self.waiting[0] // self.n
-        return self.prefilled[g] < self.shared_len[g] or (
-            self.group_pages[g] is None and self.shared_len[g] > 0
-        )
+        return not self._ready(self.waiting[0] // self.n)
+
+    def _ready(self, g: int) -> bool:
+        """Group g's prompt pages are allocated and prefilled: its rows may start."""
+        return self.group_pages[g] is not None and self.prefilled[g] >= self.shared_len[g]
 
     def _prefill_some(self, programs, dparams, pool):
         """One prefill call: the next chunks of the groups of the waiting rows, in order."""
@@ -504,7 +505,7 @@ class _Schedule:
                 break
             row = self.waiting[0]
             g = row // self.n
-            if self.group_pages[g] is None or self.prefilled[g] < self.shared_len[g]:
+            if not self._ready(g):
                 break
             if len(self.free) < plan.response_pages:
                 break
