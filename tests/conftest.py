@@ -5,6 +5,7 @@ Also the reference implementations (tests/reference.py): the session's verl work
 """
 
 import collections
+import gc
 import os
 import platform
 import sys
@@ -38,6 +39,37 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     jax.config.update("jax_compilation_cache_dir", _CACHE)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After each test module, drops JAX's compiled programs.
+
+    Every XLA:CPU executable maps its machine code into the process, a few memory regions
+    each, for as long as a jit cache holds it. The whole suite's programs would pass the
+    kernel's limit of mappings (vm.max_map_count, 65,530 by default): tests/test_sampler.py
+    alone adds 15,000, and the process then died in native code, with no traceback (SIGSEGV
+    or SIGABRT), at its next compile. Clearing the caches unmaps them; the persistent
+    compilation cache above turns a later module's recompile of the same program into a load.
+    """
+    yield
+    _PEAK_MAPPINGS[0] = max(_PEAK_MAPPINGS[0], _mappings())
+    jax.clear_caches()
+    gc.collect()
+
+
+_PEAK_MAPPINGS = [0]  # the most memory mappings a test module left (the summary prints it)
+
+
+def _mappings() -> int:
+    """The process's memory mappings (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
 
 # What each reference marker means in the summary line.
 _REFERENCE_TITLES = {
@@ -115,6 +147,15 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section("reference implementations and machine")
     _reference_lines(terminalreporter)
     terminalreporter.write_line(machine_line())
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = f.read().strip()
+    except OSError:
+        limit = "unknown"
+    terminalreporter.write_line(
+        f"memory mappings at a module's end: at most {_PEAK_MAPPINGS[0]} "
+        f"(vm.max_map_count {limit}; conftest._release_compiled_programs)"
+    )
 
 
 def _reference_lines(terminalreporter):
