@@ -190,11 +190,13 @@ def test_page_buckets_cover_every_count():
         assert list(buckets) == sorted(set(buckets)) and buckets[0] >= 1
 
 
-def test_the_native_engine_pages_steps_of_more_than_max_num_seqs_rows(tiny, tmp_path,
-                                                                     monkeypatch):  # fmt: skip
+def test_the_native_engine_pages_steps_of_more_than_max_num_seqs_rows_a_shard(
+    tiny, tmp_path, monkeypatch
+):
     # rollout.max_num_seqs -> setup.make_engine -> NativeEngine: on the trainer's 8-device FSDP
-    # mesh (sharded params, sharded prompts), a step of 8 x 2 = 16 rows over 5 slots takes the
-    # paged engine and returns the rollout of the grouped sampler, on the same sharding.
+    # mesh (sharded params, sharded prompts), a step of 8 x 2 = 16 rows, 2 a data shard, takes
+    # the paged engine with 1 slot a shard (each shard its own pool), and the grouped sampler
+    # with 2; the same rollout, on the same sharding.
     from grpo_jax import config as config_lib
     from grpo_jax import sharding
     from grpo_jax.rollout import engines
@@ -209,21 +211,91 @@ def test_the_native_engine_pages_steps_of_more_than_max_num_seqs_rows(tiny, tmp_
     sp = engines.SamplingParams(n=2, max_new_tokens=9, temperature=1.0, top_k=30)
     calls = []
     monkeypatch.setattr(paged, "sample_paged", lambda *a, **k: calls.append(k) or
-                        _real_sample_paged(*a, **k))  # fmt: skip
+                        _real_sample_paged(*a, **k, stats=k.setdefault("stats", {})))  # fmt: skip
     out = {}
-    for seqs in (5, 256):
+    for seqs in (1, 2):
         run = config_lib.RunConfig(rollout=config_lib.RolloutConfig(max_num_seqs=seqs))
         engine = setup.make_engine(run, config, mesh, eos_ids=(_EOS,), pad_id=_PAD,
                                    workdir=str(tmp_path))  # fmt: skip
         out[seqs] = engine.sample(params, ids, mask, jax.random.key(4), sp)
-    assert len(calls) == 1 and calls[0]["max_num_seqs"] == 5
+    assert len(calls) == 1 and calls[0]["max_num_seqs"] == 1
     assert calls[0]["max_num_batched_tokens"] == 8192
+    assert calls[0]["stats"]["shards"] == 8 and calls[0]["stats"]["peak_rows"] == 1
     for field in ("prompt_ids", "response_ids", "response_mask", "group_ids"):
-        np.testing.assert_array_equal(np.asarray(getattr(out[5], field)),
-                                      np.asarray(getattr(out[256], field)))  # fmt: skip
-    np.testing.assert_allclose(np.asarray(out[5].log_probs), np.asarray(out[256].log_probs),
+        np.testing.assert_array_equal(np.asarray(getattr(out[1], field)),
+                                      np.asarray(getattr(out[2], field)))  # fmt: skip
+    np.testing.assert_allclose(np.asarray(out[1].log_probs), np.asarray(out[2].log_probs),
                                atol=1e-5)  # fmt: skip
-    assert out[5].response_ids.sharding.is_equivalent_to(out[256].response_ids.sharding, 2)
+    assert out[1].response_ids.sharding.is_equivalent_to(out[2].response_ids.sharding, 2)
+
+
+@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 2, 2)], ids=["data 8", "data 2 fsdp 2 tp 2"])
+def test_each_data_shard_holds_its_own_pool_and_slots(tiny, mesh_shape):
+    # The pool and the slots split over the prompts' batch axes (one pool a shard, split by KV
+    # head over the tensor axis), each shard's rows are its block of the rollout, and the
+    # rollout is still the grouped sampler's.
+    from grpo_jax import sharding
+
+    config, params = tiny
+    mesh = sharding.make_mesh(mesh_shape)
+    ids, mask = _prompts([5, 9, 2, 7, 3, 11, 4, 6], config.vocab_size, seed=9)
+    kw = dict(n=3, max_new_tokens=10, temperature=1.0, eos_token_ids=(_EOS,))
+    with sharding.use_mesh(mesh, sharding.LOGICAL_RULES):
+        params = jax.device_put(params, sharding.param_shardings(config, mesh,
+                                                                 sharding.LOGICAL_RULES))
+        sids, smask = (jax.device_put(x, sharding.batch_sharding(mesh, 2)) for x in (ids, mask))
+        stats = {}
+        out = paged.sample_paged(config, params, sids, smask, jax.random.key(2), max_num_seqs=2,
+                                 page_size=4, stats=stats, **kw)  # fmt: skip
+        shards = mesh.shape["data"] * mesh.shape["fsdp"]
+        assert stats["shards"] == shards and stats["max_num_seqs"] == 2
+        st = paged._Settings(config, 10, 1.0, 1.0, -1, (_EOS,), _PAD, "processed_logprobs",
+                             sharding.BATCH_AXES)  # fmt: skip
+        pool = paged._programs()["pool"](st, shards, stats["num_pages"], 4)
+    K, H = config.num_kv_heads, config.head_dim
+    for x in pool.k_NKHP:
+        assert x.shape == (shards, stats["num_pages"], K, H, 4)
+        assert x.sharding.shard_shape(x.shape) == (1, stats["num_pages"],
+                                                   K // mesh.shape["tensor"], H, 4)
+    admitted = [r for kind, rows in stats["trace"] if kind == "admit" for r in rows]
+    assert sorted(admitted) == list(range(24))
+    ref = sampler.sample(config, params, ids, mask, jax.random.key(2), **kw)
+    _assert_same_rollout(config, params, ids, mask, jax.random.key(2), ref, out,
+                         temperature=1.0, top_k=-1, top_p=1.0)  # fmt: skip
+    assert out.response_ids.sharding.is_equivalent_to(sids.sharding, 2)
 
 
 _real_sample_paged = paged.sample_paged
+
+
+@pytest.mark.slow
+def test_the_loop_pages_its_rollouts_and_resumes_exactly(tmp_path):
+    # train.py's loop (tiny model, 4 prompts x 4 = 16 rows a step): rollout.max_num_seqs=3
+    # sends every step through the paged engine (3 slots); the run is the grouped sampler's
+    # (max_num_seqs=256) step for step, and a paged run stopped after step 1 and resumed ends
+    # bitwise where the uninterrupted one does.
+    import dataclasses
+
+    from test_algorithms_loop import _rows, _run
+
+    calls = []
+    real = paged.sample_paged
+
+    def spy(*a, **k):
+        calls.append(k["max_num_seqs"])
+        return real(*a, **k)
+
+    slots = lambda s: (lambda r: dataclasses.replace(r, max_num_seqs=s))  # noqa: E731
+    grouped = _rows(_run(tmp_path / "grouped", rollout=slots(256)))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(paged, "sample_paged", spy)
+        full = _rows(_run(tmp_path / "paged", rollout=slots(3)))
+        assert calls == [3, 3]
+        _run(tmp_path / "resumed", steps=1, rollout=slots(3))
+        resumed = _rows(_run(tmp_path / "resumed", steps=2, rollout=slots(3)))
+    for a, b in zip(full, grouped):
+        assert a["response_length/mean"] == b["response_length/mean"]
+        assert a["critic/score/mean"] == b["critic/score/mean"]
+        np.testing.assert_allclose(a["actor/pg_loss"], b["actor/pg_loss"], rtol=1e-5, atol=1e-7)
+    assert resumed[-1]["actor/pg_loss"] == full[-1]["actor/pg_loss"]
+    assert resumed[-1]["actor/grad_norm"] == full[-1]["actor/grad_norm"]

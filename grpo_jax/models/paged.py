@@ -46,11 +46,11 @@ class KVPool:
 
     @property
     def num_pages(self) -> int:
-        return self.k_NKHP[0].shape[0]
+        return self.k_NKHP[0].shape[-4]
 
     @property
     def page_size(self) -> int:
-        return self.k_NKHP[0].shape[3]
+        return self.k_NKHP[0].shape[-1]
 
 
 def init_pool(

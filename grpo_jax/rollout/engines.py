@@ -100,9 +100,9 @@ class NativeEngine:
     `logprobs_mode` (rollout.logprobs_mode, sampler.LOGPROBS_MODES) is what its rollouts'
     log_probs hold, as vLLM's server-wide --logprobs-mode.
 
-    A call of more than `max_num_seqs` rows (rollout.max_num_seqs) decodes them through
-    `rollout.paged.sample_paged` (continuous batching over a KV page pool, the same rollout);
-    up to that, all rows at once through `sampler.sample`.
+    A call of more than `max_num_seqs` rows (rollout.max_num_seqs) per data shard decodes them
+    through `rollout.paged.sample_paged` (continuous batching over a KV page pool per shard, the
+    same rollout); up to that, all rows at once through `sampler.sample`.
     """
 
     def __init__(
@@ -177,7 +177,9 @@ class NativeEngine:
         with sharding.use_mesh(self.mesh, self.rules):  # also from another thread (async)
             kwargs = dict(eos_token_ids=self.eos_ids, pad_token_id=self.pad_id,
                           logprobs_mode=self.logprobs_mode, **sp.kwargs())  # fmt: skip
-            if ids.shape[0] * sp.n > self.max_num_seqs:  # continuous batching over pages
+            # Continuous batching over pages when a data shard has more rows than slots
+            # (max_num_seqs is per shard, as vLLM's is per rollout replica).
+            if ids.shape[0] * sp.n // paged.shard_layout(ids)[2] > self.max_num_seqs:
                 return paged.sample_paged(
                     self.model_config, params, ids, mask, rng, max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=self.max_num_batched_tokens, **kwargs,

@@ -17,10 +17,17 @@ fixed for the call, so each compiles once per (model, batch shape, settings):
   * `decode`: a `lax.while_loop` of decode steps over all slots (idle ones write to the trash
     page), until `max_steps` steps, no live slot, or `refill_at` rows have finished. Each
     slot has its own response position, key and page table.
-  * `rollout`: the outputs, as `sampler.Rollout`.
+  * `outputs`: the shards' [D, Bd, R] outputs as the rollout's [B, R] arrays.
 Between programs the host reads which slots finished, frees their pages and admits rows. A
 prompt's prefill goes chunk by chunk between decode segments (at most `segment_steps` steps
 while a prefill is pending), so a long prompt never stalls the rows in flight.
+
+Shards. On a mesh, the prompts' batch axes split the call into D data shards (`shard_layout`),
+each an engine of its own, as verl runs one vLLM engine per rollout replica: its block of the
+prompts, its own `max_num_seqs` slots and its own pool, on its own devices. Every device array
+has a leading D axis split over those mesh axes, every program is the one-shard function
+vmapped over D (`spmd_axis_name`), and the host keeps one `_Shard` schedule per shard, run in
+lockstep: each program call carries every shard's inputs (an idle shard writes its trash page).
 
 Memory. A row is admitted only when the pool has pages for its whole response (ceil(R /
 page_size), reserved at admission), and a group's prompt pages are allocated when its prefill
@@ -44,10 +51,13 @@ cannot be tested here and is not wired.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 
+import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -76,94 +86,144 @@ class _Settings:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
     logprobs_mode: str
+    # The mesh axes the shards (the leading D axis of the pool and the state) are split over:
+    # the prompts' batch axes; None on one device or with replicated prompts (D = 1).
+    shard_axes: tuple[str, ...] | None = None
 
 
 @flax.struct.dataclass
 class PagedState:
-    """The decode slots (S = max_num_seqs) and the [B, R] outputs of a `sample_paged` call.
+    """The decode slots (S = max_num_seqs) and the [Bd, R] outputs of each of D shards.
 
-    A slot feeds `tok_S` at position `pos_S` into logical slot `prompt_pages_S * page_size +
-    plen_S` of its page table (the prompt's shared pages first, then its own), and draws the
-    token at response position `t_S` of rollout row `row_S`.
+    Every field has a leading shard axis D (split over the mesh's batch axes). A slot feeds
+    `tok_DS` at position `pos_DS` into logical slot `prompt_pages_DS * page_size + plen_DS` of
+    its page table (the prompt's shared pages first, then its own; pages of its shard's pool),
+    and draws the token at response position `t_DS` of its shard's rollout row `row_DS`.
     """
 
-    rng: jax.Array  # the call's typed key
-    tok_S: jax.Array  # int32, the token to feed
-    pos_S: jax.Array  # int32, its rotary position
-    t_S: jax.Array  # int32, the response position drawn next
-    plen_S: jax.Array  # int32, own (non-shared) slots written so far
-    prompt_len_S: jax.Array  # int32, tokens in the shared prompt pages (prompt length - 1)
-    prompt_pages_S: jax.Array  # int32, shared prompt pages at the head of the page table
-    row_S: jax.Array  # int32, rollout row
-    active_S: jax.Array  # bool, a row is decoding in the slot
-    keys_S: jax.Array  # typed keys, fold_in(rng, row)
-    page_table_SM: jax.Array  # int32
-    ids_BR: jax.Array
-    mask_BR: jax.Array
-    log_probs_BR: jax.Array
+    rng_D: jax.Array  # the call's typed key, once per shard
+    tok_DS: jax.Array  # int32, the token to feed
+    pos_DS: jax.Array  # int32, its rotary position
+    t_DS: jax.Array  # int32, the response position drawn next
+    plen_DS: jax.Array  # int32, own (non-shared) slots written so far
+    prompt_len_DS: jax.Array  # int32, tokens in the shared prompt pages (prompt length - 1)
+    prompt_pages_DS: jax.Array  # int32, shared prompt pages at the head of the page table
+    row_DS: jax.Array  # int32, the shard's rollout row
+    active_DS: jax.Array  # bool, a row is decoding in the slot
+    keys_DS: jax.Array  # typed keys, fold_in(rng, the row's index in the whole rollout)
+    page_table_DSM: jax.Array  # int32
+    ids_DBR: jax.Array
+    mask_DBR: jax.Array
+    log_probs_DBR: jax.Array
 
 
-def _decode(st: _Settings, dparams, pool, state: PagedState, max_steps, refill_at):
-    """Decode steps over every slot until max_steps, no live slot, or refill_at finished.
+@contextlib.contextmanager
+def _per_shard(st: _Settings):
+    """While tracing a shard's computation (vmapped over D with `spmd_axis_name`): the
+    logical "batch" axis maps to no mesh axis, since the shard axis D already takes the mesh's
+    batch axes (a mesh axis can split one dimension only)."""
+    if st.shard_axes is None:
+        yield
+        return
+    rules = tuple((name, None if name == "batch" else axes)
+                  for name, axes in nn.get_logical_axis_rules())  # fmt: skip
+    with nn.logical_axis_rules(rules):
+        yield
+
+
+def _over_shards(st: _Settings, fn, in_axes=0):
+    """`fn` of one shard, vmapped over the leading shard axis D: its outputs' D axis is split
+    over `st.shard_axes` (so each shard's pool, slots and rows stay on its devices)."""
+    vmapped = jax.vmap(fn, in_axes=in_axes, spmd_axis_name=st.shard_axes)
+
+    def call(*args):
+        with _per_shard(st):
+            out = vmapped(*args)
+        if st.shard_axes is None:
+            return out
+        free = jax.sharding.PartitionSpec.UNCONSTRAINED
+        return jax.tree.map(
+            lambda x: jax.lax.with_sharding_constraint(
+                x, jax.sharding.PartitionSpec(st.shard_axes, *(free,) * (x.ndim - 1))
+            ),
+            out,
+        )
+
+    return call
+
+
+def _step(st: _Settings, dparams, pages_used, pool, s: PagedState):
+    """One decode step of one shard's slots (fields without the D axis). Returns (pool, s,
+    the rows that finished)."""
+    P = pool.page_size
+    M = s.page_table_DSM.shape[1]
+    B, R = s.ids_DBR.shape
+    eos = jnp.asarray(st.eos_token_ids, jnp.int32)
+    slots = jnp.arange(M * P, dtype=jnp.int32)
+    shared_S = s.prompt_pages_DS * P
+    w_S = shared_S + s.plen_DS  # the fed token's logical slot
+    page_S = jnp.where(
+        s.active_DS, jnp.take_along_axis(s.page_table_DSM, (w_S // P)[:, None], 1)[:, 0],
+        paged.TRASH_PAGE,
+    )  # fmt: skip
+    valid_SS = s.active_DS[:, None] & (
+        (slots[None] < s.prompt_len_DS[:, None])
+        | ((slots[None] >= shared_S[:, None]) & (slots[None] <= w_S[:, None]))
+    )
+    x_DS, pool = paged.paged_forward(
+        st.config, dparams, pool, s.tok_DS[:, None], s.pos_DS[:, None], page_S[:, None],
+        (w_S % P)[:, None], s.page_table_DSM, valid_SS[:, None], pages_used,
+    )  # fmt: skip
+    logits_SV = decode.head_logits_fm(st.config, dparams, x_DS)
+    step_keys_S = jax.vmap(jax.random.fold_in)(s.keys_DS, s.t_DS)
+    tokens_S, values_S = sampler.select_tokens(
+        logits_SV, step_keys_S, temperature=st.temperature, top_k=st.top_k, top_p=st.top_p,
+        logprobs_mode=st.logprobs_mode,
+    )  # fmt: skip
+    row_S = jnp.where(s.active_DS, s.row_DS, B)  # idle slots' writes are dropped
+    done_S = s.active_DS & (jnp.isin(tokens_S, eos) | (s.t_DS + 1 >= R))
+    s = dataclasses.replace(
+        s,
+        ids_DBR=s.ids_DBR.at[row_S, s.t_DS].set(tokens_S, mode="drop"),
+        mask_DBR=s.mask_DBR.at[row_S, s.t_DS].set(1, mode="drop"),
+        log_probs_DBR=s.log_probs_DBR.at[row_S, s.t_DS].set(values_S, mode="drop"),
+        tok_DS=tokens_S,
+        pos_DS=s.pos_DS + 1,
+        t_DS=s.t_DS + 1,
+        plen_DS=s.plen_DS + 1,
+        active_DS=s.active_DS & ~done_S,
+    )
+    return pool, s, jnp.sum(done_S)
+
+
+def _decode(st: _Settings, dparams, pool, state: PagedState, max_steps, refill_at_D):
+    """Decode steps over every slot of every shard until max_steps, no live slot, or a shard
+    has refill_at_D rows finished (its waiting rows can start).
 
     Returns (pool, state, the steps taken)."""
     P = pool.page_size
-    S, M = state.page_table_SM.shape
-    B, R = state.ids_BR.shape
-    eos = jnp.asarray(st.eos_token_ids, jnp.int32)
-    slots = jnp.arange(M * P, dtype=jnp.int32)
 
     def cond(carry):
-        _, state, steps, finished = carry
-        return (steps < max_steps) & jnp.any(state.active_S) & (finished < refill_at)
+        _, state, steps, finished_D = carry
+        return (steps < max_steps) & jnp.any(state.active_DS) & jnp.all(finished_D < refill_at_D)
 
     def body(carry):
-        pool, s, steps, finished = carry
-        shared_S = s.prompt_pages_S * P
-        w_S = shared_S + s.plen_S  # the fed token's logical slot
-        page_S = jnp.where(
-            s.active_S, jnp.take_along_axis(s.page_table_SM, (w_S // P)[:, None], 1)[:, 0],
-            paged.TRASH_PAGE,
-        )  # fmt: skip
-        valid_SS = s.active_S[:, None] & (
-            (slots[None] < s.prompt_len_S[:, None])
-            | ((slots[None] >= shared_S[:, None]) & (slots[None] <= w_S[:, None]))
-        )
-        pages_used = jnp.max(jnp.where(s.active_S, w_S // P + 1, 1))
-        x_DS, pool = paged.paged_forward(
-            st.config, dparams, pool, s.tok_S[:, None], s.pos_S[:, None], page_S[:, None],
-            (w_S % P)[:, None], s.page_table_SM, valid_SS[:, None], pages_used,
-        )  # fmt: skip
-        logits_SV = decode.head_logits_fm(st.config, dparams, x_DS)
-        step_keys_S = jax.vmap(jax.random.fold_in)(s.keys_S, s.t_S)
-        tokens_S, values_S = sampler.select_tokens(
-            logits_SV, step_keys_S, temperature=st.temperature, top_k=st.top_k, top_p=st.top_p,
-            logprobs_mode=st.logprobs_mode,
-        )  # fmt: skip
-        row_S = jnp.where(s.active_S, s.row_S, B)  # idle slots' writes are dropped
-        done_S = s.active_S & (jnp.isin(tokens_S, eos) | (s.t_S + 1 >= R))
-        s = dataclasses.replace(
-            s,
-            ids_BR=s.ids_BR.at[row_S, s.t_S].set(tokens_S, mode="drop"),
-            mask_BR=s.mask_BR.at[row_S, s.t_S].set(1, mode="drop"),
-            log_probs_BR=s.log_probs_BR.at[row_S, s.t_S].set(values_S, mode="drop"),
-            tok_S=tokens_S,
-            pos_S=s.pos_S + 1,
-            t_S=s.t_S + 1,
-            plen_S=s.plen_S + 1,
-            active_S=s.active_S & ~done_S,
-        )
-        return pool, s, steps + 1, finished + jnp.sum(done_S)
+        pool, s, steps, finished_D = carry
+        # How many leading pages any row of any shard reads (one attention bucket for all).
+        w_DS = s.prompt_pages_DS * P + s.plen_DS
+        pages_used = jnp.max(jnp.where(s.active_DS, w_DS // P + 1, 1))
+        step = _over_shards(st, functools.partial(_step, st), in_axes=(None, None, 0, 0))
+        pool, s, done_D = step(dparams, pages_used, pool, s)
+        return pool, s, steps + 1, finished_D + done_D
 
+    finished = jnp.zeros_like(refill_at_D)
     pool, state, steps, _ = jax.lax.while_loop(
-        cond, body, (pool, state, jnp.int32(0), jnp.int32(0))
+        cond, body, (pool, state, jnp.int32(0), finished)
     )
     return pool, state, steps
 
 
-def _prefill(st: _Settings, dparams, pool, tokens_GC, pos_GC, valid_GC, page_table_GM):
-    """Writes chunks of prompts (tokens at positions pos_GC; valid_GC False is padding) into
-    their pages; a chunk attends to its prompt's slots up to itself."""
+def _prefill_shard(st: _Settings, dparams, pool, tokens_GC, pos_GC, valid_GC, page_table_GM):
     P = pool.page_size
     M = page_table_GM.shape[1]
     page_GC = jnp.where(
@@ -178,10 +238,16 @@ def _prefill(st: _Settings, dparams, pool, tokens_GC, pos_GC, valid_GC, page_tab
     return pool
 
 
-def _admit(state: PagedState, slot_A, row_A, tok_A, pos_A, prompt_len_A, prompt_pages_A,
-           page_table_AM) -> PagedState:  # fmt: skip
-    """Starts rows row_A in slots slot_A (slot S: no row)."""
-    keys_A = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(state.rng, row_A)
+def _prefill(st: _Settings, dparams, pool, tokens_DGC, pos_DGC, valid_DGC, page_table_DGM):
+    """Writes chunks of prompts (tokens at positions pos; valid False is padding), G per shard,
+    into their shard's pages; a chunk attends to its prompt's slots up to itself."""
+    prefill = _over_shards(st, functools.partial(_prefill_shard, st), (None, 0, 0, 0, 0, 0))
+    return prefill(dparams, pool, tokens_DGC, pos_DGC, valid_DGC, page_table_DGM)
+
+
+def _admit_shard(state: PagedState, slot_A, row_A, key_row_A, tok_A, pos_A, prompt_len_A,
+                 prompt_pages_A, page_table_AM) -> PagedState:  # fmt: skip
+    keys_A = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(state.rng_D, key_row_A)
 
     def put(x, v):
         return x.at[slot_A].set(v, mode="drop")
@@ -189,38 +255,101 @@ def _admit(state: PagedState, slot_A, row_A, tok_A, pos_A, prompt_len_A, prompt_
     zeros = jnp.zeros_like(slot_A)
     return dataclasses.replace(
         state,
-        tok_S=put(state.tok_S, tok_A),
-        pos_S=put(state.pos_S, pos_A),
-        t_S=put(state.t_S, zeros),
-        plen_S=put(state.plen_S, zeros),
-        prompt_len_S=put(state.prompt_len_S, prompt_len_A),
-        prompt_pages_S=put(state.prompt_pages_S, prompt_pages_A),
-        row_S=put(state.row_S, row_A),
-        active_S=put(state.active_S, jnp.ones_like(slot_A, jnp.bool_)),
-        keys_S=put(state.keys_S, keys_A),
-        page_table_SM=put(state.page_table_SM, page_table_AM),
+        tok_DS=put(state.tok_DS, tok_A),
+        pos_DS=put(state.pos_DS, pos_A),
+        t_DS=put(state.t_DS, zeros),
+        plen_DS=put(state.plen_DS, zeros),
+        prompt_len_DS=put(state.prompt_len_DS, prompt_len_A),
+        prompt_pages_DS=put(state.prompt_pages_DS, prompt_pages_A),
+        row_DS=put(state.row_DS, row_A),
+        active_DS=put(state.active_DS, jnp.ones_like(slot_A, jnp.bool_)),
+        keys_DS=put(state.keys_DS, keys_A),
+        page_table_DSM=put(state.page_table_DSM, page_table_AM),
     )
 
 
-def _init_state(st: _Settings, rng, *, num_slots: int, num_pages_row: int, rows: int):
+def _admit(st: _Settings, state: PagedState, *rows_DA) -> PagedState:
+    """Starts rows in slots, per shard: [D, A] slot (S: no row), the shard's row, the row's
+    index in the rollout (its key), first token, position, shared prompt length and pages,
+    and [D, A, M] page tables."""
+    return _over_shards(st, _admit_shard)(state, *rows_DA)
+
+
+def _init_state(st: _Settings, rng, *, shards: int, num_slots: int, num_pages_row: int,
+                rows: int) -> PagedState:  # fmt: skip
     S, R = num_slots, st.max_new_tokens
-    zeros = jnp.zeros((S,), jnp.int32)
-    return PagedState(
-        rng=rng,
-        tok_S=zeros,
-        pos_S=zeros,
-        t_S=zeros,
-        plen_S=zeros,
-        prompt_len_S=zeros,
-        prompt_pages_S=zeros,
-        row_S=zeros,
-        active_S=jnp.zeros((S,), jnp.bool_),
-        keys_S=sampler.row_keys(rng, S),
-        page_table_SM=jnp.zeros((S, num_pages_row), jnp.int32),
-        ids_BR=jnp.full((rows, R), st.pad_token_id, jnp.int32),
-        mask_BR=jnp.zeros((rows, R), jnp.int32),
-        log_probs_BR=jnp.zeros((rows, R), jnp.float32),
+
+    def shard(_):
+        zeros = jnp.zeros((S,), jnp.int32)
+        return PagedState(
+            rng_D=rng,
+            tok_DS=zeros,
+            pos_DS=zeros,
+            t_DS=zeros,
+            plen_DS=zeros,
+            prompt_len_DS=zeros,
+            prompt_pages_DS=zeros,
+            row_DS=zeros,
+            active_DS=jnp.zeros((S,), jnp.bool_),
+            keys_DS=sampler.row_keys(rng, S),
+            page_table_DSM=jnp.zeros((S, num_pages_row), jnp.int32),
+            ids_DBR=jnp.full((rows, R), st.pad_token_id, jnp.int32),
+            mask_DBR=jnp.zeros((rows, R), jnp.int32),
+            log_probs_DBR=jnp.zeros((rows, R), jnp.float32),
+        )
+
+    return _over_shards(st, shard)(jnp.arange(shards))
+
+
+def _init_pool(st: _Settings, shards: int, num_pages: int, page_size: int) -> paged.KVPool:
+    """D empty pools, one per shard, each split over the mesh's tensor axis by KV head."""
+
+    pool = _over_shards(st, lambda _: paged.init_pool(st.config, num_pages, page_size))(
+        jnp.arange(shards)
     )
+    if st.shard_axes is None:
+        return pool
+    kv_heads = nn.logical_to_mesh_axes(("act_kv_heads",))[0]  # the rules' tensor axis, if any
+    spec = jax.sharding.PartitionSpec(st.shard_axes, None, kv_heads, None, None)
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, spec), pool)
+
+
+def _outputs(state: PagedState):
+    """The [D, Bd, R] outputs as [B, R] (shard d holds rows d * Bd ... (d + 1) * Bd - 1)."""
+    return tuple(x.reshape(-1, x.shape[-1])
+                 for x in (state.ids_DBR, state.mask_DBR, state.log_probs_DBR))  # fmt: skip
+
+
+def peak_program(config: model_lib.ModelConfig, plan: PoolPlan, *, shards: int,
+                 shard_axes: tuple[str, ...] | None, max_new_tokens: int):  # fmt: skip
+    """What a `sample_paged` call holds on the devices at once, as one function for the
+    memory planner (planner.py compiles it on abstract inputs): the decode weights, D pools and
+    slot states, one prefill call, one admission and one decode segment.
+
+    Returns (fn, inputs): fn(params, rng, *inputs) and the (shape, dtype) of each input, each
+    with the leading shard axis D but the last (a decode segment's step limit, a scalar).
+    """
+    st = _Settings(config, max_new_tokens, 1.0, 1.0, -1, (0,), 0, "processed_logprobs",
+                   shard_axes)  # fmt: skip
+    D, S, G, C = shards, plan.max_num_seqs, plan.chunk_rows, plan.chunk
+    Mp, M = plan.prompt_pages, plan.prompt_pages + plan.response_pages
+    i32 = np.int32
+    prefill = [((D, G, C), i32), ((D, G, C), i32), ((D, G, C), np.bool_), ((D, G, Mp), i32)]
+    admit = [((D, S), i32)] * 7 + [((D, S, M), i32)]
+    inputs = [*prefill, *admit, ((D,), i32), ((), i32)]
+
+    def fn(params, rng, *args):
+        prefill_args, admit_args, (refill_at_D, max_steps) = args[:4], args[4:12], args[12:]
+        dparams = model_lib.decode_params(config, params)
+        pool = _init_pool(st, D, plan.num_pages, plan.page_size)
+        state = _init_state(st, rng, shards=D, num_slots=S, num_pages_row=M,
+                            rows=plan.rows)  # fmt: skip
+        if Mp:
+            pool = _prefill(st, dparams, pool, *prefill_args)
+        state = _admit(st, state, *admit_args)
+        return _decode(st, dparams, pool, state, max_steps, refill_at_D)
+
+    return fn, inputs
 
 
 @functools.cache
@@ -228,11 +357,12 @@ def _programs():
     return {
         "decode_params": jax.jit(model_lib.decode_params, static_argnums=0),
         "init": jax.jit(_init_state, static_argnums=0, static_argnames=(
-            "num_slots", "num_pages_row", "rows")),  # fmt: skip
-        "pool": jax.jit(paged.init_pool, static_argnums=(0, 1, 2)),
+            "shards", "num_slots", "num_pages_row", "rows")),  # fmt: skip
+        "pool": jax.jit(_init_pool, static_argnums=(0, 1, 2, 3)),
         "prefill": jax.jit(_prefill, static_argnums=0, donate_argnums=2),
-        "admit": jax.jit(_admit, donate_argnums=0),
+        "admit": jax.jit(_admit, static_argnums=0, donate_argnums=1),
         "decode": jax.jit(_decode, static_argnums=0, donate_argnums=(2, 3)),
+        "outputs": jax.jit(_outputs),
     }
 
 
@@ -247,6 +377,7 @@ class PoolPlan:
     response_pages: int  # pages reserved per row (Mr)
     chunk: int  # prefill chunk width C
     chunk_rows: int  # prompts per prefill call G
+    rows: int  # rollout rows (prompts x n) of the shard
 
 
 def plan_pool(
@@ -289,7 +420,8 @@ def plan_pool(
     chunk = min(-(-shared // page_size) * page_size,
                 max(page_size, max_num_batched_tokens // page_size * page_size))  # fmt: skip
     chunk_rows = min(num_prompts, max(1, max_num_batched_tokens // chunk))
-    return PoolPlan(page_size, num_pages, slots, prompt_pages, response_pages, chunk, chunk_rows)
+    return PoolPlan(page_size, num_pages, slots, prompt_pages, response_pages, chunk, chunk_rows,
+                    num_prompts * n)
 
 
 def sample_paged(
@@ -349,30 +481,37 @@ def sample_paged(
     prompts = [row[m > 0] for row, m in zip(ids_np, mask_np)]
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one real token (prompt_mask all 0)")
+    mesh, axes, shards = shard_layout(prompt_ids)
+    if num_prompts % shards:
+        raise ValueError(f"{num_prompts} prompts do not split over {shards} data shards")
     plan = plan_pool(
-        num_prompts=num_prompts, n=n, prompt_width=width, max_new_tokens=max_new_tokens,
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        page_size=page_size, num_pages=num_pages,
+        num_prompts=num_prompts // shards, n=n, prompt_width=width,
+        max_new_tokens=max_new_tokens, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
+        num_pages=num_pages,
     )  # fmt: skip
     st = _Settings(config, max_new_tokens, float(temperature), float(top_p), int(top_k),
-                   eos_token_ids, int(pad_token_id), logprobs_mode)  # fmt: skip
-    run = _Schedule(st, plan, prompts, n, segment_steps)
+                   eos_token_ids, int(pad_token_id), logprobs_mode, axes)  # fmt: skip
+    run = _Schedule(st, plan, prompts, n, segment_steps, shards, mesh)
     programs = _programs()
-    dparams = programs["decode_params"](config, params)
-    pool = programs["pool"](config, plan.num_pages, plan.page_size)
-    state = programs["init"](
-        st, sampler.as_typed_key(jnp.asarray(rng)), num_slots=plan.max_num_seqs,
-        num_pages_row=plan.prompt_pages + plan.response_pages, rows=num_prompts * n,
-    )  # fmt: skip
-    pool, state = run(programs, dparams, pool, state)
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        dparams = programs["decode_params"](config, params)
+        pool = programs["pool"](st, shards, plan.num_pages, plan.page_size)
+        state = programs["init"](
+            st, sampler.as_typed_key(jnp.asarray(rng)), shards=shards,
+            num_slots=plan.max_num_seqs, num_pages_row=plan.prompt_pages + plan.response_pages,
+            rows=plan.rows,
+        )  # fmt: skip
+        pool, state = run(programs, dparams, pool, state)
+        ids_BR, mask_BR, log_probs_BR = programs["outputs"](state)
     if stats is not None:
-        stats.update(dataclasses.asdict(plan), **run.counts, trace=run.trace)
+        stats.update(dataclasses.asdict(plan), shards=shards, **run.counts, trace=run.trace)
     rollout = sampler.Rollout(
         prompt_ids=jnp.repeat(jnp.asarray(ids_np), n, axis=0),
         prompt_mask=jnp.repeat(jnp.asarray(mask_np), n, axis=0),
-        response_ids=state.ids_BR,
-        response_mask=state.mask_BR,
-        log_probs=state.log_probs_BR,
+        response_ids=ids_BR,
+        response_mask=mask_BR,
+        log_probs=log_probs_BR,
         group_ids=jnp.repeat(jnp.arange(num_prompts, dtype=jnp.int32), n),
         weights_version=jnp.int32(weights_version),
     )
@@ -383,12 +522,34 @@ def sample_paged(
     return rollout
 
 
-class _Schedule:
-    """The host side of one call: pages, slots, the waiting rows and the prefill queue."""
+def shard_layout(prompt_ids) -> tuple[jax.sharding.Mesh | None, tuple[str, ...] | None, int]:
+    """(mesh, batch axes, D): the data shards a call's pools and slots split into, those of
+    the prompts' batch axis. One shard (None, None, 1) for host arrays or replicated prompts.
 
-    def __init__(self, st: _Settings, plan: PoolPlan, prompts, n: int, segment_steps: int):
+    Each shard schedules its own prompts (D consecutive blocks, as the rollout rows split)
+    over its own pool of its own device(s): `max_num_seqs` and the pool's pages are per
+    shard, as vLLM's are per engine (one per data-parallel rollout replica)."""
+    sharding = getattr(prompt_ids, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding) or not sharding.spec:
+        return None, None, 1
+    axes = sharding.spec[0]
+    if axes is None:
+        return None, None, 1
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    shards = math.prod(sharding.mesh.shape[a] for a in axes)
+    if shards == 1:
+        return None, None, 1
+    return sharding.mesh, axes, shards
+
+
+class _Shard:
+    """The host side of one shard: its pages, slots, waiting rows and prefill queue.
+
+    Group g and row r are the shard's own (0-based); `g0` and `r0` place them in the call."""
+
+    def __init__(self, st: _Settings, plan: PoolPlan, prompts, n: int, g0: int):
         self.st, self.plan, self.prompts, self.n = st, plan, prompts, n
-        self.segment_steps = segment_steps
+        self.g0, self.r0 = g0, g0 * n
         P = plan.page_size
         self.shared_len = [len(p) - 1 for p in prompts]
         self.shared_pages = [-(-s // P) for s in self.shared_len]
@@ -399,44 +560,21 @@ class _Schedule:
         self.waiting = collections.deque(range(len(prompts) * n))
         self.slot_row = [-1] * plan.max_num_seqs
         self.slot_pages: list[list[int]] = [[] for _ in range(plan.max_num_seqs)]
-        self.counts = {"decode_calls": 0, "decode_steps": 0, "prefill_calls": 0,
-                       "prefill_tokens": 0, "admit_calls": 0, "peak_pages": 0,
-                       "peak_rows": 0}  # fmt: skip
-        # ("prefill", groups) / ("admit", rows) / ("decode", steps), in order
-        self.trace: list[tuple[str, object]] = []
+        self.peak_pages = self.peak_rows = self.prefill_tokens = 0
 
-    def _note_use(self) -> None:
-        used = self.plan.num_pages - 1 - len(self.free)
-        self.counts["peak_pages"] = max(self.counts["peak_pages"], used)
-        rows = sum(r >= 0 for r in self.slot_row)
-        self.counts["peak_rows"] = max(self.counts["peak_rows"], rows)
+    def note_use(self) -> None:
+        self.peak_pages = max(self.peak_pages, self.plan.num_pages - 1 - len(self.free))
+        self.peak_rows = max(self.peak_rows, self.decoding())
 
-    def __call__(self, programs, dparams, pool, state):
+    def decoding(self) -> int:
+        return sum(r >= 0 for r in self.slot_row)
+
+    def refill_at(self) -> int:
+        """Finished rows after which a decode segment returns, so waiting rows can start."""
         S = self.plan.max_num_seqs
-        while True:
-            calls = dict(self.counts)
-            pool = self._prefill_some(programs, dparams, pool)
-            state = self._admit(programs, state)
-            if not any(r >= 0 for r in self.slot_row):
-                if not self.waiting:
-                    return pool, state
-                if calls == self.counts:  # no prefill, no admission: plan_pool rules it out
-                    raise RuntimeError(
-                        f"the KV pool of {self.plan.num_pages} pages stalled with "
-                        f"{len(self.waiting)} rows waiting and none decoding"
-                    )
-                continue
-            steps = self.segment_steps if self._prefill_pending() else self.st.max_new_tokens
-            refill_at = max(1, min(len(self.waiting), -(-S // 8))) if self.waiting else S + 1
-            pool, state, taken = programs["decode"](
-                self.st, dparams, pool, state, jnp.int32(steps), jnp.int32(refill_at)
-            )
-            self.counts["decode_calls"] += 1
-            self.counts["decode_steps"] += int(taken)
-            self.trace.append(("decode", int(taken)))
-            self._release(np.asarray(state.active_S))
+        return max(1, min(len(self.waiting), -(-S // 8))) if self.waiting else S + 1
 
-    def _prefill_pending(self) -> bool:
+    def prefill_pending(self) -> bool:
         """A waiting row's group still has prompt tokens to prefill."""
         if not self.waiting:
             return False
@@ -446,8 +584,9 @@ class _Schedule:
         """Group g's prompt pages are allocated and prefilled: its rows may start."""
         return self.group_pages[g] is not None and self.prefilled[g] >= self.shared_len[g]
 
-    def _prefill_some(self, programs, dparams, pool):
-        """One prefill call: the next chunks of the groups of the waiting rows, in order."""
+    def prefill_batch(self):
+        """The next chunks of the groups of the waiting rows, in order, as [G, C] tokens,
+        positions, validity and [G, Mp] page tables, and the groups (None: nothing to do)."""
         plan = self.plan
         C, G = plan.chunk, plan.chunk_rows  # G * C <= max_num_batched_tokens
         tokens, pos, valid, tables, groups = [], [], [], [], []
@@ -477,24 +616,26 @@ class _Schedule:
             table[: len(self.group_pages[g])] = self.group_pages[g]
             tables.append(table)
             self.prefilled[g] = stop
-            self.counts["prefill_tokens"] += stop - start
-            groups.append(g)
+            self.prefill_tokens += stop - start
+            groups.append(self.g0 + g)
         if not tokens or not plan.prompt_pages:
-            return pool
-        while len(tokens) < G:  # padding rows: all writes to the trash page
-            tokens.append(np.zeros((C,), np.int32))
-            pos.append(np.arange(C, dtype=np.int32))
-            valid.append(np.zeros((C,), bool))
-            tables.append(np.zeros((plan.prompt_pages,), np.int32))
-        self.counts["prefill_calls"] += 1
-        self.trace.append(("prefill", tuple(groups)))
-        self._note_use()
-        return programs["prefill"](
-            self.st, dparams, pool, *(np.stack(x) for x in (tokens, pos, valid, tables))
-        )
+            return None
+        self.note_use()
+        batch = [np.stack(x) for x in (tokens, pos, valid, tables)]
+        return [np.concatenate([x, y[len(tokens) :]]) for x, y in zip(batch, self.idle_prefill())
+                ] + [tuple(groups)]  # fmt: skip
 
-    def _admit(self, programs, state):
-        """Waiting rows whose prompts are prefilled into free slots, while pages last."""
+    def idle_prefill(self):
+        """A prefill batch that only writes the trash page."""
+        C, G, Mp = self.plan.chunk, self.plan.chunk_rows, self.plan.prompt_pages
+        pos = np.broadcast_to(np.arange(C, dtype=np.int32), (G, C))
+        return [np.zeros((G, C), np.int32), pos, np.zeros((G, C), bool),
+                np.zeros((G, Mp), np.int32)]  # fmt: skip
+
+    def admissions(self):
+        """Waiting rows whose prompts are prefilled into free slots, while pages last: [S]
+        slot (S: none), row, row in the call, first token, position, shared length and
+        pages, and [S, M] page tables; None when no row starts."""
         plan = self.plan
         S, M = plan.max_num_seqs, plan.prompt_pages + plan.response_pages
         admitted = []
@@ -516,23 +657,25 @@ class _Schedule:
             shared = self.group_pages[g]
             table[: len(shared)] = shared
             table[len(shared) : len(shared) + len(own)] = own
-            admitted.append((slot, row, int(self.prompts[g][-1]), self.shared_len[g],
-                             self.shared_pages[g], table))  # fmt: skip
+            # the fed token is the prompt's last, at position len - 1 = shared_len
+            admitted.append((slot, row, self.r0 + row, int(self.prompts[g][-1]),
+                             self.shared_len[g], self.shared_len[g], self.shared_pages[g],
+                             table))  # fmt: skip
         if not admitted:
-            return state
+            return None
+        self.note_use()
         cols = list(zip(*admitted))
         pad = S - len(admitted)
         arrays = [np.concatenate([np.asarray(c, np.int32), np.full((pad,), fill, np.int32)])
-                  for c, fill in zip(cols[:5], (S, 0, 0, 0, 0))]  # fmt: skip
-        table = np.concatenate([np.stack(cols[5]), np.zeros((pad, M), np.int32)])
-        self.counts["admit_calls"] += 1
-        self.trace.append(("admit", tuple(a[1] for a in admitted)))
-        self._note_use()
-        # pos of the fed token: the prompt's last, at position len - 1 = shared_len.
-        slot_A, row_A, tok_A, shared_A, pages_A = arrays
-        return programs["admit"](state, slot_A, row_A, tok_A, shared_A, shared_A, pages_A, table)
+                  for c, fill in zip(cols[:7], (S, 0, 0, 0, 0, 0, 0))]  # fmt: skip
+        return arrays + [np.concatenate([np.stack(cols[7]), np.zeros((pad, M), np.int32)])]
 
-    def _release(self, active_S: np.ndarray) -> None:
+    def idle_admissions(self):
+        S, M = self.plan.max_num_seqs, self.plan.prompt_pages + self.plan.response_pages
+        return [np.full((S,), S, np.int32)] + [np.zeros((S,), np.int32)] * 6 + [
+            np.zeros((S, M), np.int32)]  # fmt: skip
+
+    def release(self, active_S: np.ndarray) -> None:
         """Frees the pages of the slots that finished (and of groups with no row left)."""
         for slot, row in enumerate(self.slot_row):
             if row < 0 or active_S[slot]:
@@ -544,3 +687,74 @@ class _Schedule:
             if not self.unfinished[g]:
                 self.free.extend(self.group_pages[g] or [])
                 self.group_pages[g] = []
+
+
+class _Schedule:
+    """The host side of one call: D shards' schedules, run in lockstep by the programs."""
+
+    def __init__(self, st: _Settings, plan: PoolPlan, prompts, n: int, segment_steps: int,
+                 shards: int, mesh) -> None:  # fmt: skip
+        self.st, self.plan, self.segment_steps, self.mesh = st, plan, segment_steps, mesh
+        per = len(prompts) // shards
+        self.shards = [_Shard(st, plan, prompts[d * per : (d + 1) * per], n, d * per)
+                       for d in range(shards)]  # fmt: skip
+        self.counts = {"decode_calls": 0, "decode_steps": 0, "prefill_calls": 0,
+                       "admit_calls": 0}  # fmt: skip
+        # ("prefill", groups) / ("admit", rows) / ("decode", steps), in order; groups and rows
+        # of the whole call
+        self.trace: list[tuple[str, object]] = []
+
+    def _put(self, arrays):
+        """[D, ...] host arrays, each shard's on its devices."""
+        if self.mesh is None:
+            return arrays
+        spec = jax.sharding.PartitionSpec(self.st.shard_axes)
+        return [jax.device_put(x, jax.sharding.NamedSharding(self.mesh, spec)) for x in arrays]
+
+    def __call__(self, programs, dparams, pool, state):
+        shards = self.shards
+        while True:
+            calls = dict(self.counts)
+            batches = [sh.prefill_batch() for sh in shards]
+            if any(b is not None for b in batches):
+                self.counts["prefill_calls"] += 1
+                self.trace.append(("prefill", sum((b[-1] for b in batches if b), ())))
+                arrays = [b[:-1] if b else sh.idle_prefill() for b, sh in zip(batches, shards)]
+                pool = programs["prefill"](self.st, dparams, pool,
+                                           *self._put([np.stack(x) for x in zip(*arrays)]))
+            admits = [sh.admissions() for sh in shards]
+            if any(a is not None for a in admits):
+                self.counts["admit_calls"] += 1
+                self.trace.append(("admit", tuple(int(r) for a in admits if a is not None
+                                                  for r in a[2][a[0] < len(a[0])])))
+                arrays = [a if a is not None else sh.idle_admissions()
+                          for a, sh in zip(admits, shards)]  # fmt: skip
+                state = programs["admit"](self.st, state,
+                                          *self._put([np.stack(x) for x in zip(*arrays)]))
+            if not any(sh.decoding() for sh in shards):
+                if not any(sh.waiting for sh in shards):
+                    self.counts.update(
+                        prefill_tokens=sum(sh.prefill_tokens for sh in shards),
+                        peak_pages=max(sh.peak_pages for sh in shards),
+                        peak_rows=max(sh.peak_rows for sh in shards),
+                    )
+                    return pool, state
+                if calls == self.counts:  # no prefill, no admission: plan_pool rules it out
+                    raise RuntimeError(
+                        f"the KV pool of {self.plan.num_pages} pages stalled with "
+                        f"{sum(len(sh.waiting) for sh in shards)} rows waiting and none "
+                        "decoding"
+                    )
+                continue
+            pending = any(sh.prefill_pending() for sh in shards)
+            steps = self.segment_steps if pending else self.st.max_new_tokens
+            refill_at = np.asarray([sh.refill_at() for sh in shards], np.int32)
+            pool, state, taken = programs["decode"](
+                self.st, dparams, pool, state, jnp.int32(steps), *self._put([refill_at])
+            )
+            self.counts["decode_calls"] += 1
+            self.counts["decode_steps"] += int(taken)
+            self.trace.append(("decode", int(taken)))
+            active = np.asarray(state.active_DS)
+            for sh, active_S in zip(shards, active):
+                sh.release(active_S)
