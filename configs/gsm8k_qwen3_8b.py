@@ -11,9 +11,10 @@ Does it fit? (README "Memory planner"; simulates the 8 devices on a CPU):
   python plan.py --config=configs/gsm8k_qwen3_8b.py:jax --model=qwen3-8b --device=v5p --devices=8
 As the script sets it, the recipe fits JAX's 40 % of an H200 (docs/scaling.md: the update at
 24576 tokens a device peaks at 43.1 GiB of 47.3 on FSDP 8, 39.1 on FSDP 4 x tensor 2, with the
-GPUs' linear-memory attention). On a TPU v5p-16 (8 chips) the native sampler's KV cache of the
-step's 5120 rollouts is 198 GiB a chip: data.train_batch_size=128 (and ppo_mini_batch_size=128)
-is the most that fits.
+GPUs' linear-memory attention). On a TPU v5p-16 (8 chips), `:jax` samples with the paged
+engine, 32 rows in flight a chip (rollout.max_num_seqs=32, the largest the planner fits in a
+chip's 85.5 GiB on FSDP 8, 64 on FSDP 4 x tensor 2; verl's default of 256 would need 276 GiB):
+the recipe's 1024 prompts x 5 a step, unchanged (docs/scaling.md).
 
 Data as in the script: GSM8K and MATH in verl's parquet layout (configs/math.py, whose recipe
 this extends), ~/data/{gsm8k,math}/{train,test}.parquet; for GSM8K alone set data.path and
@@ -71,6 +72,8 @@ def get_config(arg=None):
     c.rollout.log_prob_use_dynamic_bsz = True
     c.rollout.log_prob_max_token_len_per_gpu = 24576
     c.rollout.name = arg.rollout
+    if arg.rollout == "jax":  # the paged engine's slots a chip that fit a v5p (docstring)
+        c.rollout.max_num_seqs = 32
     c.rollout.tensor_model_parallel_size = 2
     c.rollout.vllm.gpu_memory_utilization = 0.6
     c.rollout.vllm.num_servers = 4  # verl: 8 GPUs / TP 2 replicas, each on GPUs of its own

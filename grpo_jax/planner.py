@@ -65,6 +65,8 @@ from grpo_jax import config as config_lib
 from grpo_jax import errors, sampler, sharding
 from grpo_jax import model as model_lib
 from grpo_jax.models import attention, gguf, lora
+from grpo_jax.models import paged as paged_model
+from grpo_jax.rollout import paged
 from grpo_jax.trainer import actor as actor_lib
 from grpo_jax.trainer import packing, programs, setup
 
@@ -194,6 +196,8 @@ class Workload:
       logprob_tokens_per_device: ``rollout.log_prob_max_token_len_per_gpu``.
       row_len: the packed row length (``packing.row_length`` of prompt + response).
       vllm: ``rollout.name == "vllm"``: the sidecar samples, JAX compiles no sampling phase.
+      max_num_seqs: ``rollout.max_num_seqs``, the paged engine's slots per data shard.
+      max_num_batched_tokens: ``rollout.max_num_batched_tokens``, its prefill chunk budget.
     """
 
     prompt_len: int
@@ -211,6 +215,8 @@ class Workload:
     logprob_tokens_per_device: int
     row_len: int
     vllm: bool
+    max_num_seqs: int
+    max_num_batched_tokens: int
 
     @classmethod
     def from_run(cls, run: config_lib.RunConfig) -> "Workload":
@@ -233,6 +239,8 @@ class Workload:
                 d.max_prompt_length, d.max_response_length, a.ppo_max_token_len_per_gpu
             ),
             vllm=r.name == "vllm",
+            max_num_seqs=r.max_num_seqs,
+            max_num_batched_tokens=r.max_num_batched_tokens,
         )
 
 
@@ -462,9 +470,35 @@ class Planner:
         """``packed_log_probs_into`` (accumulators donated) on the largest packed micro-batch."""
         return self._memo(("packed_logprob", tokens_per_device), self._packed_logprob)
 
-    def sample(self, prompts: int) -> PhaseMemory:
-        """``sampler.sample`` of ``prompts`` x n completions of response_len tokens."""
+    def sample(self, prompts: int, max_num_seqs: int | None = None) -> PhaseMemory:
+        """The native engine on ``prompts`` x n completions of response_len tokens: the paged
+        engine's call (`paged_sample`) when a data shard has more rows than max_num_seqs
+        (default rollout.max_num_seqs), as engines.NativeEngine decides, else
+        ``sampler.sample``."""
+        seqs = self.w.max_num_seqs if max_num_seqs is None else max_num_seqs
+        if self.is_paged(prompts, seqs):
+            return self._memo(("paged_sample", prompts, seqs), self._paged_sample)
         return self._memo(("sample", prompts), self._sample)
+
+    def sample_shards(self, prompts: int) -> int:
+        """The data shards the native engine splits ``prompts`` over (their batch sharding:
+        whole on every device when they do not split, as `_arr`)."""
+        return 1 if prompts % self.dp else self.dp
+
+    def is_paged(self, prompts: int, max_num_seqs: int | None = None) -> bool:
+        """Whether the native engine pages a call of ``prompts`` (engines.NativeEngine's rule)."""
+        seqs = self.w.max_num_seqs if max_num_seqs is None else max_num_seqs
+        return prompts * self.w.n // self.sample_shards(prompts) > seqs
+
+    def pool_plan(self, prompts: int, max_num_seqs: int | None = None) -> paged.PoolPlan:
+        """The paged engine's pool and batches on each data shard (`paged.plan_pool`)."""
+        w = self.w
+        return paged.plan_pool(
+            num_prompts=prompts // self.sample_shards(prompts), n=w.n,
+            prompt_width=w.prompt_len, max_new_tokens=w.response_len,
+            max_num_seqs=w.max_num_seqs if max_num_seqs is None else max_num_seqs,
+            max_num_batched_tokens=w.max_num_batched_tokens,
+        )  # fmt: skip
 
     def compiler_options(self) -> dict:
         """XLA options of the planner's compiles (on CPU devices) for an accelerator's plan.
@@ -560,10 +594,39 @@ class Planner:
         fn = jax.jit(sample)
         return self._compile(fn.lower(self.params, ids, ids, rng))
 
+    def _paged_sample(self, prompts: int, max_num_seqs: int) -> PhaseMemory:
+        shards = self.sample_shards(prompts)
+        fn, inputs = paged.peak_program(
+            self.cfg, self.pool_plan(prompts, max_num_seqs), shards=shards,
+            shard_axes=sharding.BATCH_AXES if shards > 1 else None,
+            max_new_tokens=self.w.response_len,
+        )  # fmt: skip
+
+        def call(p, r, *args):
+            if self.lora:  # as engines.NativeEngine: the merged kernels live during the call
+                p = lora.merge(self.cfg, p)
+            return fn(p, r, *args)
+
+        def arg(shape, dtype):
+            if shards > 1 and shape:
+                return jax.ShapeDtypeStruct(
+                    shape, dtype, sharding=sharding.batch_sharding(self.mesh, len(shape))
+                )
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.replicated(self.mesh))
+
+        args = [arg(shape, dtype) for shape, dtype in inputs]
+        return self._compile(jax.jit(call).lower(self.params, self._key(), *args))
+
     # Analytic sizes, for the report (the compiled temporaries already contain them).
     def kv_cache_bytes(self, prompts: int) -> int:
-        """model.GroupKVCache: each prompt's slots once, each row's response blocks."""
+        """The native engine's KV cache per device: the paged engine's pool (one a data
+        shard, split by KV head over the tensor axis), or model.GroupKVCache: each prompt's
+        slots once, each row's response blocks."""
         c, w = self.cfg, self.w
+        if self.is_paged(prompts):
+            plan = self.pool_plan(prompts)
+            return int(paged_model.pool_bytes(c, plan.num_pages, plan.page_size)
+                       / self.mesh.shape["tensor"])  # fmt: skip
         num_blocks, block = model_lib.decode_blocks(w.response_len - 1)
         slots = (prompts * w.prompt_len + prompts * w.n * num_blocks * block) / self.dp
         kv_heads = c.num_kv_heads / self.mesh.shape["tensor"]
@@ -597,7 +660,10 @@ class Planner:
         w, out = self.w, []
         if not w.vllm:
             m = self.sample(w.prompts)
-            out.append(Phase("sample", f"sample (P={w.prompts})", m, self.side_peak(m)))
+            label = f"sample (P={w.prompts}" + (
+                f", S={w.max_num_seqs})" if self.is_paged(w.prompts) else ")"
+            )
+            out.append(Phase("sample", label, m, self.side_peak(m)))
         if w.needs_ref or w.needs_old:
             if w.logprob_packed:
                 m = self.packed_logprob(w.logprob_tokens_per_device)
@@ -627,6 +693,12 @@ class Planner:
         sampling batch tries data.train_batch_size / 2**k that still splits over the devices.
         """
         w, dp = self.w, self.dp
+        if phase == "sample" and self.is_paged(w.prompts):
+            # Fewer rows decoding at once a shard: the same rollout, more decode steps.
+            rows = w.prompts * w.n // self.sample_shards(w.prompts)
+            values = {2**k for k in range(3, 16) if 2**k < rows} | {w.max_num_seqs}
+            return Knob("rollout.max_num_seqs", w.max_num_seqs, tuple(sorted(values)),
+                        lambda s: self.side_peak(self.sample(w.prompts, s)))  # fmt: skip
         if phase == "sample":
             # A smaller step batch: the mini-batch cannot be larger (with_knob lowers it too).
             values = {w.prompts // 2**k for k in range(12) if w.prompts % 2**k == 0}
@@ -776,6 +848,8 @@ _KNOB_WHY = {
     "log-probs, more of them",
     "data.train_batch_size": "fewer prompts per step, which changes the recipe: sampling holds "
     "the KV cache of every rollout of the step at once",
+    "rollout.max_num_seqs": "fewer rows decoding at once (a smaller KV page pool): the same "
+    "rollout, more decode steps",
 }
 
 
@@ -994,7 +1068,20 @@ def _advice_lines(fix: Fix, budget: int) -> list[str]:
 
 
 def _sample_lines(p: Planner) -> list[str]:
-    prompts = p.w.prompts
+    prompts, w = p.w.prompts, p.w
+    if p.is_paged(prompts):
+        plan, shards = p.pool_plan(prompts), p.sample_shards(prompts)
+        rows = prompts * w.n // shards
+        waves = -(-rows // plan.max_num_seqs)
+        return [
+            f"KV page pool (sample, analytic)  {_gb(p.kv_cache_bytes(prompts))} GiB/device: "
+            f"{plan.num_pages} pages of {plan.page_size} tokens a data shard x {shards} shards",
+            f"paged engine: {plan.max_num_seqs} rows in flight a shard (rollout.max_num_seqs) of "
+            f"{rows}; at most {waves} x {w.response_len} = {waves * w.response_len} decode steps "
+            f"(fewer as rows finish early); prefill {plan.chunk_rows} x {plan.chunk} tokens a call",
+            f"logits [slots,V] f32 (sample)    "
+            f"{_gb(plan.max_num_seqs * p.cfg.vocab_size * 4)} GiB/device",
+        ]
     return [
         f"KV cache (sample, analytic)      {_gb(p.kv_cache_bytes(prompts))} GiB/device",
         f"logits [rows,V] f32 (sample)     {_gb(p.sample_logits_bytes(prompts))} GiB/device",

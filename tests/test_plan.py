@@ -435,6 +435,49 @@ def test_advice_shrinks_the_step_batch_when_sampling_does_not_fit():
     assert any("changes the recipe" in a.why for a in fix.advice)
 
 
+_PAGED = {  # 64 prompts x 8 = 512 rows of 64 + 128 tokens, 128 a data shard on (1,4,2)
+    "data.train_batch_size": 64, "rollout.n": 8, "data.max_response_length": 128,
+    "rollout.log_prob_micro_batch_size_per_gpu": 1, "actor.ppo_micro_batch_size_per_gpu": 1,
+    "actor.ppo_mini_batch_size": 8,
+}
+
+
+def test_more_rows_a_shard_than_max_num_seqs_are_planned_as_the_paged_engine():
+    # engines.NativeEngine's rule: a data shard's rows (128) above rollout.max_num_seqs page.
+    # The sampling phase is then the paged engine's program (rollout.paged.peak_program): its
+    # KV cache is the pool, exact per device, and fewer slots hold less.
+    p = planner.from_run(_run(_config(**_PAGED, **{"rollout.max_num_seqs": 32})),
+                         model_name="tiny")  # fmt: skip
+    assert p.is_paged(64) and not p.is_paged(64, 128) and p.sample_shards(64) == 4
+    plan = p.pool_plan(64)
+    assert (plan.max_num_seqs, plan.rows, plan.page_size) == (32, 128, 16)
+    # 1 trash page + 32 rows x 8 response pages + (ceil(32 / 8) + 1) groups x 4 prompt pages
+    assert plan.num_pages == 1 + 32 * 8 + 5 * 4
+    # 2 (k, v) x L=2 x pages x 16 slots x K/tensor = 1 x H=8 x 4 bytes, one pool a shard
+    assert p.kv_cache_bytes(64) == 2 * 2 * plan.num_pages * 16 * 1 * 8 * 4
+    m = p.sample(64)
+    assert m.output >= p.kv_cache_bytes(64)  # the pool and the slots leave the program
+    peaks = [p.side_peak(p.sample(64, s)) for s in (8, 32, 64)]
+    assert peaks == sorted(peaks) and peaks[0] < peaks[-1]
+    report = planner.plan(p, hbm_bytes=2**30, search=False)
+    assert "sample (P=64, S=32)" in report and "KV page pool" in report
+    assert "32 rows in flight a shard (rollout.max_num_seqs) of 128" in report
+
+
+def test_advice_lowers_max_num_seqs_when_the_paged_engine_does_not_fit():
+    c = _config(**_PAGED, **{"rollout.max_num_seqs": 120})
+    p = planner.from_run(_run(c), model_name="tiny")
+    others = max(ph.peak for ph in p.phases() if ph.name != "sample")
+    sample = next(ph.peak for ph in p.phases() if ph.name == "sample")
+    budget = max(others, p.side_peak(p.sample(64, 16)))
+    assert sample > budget
+    fix = planner.advise(p, budget)
+    (field, seqs), = fix.overrides  # fmt: skip
+    assert field == "rollout.max_num_seqs" and 16 <= seqs < 120 and fix.fits
+    assert fix.peak == _refit(c, fix) <= budget  # the recipe's batch is unchanged
+    assert "the same rollout" in fix.advice[0].why
+
+
 def test_advice_says_what_is_left_when_nothing_fits():
     c = _config(**VLLM, **{"model.enable_gradient_checkpointing": True,
                            "rollout.log_prob_micro_batch_size_per_gpu": 1})  # fmt: skip
