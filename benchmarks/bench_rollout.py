@@ -17,6 +17,13 @@ are lower bounds.
 
     python benchmarks/bench_rollout.py                         # 8 x 4 x 256 vs HF and vLLM
     python benchmarks/bench_rollout.py --no-vllm --rounds 1
+    python benchmarks/bench_rollout.py --max-num-seqs 16       # the paged engine, 16 slots
+
+With --max-num-seqs S, grpo_jax's side is the paged engine (`rollout.paged.sample_paged`,
+continuous batching with S rows in flight over a KV page pool, what train.py runs when a step
+has more than rollout.max_num_seqs rows); its decode steps are the schedule's, and the analytic
+bytes stay the grouped count (each prompt's KV once per step), a lower bound for a paged step,
+which reads each row's prompt pages.
 """
 
 import argparse
@@ -76,6 +83,7 @@ def _worker_jax(args) -> dict:
     from grpo_jax import model, sampler
     from grpo_jax.data import demo_task
     from grpo_jax.models import gguf as gguf_lib
+    from grpo_jax.rollout import paged
 
     gguf = demo_task.smollm2_gguf()
     cfg, params = model.load_gguf(gguf)
@@ -83,12 +91,20 @@ def _worker_jax(args) -> dict:
     ids, mask = _load_prompts(args.prompts_file)
     eos = tuple(sorted(set(cfg.eos_token_ids) | {tok.eos_token_id}))
 
+    steps = []  # the paged engine's decode steps, call by call
+
     def call(seed, compaction=True):
         t0 = time.perf_counter()
-        out = sampler.sample(cfg, params, ids, mask, jax.random.key(seed), n=args.n,
-                             max_new_tokens=args.new_tokens, temperature=1.0,
-                             eos_token_ids=eos, pad_token_id=tok.pad_token_id,
-                             compaction=compaction)
+        kw = dict(n=args.n, max_new_tokens=args.new_tokens, temperature=1.0,
+                  eos_token_ids=eos, pad_token_id=tok.pad_token_id)  # fmt: skip
+        if args.max_num_seqs:
+            stats = {}
+            out = paged.sample_paged(cfg, params, ids, mask, jax.random.key(seed),
+                                     max_num_seqs=args.max_num_seqs, stats=stats, **kw)
+            steps.append(stats["decode_steps"])
+        else:
+            out = sampler.sample(cfg, params, ids, mask, jax.random.key(seed),
+                                 compaction=compaction, **kw)  # fmt: skip
         jax.block_until_ready(out)
         return time.perf_counter() - t0, np.asarray(out.response_mask).sum(1)
 
@@ -100,6 +116,9 @@ def _worker_jax(args) -> dict:
         _decode_work(cfg, ids.shape[1], lens, args.n * args.prompts, args.prompts)
         for lens in lengths
     ]
+    if args.max_num_seqs:  # the schedule's steps (S rows at a time), not the longest row
+        for w, s in zip(work, steps[1:]):
+            w["steps"] = s
     return {
         "times": times,
         "tokens": [int(lens.sum()) for lens in lengths],
@@ -217,7 +236,8 @@ def _spawn(worker, args, hf_dir, python=sys.executable) -> dict:
     cmd = [python, os.path.abspath(__file__), f"--worker={worker}", f"--hf_dir={hf_dir}",
            f"--prompts={args.prompts}", f"--n={args.n}", f"--new-tokens={args.new_tokens}",
            f"--repeats={args.repeats}", f"--vllm-python={args.vllm_python}",
-           f"--omp-bind={args.omp_bind}", f"--prompts_file={args.prompts_file}"]  # fmt: skip
+           f"--omp-bind={args.omp_bind}", f"--prompts_file={args.prompts_file}",
+           f"--max-num-seqs={args.max_num_seqs}"]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=REPO)
     env.pop("XLA_FLAGS", None)
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
@@ -244,6 +264,8 @@ def main():
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--max-num-seqs", type=int, default=0,
+                   help="grpo_jax's side: the paged engine with this many slots (0: grouped)")
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--no-vllm", action="store_true")
     p.add_argument("--vllm-python", default=os.environ.get("GRPO_JAX_VLLM_PYTHON", ""))
@@ -310,7 +332,9 @@ def main():
         "benchmark": "rollout (real shape)",
         "workload": {"model": "SmolLM2-135M-Instruct fp32", "prompts": args.prompts, "n": args.n,
                      "max_new_tokens": args.new_tokens, "temperature": 1.0,
-                     "data": "first GSM8K train questions, verl instruction, chat template"},
+                     "data": "first GSM8K train questions, verl instruction, chat template",
+                     "grpo_jax_engine": (f"paged, max_num_seqs={args.max_num_seqs}"
+                                         if args.max_num_seqs else "grouped (sampler.sample)")},
         "grpo_jax": jax_sum,
     }  # fmt: skip
     for peer in ("hf_generate", "vllm_cpu"):
