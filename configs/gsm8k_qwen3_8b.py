@@ -12,9 +12,9 @@ Does it fit? (README "Memory planner"; simulates the 8 devices on a CPU):
 As the script sets it, the recipe fits JAX's 40 % of an H200 (docs/scaling.md: the update at
 24576 tokens a device peaks at 43.1 GiB of 47.3 on FSDP 8, 39.1 on FSDP 4 x tensor 2, with the
 GPUs' linear-memory attention). On a TPU v5p-16 (8 chips), `:jax` samples with the paged
-engine, 32 rows in flight a chip (rollout.max_num_seqs=32, the largest the planner fits in a
-chip's 85.5 GiB on FSDP 8, 64 on FSDP 4 x tensor 2; verl's default of 256 would need 276 GiB):
-the recipe's 1024 prompts x 5 a step, unchanged (docs/scaling.md).
+engine, 32 rows in flight a chip (rollout.max_num_seqs=32: 76.5 GiB of a chip's 85.5 on FSDP 8;
+the planner fits at most 48 there, 96 on FSDP 4 x tensor 2; verl's default of 256 would need
+276 GiB): the recipe's 1024 prompts x 5 a step, unchanged (docs/scaling.md).
 
 Data as in the script: GSM8K and MATH in verl's parquet layout (configs/math.py, whose recipe
 this extends), ~/data/{gsm8k,math}/{train,test}.parquet; for GSM8K alone set data.path and

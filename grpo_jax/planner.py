@@ -694,9 +694,11 @@ class Planner:
         """
         w, dp = self.w, self.dp
         if phase == "sample" and self.is_paged(w.prompts):
-            # Fewer rows decoding at once a shard: the same rollout, more decode steps.
+            # Fewer rows decoding at once a shard: the same rollout, more decode steps. Powers
+            # of 2 and the midpoints 1.5 x 2^k (8, 12, 16, 24, 32, 48, ...).
             rows = w.prompts * w.n // self.sample_shards(w.prompts)
-            values = {2**k for k in range(3, 16) if 2**k < rows} | {w.max_num_seqs}
+            values = {v for k in range(3, 16) for v in (2**k, 3 * 2 ** (k - 1)) if v < rows}
+            values |= {w.max_num_seqs}
             return Knob("rollout.max_num_seqs", w.max_num_seqs, tuple(sorted(values)),
                         lambda s: self.side_peak(self.sample(w.prompts, s)))  # fmt: skip
         if phase == "sample":
