@@ -589,10 +589,11 @@ class RolloutConfig:
     # 0 = the sampler shares the trainer's devices (with a copy of the params).
     num_devices: int = 0
     # The native engine's continuous batching (vLLM's names and verl's defaults): a step with
-    # more than max_num_seqs rows (prompts x n) decodes at most that many at a time from a pool
-    # of KV pages, refilling the slots of finished rows (grpo_jax/rollout/paged.py); prompts are
-    # prefilled in chunks of at most max_num_batched_tokens tokens. Up to max_num_seqs rows, the
-    # whole step decodes at once from the grouped cache (sampler.sample).
+    # more than max_num_seqs rows (prompts x n) per data shard decodes at most that many at a
+    # time on each shard from its pool of KV pages, refilling the slots of finished rows
+    # (grpo_jax/rollout/paged.py); prompts are prefilled in chunks of at most
+    # max_num_batched_tokens tokens. Up to max_num_seqs rows a shard, the whole step decodes at
+    # once from the grouped cache (sampler.sample).
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     val_kwargs: ValKwargs = ValKwargs()

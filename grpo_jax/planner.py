@@ -488,7 +488,7 @@ class Planner:
     def is_paged(self, prompts: int, max_num_seqs: int | None = None) -> bool:
         """Whether the native engine pages a call of ``prompts`` (engines.NativeEngine's rule)."""
         seqs = self.w.max_num_seqs if max_num_seqs is None else max_num_seqs
-        return prompts * self.w.n // self.sample_shards(prompts) > seqs
+        return paged.pages(prompts * self.w.n, self.sample_shards(prompts), seqs)
 
     def pool_plan(self, prompts: int, max_num_seqs: int | None = None) -> paged.PoolPlan:
         """The paged engine's pool and batches on each data shard (`paged.plan_pool`)."""

@@ -179,7 +179,7 @@ class NativeEngine:
                           logprobs_mode=self.logprobs_mode, **sp.kwargs())  # fmt: skip
             # Continuous batching over pages when a data shard has more rows than slots
             # (max_num_seqs is per shard, as vLLM's is per rollout replica).
-            if ids.shape[0] * sp.n // paged.shard_layout(ids)[2] > self.max_num_seqs:
+            if paged.pages(ids.shape[0] * sp.n, paged.shard_layout(ids)[2], self.max_num_seqs):
                 return paged.sample_paged(
                     self.model_config, params, ids, mask, rng, max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=self.max_num_batched_tokens, **kwargs,

@@ -54,6 +54,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -207,12 +208,13 @@ def _decode(st: _Settings, dparams, pool, state: PagedState, max_steps, refill_a
         _, state, steps, finished_D = carry
         return (steps < max_steps) & jnp.any(state.active_DS) & jnp.all(finished_D < refill_at_D)
 
+    step = _over_shards(st, functools.partial(_step, st), in_axes=(None, None, 0, 0))
+
     def body(carry):
         pool, s, steps, finished_D = carry
         # How many leading pages any row of any shard reads (one attention bucket for all).
         w_DS = s.prompt_pages_DS * P + s.plen_DS
         pages_used = jnp.max(jnp.where(s.active_DS, w_DS // P + 1, 1))
-        step = _over_shards(st, functools.partial(_step, st), in_axes=(None, None, 0, 0))
         pool, s, done_D = step(dparams, pages_used, pool, s)
         return pool, s, steps + 1, finished_D + done_D
 
@@ -522,6 +524,12 @@ def sample_paged(
     return rollout
 
 
+def pages(rows: int, shards: int, max_num_seqs: int) -> bool:
+    """Whether a call of `rows` (prompts x n) split over `shards` data shards takes the paged
+    engine: a shard has more rows than slots (engines.NativeEngine's rule; the planner's)."""
+    return rows // shards > max_num_seqs
+
+
 def shard_layout(prompt_ids) -> tuple[jax.sharding.Mesh | None, tuple[str, ...] | None, int]:
     """(mesh, batch axes, D): the data shards a call's pools and slots split into, those of
     the prompts' batch axis. One shard (None, None, 1) for host arrays or replicated prompts.
@@ -592,7 +600,8 @@ class _Shard:
         tokens, pos, valid, tables, groups = [], [], [], [], []
         # Groups of the rows that will take the free slots next (and the slots after them).
         idle = sum(r < 0 for r in self.slot_row)
-        ahead = list(dict.fromkeys(r // self.n for r in list(self.waiting)[: idle + self.n]))
+        next_rows = itertools.islice(self.waiting, idle + self.n)
+        ahead = list(dict.fromkeys(r // self.n for r in next_rows))
         for g in ahead:
             if len(tokens) == G:
                 break
