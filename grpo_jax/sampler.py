@@ -60,8 +60,12 @@ import numpy as np
 from grpo_jax import model as model_lib
 
 _DEFAULT_BUCKET_MULTIPLE = 64
-# Compaction stops once the slots would drop below this: tiny batches are not worth a compile.
-MIN_COMPACT_SLOTS = 4
+# Compaction stops once the slots would drop below this. Below it a decode step reads the weights
+# more than it computes, so fewer slots barely shorten a step while each rung of the ladder is one
+# more decode program to compile (7-11 s each for SmolLM2-135M on a 2-core CPU). Measured there
+# (48-token prompts, 47 decode steps): 172 ms a step at 64 slots, 110 at 32, 79 at 16, 75 at 8.
+# On accelerators the weight-bound range reaches hundreds of rows, so 16 is conservative there.
+MIN_COMPACT_SLOTS = 16
 
 
 @flax.struct.dataclass
@@ -645,15 +649,21 @@ def _sample_whole(st: _Static, params, prompt_ids_PT, prompt_mask_PT, rng, weigh
     return _rollout(st, prompt_ids_PT, prompt_mask_PT, state, weights_version, compacted=False)
 
 
-# XLA:CPU compiles the sampler's programs with YNNPACK's dot kernels. A decode step's attention
-# is many small products (per row and KV head: R query heads x head_dim against every cache
-# slot), and XLA:CPU's default batched dot runs them at about 6 GB/s; YNNPACK's at about twice
-# that. SmolLM2-135M, 8 GSM8K prompts x 4 x 256 tokens (bench_rollout.py): 78 -> 53 s per call.
-# The update's large dots gain nothing from it (101 vs 103 s), so only the sampler sets it. (The
-# XLA_FLAGS spelling of the same option is --xla_cpu_experimental_ynn_fusion_type=dot.)
+# XLA:CPU compiles the sampler's programs for long responses with YNNPACK's dot kernels. A decode
+# step's attention is many small products (per row and KV head: R query heads x head_dim against
+# every cache slot), and XLA:CPU's default batched dot runs them at about 6 GB/s; YNNPACK's at
+# about twice that. SmolLM2-135M, 8 GSM8K prompts x 4 x 256 tokens (bench_rollout.py): 78 -> 53 s
+# per call. The update's large dots gain nothing from it (101 vs 103 s), so only the sampler sets
+# it. (The XLA_FLAGS spelling of the same option is --xla_cpu_experimental_ynn_fusion_type=dot.)
 CPU_COMPILER_OPTIONS = {
     "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
 }
+# Short responses gain nothing from YNNPACK and compile longer with it, so they keep the default
+# dots. SmolLM2-135M on a 2-core AMD EPYC (AVX-512), ms per decode step / compile s of one decode
+# program, default -> YNNPACK: 48 new tokens, 64 rows: 172 / 7.1 -> 183 / 10.7; 128 new tokens,
+# 64 rows: 183 -> 188; 128 new tokens after 160-token prompts, 32 rows: 121 -> 117; 256 new tokens
+# after 160-token prompts, 32 rows: 182 -> 109 (compile 18.5 -> 18.3).
+YNNPACK_MIN_NEW_TOKENS = 129
 
 
 @functools.cache
@@ -679,10 +689,16 @@ def compiler_options(platform: str | None) -> dict[str, str] | None:
     return dict(CPU_COMPILER_OPTIONS)
 
 
+def _uses_ynnpack(st: _Static) -> bool:
+    """Whether `st`'s programs take `compiler_options` (see YNNPACK_MIN_NEW_TOKENS)."""
+    return st.max_new_tokens >= YNNPACK_MIN_NEW_TOKENS
+
+
 @functools.cache
-def _programs(platform: str | None) -> dict:
-    """The sampler's jitted programs for one platform (see `compiler_options`)."""
-    opts = compiler_options(platform)
+def _programs(platform: str | None, long_responses: bool = True) -> dict:
+    """The sampler's jitted programs for one platform (see `compiler_options`); with
+    `long_responses` False they compile with the platform's default options."""
+    opts = compiler_options(platform) if long_responses else None
     return {
         "sample": jax.jit(_sample_whole, static_argnums=0, compiler_options=opts),
         "start": jax.jit(_start, static_argnums=0, compiler_options=opts),
@@ -704,13 +720,14 @@ def _platform(x) -> str | None:
 
 def _sample_jit(st: _Static, params, prompt_ids_PT, prompt_mask_PT, rng, weights_version):
     """`_sample_whole` as one program: traceable, e.g. by plan.py."""
-    program = _programs(_platform(prompt_ids_PT))["sample"]
+    program = _programs(_platform(prompt_ids_PT), _uses_ynnpack(st))["sample"]
     return program(st, params, prompt_ids_PT, prompt_mask_PT, rng, weights_version)
 
 
 def _decode_jit(st: _Static, params, state: SampleState, stop_at):
     """One decode phase (`_decode`), compiled for the platform the state lives on."""
-    return _programs(_platform(state.done_S))["decode"](st, params, state, stop_at)
+    program = _programs(_platform(state.done_S), _uses_ynnpack(st))["decode"]
+    return program(st, params, state, stop_at)
 
 
 def _next_size(size: int, multiple: int) -> int:
@@ -737,7 +754,7 @@ def _sample_compacting(
     output is flushed first) and exiting its loop at once: the same programs run in every call
     of a batch shape, whenever its rows finish, so only the first call compiles.
     """
-    programs = _programs(_platform(prompt_ids_PT))
+    programs = _programs(_platform(prompt_ids_PT), _uses_ynnpack(st))
     state = programs["start"](st, params, prompt_ids_PT, prompt_mask_PT, rng)
     size = state.done_S.shape[0]
     compacted = False

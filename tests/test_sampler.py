@@ -380,10 +380,13 @@ def test_rollout_logprobs_mode_reaches_the_native_engine(tiny, tmp_path):
 
 
 def test_cpu_programs_compile_with_ynnpack_dots_and_match_the_default_compile(tiny):
-    # On CPU the sampler's programs take sampler.CPU_COMPILER_OPTIONS (YNNPACK dots); the result
-    # is the default compile's up to float32 rounding.
+    # On CPU the sampler's programs for long responses take sampler.CPU_COMPILER_OPTIONS
+    # (YNNPACK dots); the result is the default compile's up to float32 rounding.
     config, params = tiny
     assert sampler.compiler_options("cpu") == sampler.CPU_COMPILER_OPTIONS
+    short = sampler.YNNPACK_MIN_NEW_TOKENS - 1
+    assert not sampler._uses_ynnpack(sampler._Static(config, 2, short, 0.0, 1.0, -1, (), _PAD))
+    assert sampler._uses_ynnpack(sampler._Static(config, 2, short + 1, 0.0, 1.0, -1, (), _PAD))
     assert sampler.compiler_options("gpu") is None and sampler.compiler_options(None) is None
     ids_PT, mask_PT = _left_padded([6, 3], 64, config.vocab_size, seed=11)
     st = sampler._Static(config, 2, 6, 0.0, 1.0, -1, (), _PAD)
@@ -511,7 +514,7 @@ def test_every_call_walks_the_whole_ladder_so_only_the_first_compiles(tiny, monk
         compiled = perf.compile_stats() - before
         lengths.append(np.asarray(out.response_mask).sum(1))
         ladders.append(list(slots))
-    assert ladders == [[32, 16, 8, 4]] * 2
+    assert ladders == [[32, 16]] * 2  # down to MIN_COMPACT_SLOTS = 16
     assert not np.array_equal(lengths[0], lengths[1])  # the rows ended differently
     assert compiled.programs == 0, compiled.names
 
