@@ -373,6 +373,11 @@ class ActorConfig:
     # that budget, tokens per device (grpo_jax/trainer/packing.py)
     ppo_max_token_len_per_gpu: int = 16384
     ppo_epochs: int = 1  # passes over the batch (mu)
+    # Ulysses sequence parallelism (verl's name; 1 = off): each row's tokens are split over
+    # this many devices (the mesh's "sequence" axis) for the update and the log-prob passes,
+    # attention splitting the heads instead (grpo_jax/sharding.py). As in verl, the token
+    # budget ppo_max_token_len_per_gpu is per device, so a row may hold sp times as many.
+    ulysses_sequence_parallel_size: int = 1
     # Each ppo epoch, the batch's rows are shuffled before being cut into mini-batches, within
     # each data-parallel block as verl's per-rank dataloader (train_stage.mini_batch_order); the
     # draws are seeded by data_loader_seed and the block, the same every step (verl).
@@ -400,7 +405,7 @@ class ActorConfig:
     def __post_init__(self):
         c = _Checks("actor")
         _positive(c, self, "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs")
-        _positive(c, self, "ppo_max_token_len_per_gpu")
+        _positive(c, self, "ppo_max_token_len_per_gpu", "ulysses_sequence_parallel_size")
         c.need(self.grad_clip > 0, "grad_clip", self.grad_clip, "must be > 0")
         c.need(self.kl_loss_coef >= 0, "kl_loss_coef", self.kl_loss_coef, "must be >= 0")
         c.need(
@@ -994,17 +999,38 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    """Section `mesh`: the device mesh (data, fsdp, tensor) and its logical-axis rules."""
+class RefConfig:
+    """Section `ref` (verl's actor_rollout_ref.ref): the reference policy's log-prob pass."""
 
-    shape: tuple[int, int, int] = (-1, 1, 1)  # -1 fills with the remaining devices
+    # None = the actor's (verl's ${oc.select:actor_rollout_ref.actor.ulysses_...}). grpo_jax
+    # runs every pass on one mesh, so a value must equal the actor's (docs/verl-differences.md).
+    ulysses_sequence_parallel_size: int | None = None
+
+    def __post_init__(self):
+        c = _Checks("ref")
+        sp = self.ulysses_sequence_parallel_size
+        c.need(sp is None or sp >= 1, "ulysses_sequence_parallel_size", sp,
+               "must be >= 1 or None (the actor's)")  # fmt: skip
+        c.done()
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Section `mesh`: the device mesh (data, fsdp, tensor), or (data, fsdp, sequence, tensor),
+    and its logical-axis rules. With three entries the sequence axis is
+    actor.ulysses_sequence_parallel_size devices, and -1 fills what is left."""
+
+    shape: tuple[int, ...] = (-1, 1, 1)  # -1 fills with the remaining devices
     rules: tuple | None = None  # ((logical name, mesh axes), ...); None = LOGICAL_RULES
     distributed: str = "auto"  # jax.distributed start-up: "auto" (detect) | "on" | "off"
 
     def __post_init__(self):
         c = _Checks("mesh")
         c.need(
-            len(self.shape) == 3, "shape", self.shape, "must have 3 entries (data, fsdp, tensor)"
+            len(self.shape) in (3, 4),
+            "shape",
+            self.shape,
+            "must have 3 entries (data, fsdp, tensor) or 4 (data, fsdp, sequence, tensor)",
         )
         c.choice("distributed", self.distributed, ("auto", "on", "off"))
         c.done()
@@ -1021,6 +1047,7 @@ class RunConfig:
     data: DataConfig = DataConfig()
     model: ModelSpec = ModelSpec()
     actor: ActorConfig = ActorConfig()
+    ref: RefConfig = RefConfig()
     rollout: RolloutConfig = RolloutConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     reward: RewardConfig = RewardConfig()
@@ -1033,6 +1060,21 @@ class RunConfig:
     def __post_init__(self):
         c = _Checks("")
         a, d, r = self.actor, self.data, self.rollout
+        sp = a.ulysses_sequence_parallel_size
+        ref_sp = self.ref.ulysses_sequence_parallel_size
+        c.need(ref_sp in (None, sp), "ref.ulysses_sequence_parallel_size", ref_sp,
+               f"must equal actor.ulysses_sequence_parallel_size={sp} or be None (grpo_jax runs "
+               "the reference pass on the actor's mesh)")  # fmt: skip
+        if len(self.mesh.shape) == 4:
+            c.need(self.mesh.shape[2] in (-1, sp), "mesh.shape", self.mesh.shape,
+                   f"its sequence entry (the third of data, fsdp, sequence, tensor) must be "
+                   f"actor.ulysses_sequence_parallel_size={sp} or -1")  # fmt: skip
+        if sp > 1 and not (a.use_dynamic_bsz and self.log_prob_use_dynamic_bsz):
+            # Padded micro-batches are rows of prompt_length_bucket multiples + the responses.
+            for name in ("prompt_length_bucket", "max_response_length"):
+                c.need(getattr(d, name) % sp == 0, f"data.{name}", getattr(d, name),
+                       f"must be a multiple of actor.ulysses_sequence_parallel_size={sp} (each "
+                       "padded row's tokens split evenly; or pack: actor.use_dynamic_bsz=True)")
         ob = self.reward.overlong_buffer
         if ob.enable:
             c.need(ob.len <= d.max_response_length, "reward.overlong_buffer.len", ob.len,
@@ -1195,6 +1237,29 @@ class RunConfig:
     @property
     def mini_batches_per_step(self) -> int:
         return self.data.train_batch_size // self.actor.ppo_mini_batch_size
+
+    def check_sequence_parallel(self, num_heads: int, tensor: int, row_len: int) -> None:
+        """Ulysses splits the query heads over tensor x sequence devices and a packed row's
+        `row_len` tokens over the sequence devices: both must divide."""
+        sp = self.actor.ulysses_sequence_parallel_size
+        if sp == 1:
+            return
+        problems = []
+        if num_heads % (sp * tensor):
+            fits = [s for s in range(1, sp) if num_heads % (s * tensor) == 0]
+            problems.append(
+                f"actor.ulysses_sequence_parallel_size={sp}: the model's {num_heads} attention "
+                f"heads cannot be split over {sp} x {tensor} (tensor) devices; "
+                f"{max(fits) if fits else 1} would work"
+            )
+        if row_len % sp:
+            problems.append(
+                f"actor.ulysses_sequence_parallel_size={sp} does not divide the packed row "
+                f"length {row_len} (data.max_prompt_length + data.max_response_length rounded "
+                "up to 128): use a power of two up to 128"
+            )
+        if problems:
+            raise ConfigError(problems)
 
     def check_mesh(self, dp: int, backend: str | None = None) -> None:
         """Batch sizes that must split over the dp = data x fsdp devices of the mesh, and an

@@ -198,6 +198,8 @@ class Workload:
       vllm: ``rollout.name == "vllm"``: the sidecar samples, JAX compiles no sampling phase.
       max_num_seqs: ``rollout.max_num_seqs``, the paged engine's slots per data shard.
       max_num_batched_tokens: ``rollout.max_num_batched_tokens``, its prefill chunk budget.
+      sequence_parallel: ``actor.ulysses_sequence_parallel_size``: a group of that many devices
+        packs that many times a device's token budget (verl), in rows split over the group.
     """
 
     prompt_len: int
@@ -217,6 +219,7 @@ class Workload:
     vllm: bool
     max_num_seqs: int
     max_num_batched_tokens: int
+    sequence_parallel: int = 1
 
     @classmethod
     def from_run(cls, run: config_lib.RunConfig) -> "Workload":
@@ -236,11 +239,14 @@ class Workload:
             logprob_packed=run.log_prob_use_dynamic_bsz,
             logprob_tokens_per_device=run.log_prob_max_token_len_per_gpu,
             row_len=packing.row_length(
-                d.max_prompt_length, d.max_response_length, a.ppo_max_token_len_per_gpu
+                d.max_prompt_length,
+                d.max_response_length,
+                a.ppo_max_token_len_per_gpu * a.ulysses_sequence_parallel_size,
             ),
             vllm=r.name == "vllm",
             max_num_seqs=r.max_num_seqs,
             max_num_batched_tokens=r.max_num_batched_tokens,
+            sequence_parallel=a.ulysses_sequence_parallel_size,
         )
 
 
@@ -432,12 +438,14 @@ class Planner:
 
     def packed_rows(self, tokens_per_device: int) -> int:
         """Rows of a full packed micro-batch over all data devices (packing.pack's cap)."""
-        rows = (tokens_per_device * self.dp // self.w.row_len) // self.dp * self.dp
+        sp = self.w.sequence_parallel
+        rows = (tokens_per_device * sp * self.dp // self.w.row_len) // self.dp * self.dp
         if rows < 1:
             raise ValueError(
-                f"a token budget of {tokens_per_device} tokens per device holds no packed row of "
-                f"{self.w.row_len} tokens (max_prompt_length + max_response_length, rounded up "
-                f"to {packing.LEN_BUCKET}): it must be at least {self.w.row_len}"
+                f"a token budget of {tokens_per_device} tokens per device x {sp} sequence-"
+                f"parallel devices holds no packed row of {self.w.row_len} tokens "
+                f"(max_prompt_length + max_response_length, rounded up to {packing.LEN_BUCKET}): "
+                f"it must be at least {-(-self.w.row_len // sp)}"
             )
         return rows
 
@@ -865,7 +873,31 @@ def _escalations(p: Planner, phase: str) -> list[tuple[tuple[str, Any], ...]]:
     if data > 1:  # FSDP over the data devices: params and Adam state split, not replicated
         extra += (("mesh.shape", (1, data * fsdp, tensor)),)
         out.append(extra)
+    out += [extra + sp for sp in _sequence_parallel_options(p, phase)]
     return out
+
+
+def _sequence_parallel_options(p: Planner, phase: str) -> list[tuple[tuple[str, Any], ...]]:
+    """Ulysses sequence parallelism for a packed pass whose rows are too long for a device:
+    actor.ulysses_sequence_parallel_size of 2, 4 or 8 (where it divides the data devices, the
+    query heads over tensor x sp and the row), each device's token budgets divided by it, so a
+    micro-batch keeps its rows, their tokens split over sp devices."""
+    w, run = p.w, p.run
+    if phase not in ("train", "logprob") or w.sequence_parallel > 1:
+        return []
+    if not (w.packed if phase == "train" else w.logprob_packed):
+        return []
+    tensor, options = p.mesh.shape["tensor"], []
+    for sp in (2, 4, 8):
+        if p.dp % sp or p.cfg.num_heads % (sp * tensor) or w.row_len % sp:
+            continue
+        change = (("actor.ulysses_sequence_parallel_size", sp),
+                  ("actor.ppo_max_token_len_per_gpu", -(-w.tokens_per_device // sp)))  # fmt: skip
+        if run.rollout.log_prob_max_token_len_per_gpu is not None:
+            change += (("rollout.log_prob_max_token_len_per_gpu",
+                        -(-w.logprob_tokens_per_device // sp)),)  # fmt: skip
+        options.append(change)
+    return options
 
 
 def _escalation_why(extra) -> str:
@@ -876,6 +908,10 @@ def _escalation_why(extra) -> str:
                    "update FLOPs)")  # fmt: skip
     if "mesh.shape" in fields:
         why.append("FSDP over all data devices: parameters and Adam state split, not replicated")
+    if "actor.ulysses_sequence_parallel_size" in fields:
+        sp = fields["actor.ulysses_sequence_parallel_size"]
+        why.append(f"sequence parallelism: each row's tokens split over {sp} devices, the same "
+                   "micro-batches (per-device token budgets divided by it)")  # fmt: skip
     return "; ".join(why)
 
 
@@ -1226,7 +1262,10 @@ def from_run(
         remat_policy=run.model.gradient_checkpointing_policy,
         attention_impl="blockwise" if stand_in_for else impl,
     )
-    mesh = sharding.make_mesh(tuple(run.mesh.shape)) if mesh is None else mesh
+    if mesh is None:
+        mesh = sharding.make_mesh(
+            tuple(run.mesh.shape), sequence=run.actor.ulysses_sequence_parallel_size
+        )
     tx, _ = setup.make_optimizer(run, total_steps=1)
     # config.mesh.rules (None = sharding.LOGICAL_RULES) overrides the logical-axis rules.
     rules = sharding.rules_from_config(run.mesh.rules)

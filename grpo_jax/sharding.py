@@ -1,8 +1,8 @@
 """One device mesh and the logical-axis rules that map every array of a GRPO run onto it.
 
-Owns: the mesh axes ``AXES = ("data", "fsdp", "tensor")`` and ``make_mesh``; the logical-axis
-rules table ``LOGICAL_RULES`` (overridable through ``config.mesh.rules``); and the shardings
-derived from it for parameters, optimizer state and batches. It knows no model internals:
+Owns: the mesh axes ``AXES = ("data", "fsdp", "sequence", "tensor")`` and ``make_mesh``; the
+logical-axis rules table ``LOGICAL_RULES`` (overridable through ``config.mesh.rules``); and the
+shardings derived from it for parameters, optimizer state and batches. It knows no model internals:
 parameter layouts come from ``model.logical_axes(config)`` (a pytree of ``PartitionSpec``s over
 logical names), and optimizer state is matched to parameters by tree path.
 
@@ -12,6 +12,14 @@ Parallelism (levanter's parameter-vs-compute split, maxtext's pure-fsdp rules):
   * Tensor parallelism (Megatron): ``heads``, ``kv_heads``, ``mlp`` and ``vocab`` over ``tensor``.
   * Data parallelism: the leading batch axis of activations is split over ``("data", "fsdp")``, so
     FSDP devices also each see a different slice of the batch.
+  * Sequence parallelism (Ulysses, verl's ``ulysses_sequence_parallel_size``): the token axis of
+    activations (``seq``) is split over ``sequence``; around attention the queries, keys and
+    values switch to whole rows split by head (``attn_seq`` / ``attn_heads``: an all-to-all that
+    GSPMD inserts), and back after it. The ``sequence`` devices of a row also hold a share of
+    every parameter (``embed`` over ``("fsdp", "sequence")``, as verl's FSDP shards over all
+    ranks, its sequence groups included), and see the same rows: data parallelism is over
+    data x fsdp = devices / (sequence x tensor). The axis has size 1 unless asked for, which
+    changes nothing.
 
 Decisions:
   * Meshes use ``AxisType.Auto`` on every axis. jax 0.10 defaults ``jax.make_mesh`` to
@@ -35,8 +43,11 @@ import jax
 from flax import linen as nn
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-AXES = ("data", "fsdp", "tensor")
+AXES = ("data", "fsdp", "sequence", "tensor")
 BATCH_AXES = ("data", "fsdp")
+# config.mesh.shape's three-entry form names these; the sequence axis is then sized by
+# actor.ulysses_sequence_parallel_size (make_mesh's `sequence`).
+SHAPE_AXES = ("data", "fsdp", "tensor")
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
@@ -44,7 +55,7 @@ Rules = tuple[tuple[str, MeshAxes], ...]
 # (logical name, mesh axis or axes or None = replicated). The first rule for a name wins.
 LOGICAL_RULES: Rules = (
     # Parameters: FSDP on the model dimension, Megatron tensor parallelism on the rest.
-    ("embed", "fsdp"),
+    ("embed", ("fsdp", "sequence")),
     ("vocab", "tensor"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
@@ -53,7 +64,11 @@ LOGICAL_RULES: Rules = (
     ("layers", None),  # the stacked-layer axis of scanned parameters and of the KV cache
     # Activations and caches: data parallel over every non-tensor device.
     ("batch", BATCH_AXES),
-    ("seq", None),
+    ("seq", "sequence"),
+    # Inside attention (Ulysses): whole rows, the heads split over the sequence devices too.
+    ("attn_seq", None),
+    ("attn_heads", ("tensor", "sequence")),
+    ("attn_kv_heads", ("tensor", "sequence")),
     ("act_embed", None),
     ("act_heads", "tensor"),
     ("act_kv_heads", "tensor"),
@@ -62,24 +77,53 @@ LOGICAL_RULES: Rules = (
 )
 
 
-def make_mesh(shape: Sequence[int] = (-1, 1, 1), *, devices: Sequence[Any] | None = None) -> Mesh:
-    """Builds the ``("data", "fsdp", "tensor")`` mesh; at most one ``-1`` entry fills the rest.
+def mesh_shape(shape: Sequence[int], sequence: int | None = None) -> tuple[int, ...]:
+    """``shape`` as one entry per axis of ``AXES``: a three-entry (data, fsdp, tensor) shape gets
+    a sequence axis of size `sequence` (None: 1); a four-entry one says its own, which must be
+    `sequence` (or -1) when that is given."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) == len(SHAPE_AXES):
+        return (shape[0], shape[1], int(sequence or 1), shape[2])
+    if len(shape) == len(AXES):
+        if sequence is not None and shape[2] not in (-1, sequence):
+            raise ValueError(
+                f"mesh shape {shape} has a sequence axis of {shape[2]}, but "
+                f"actor.ulysses_sequence_parallel_size is {sequence}; give the same size in both, "
+                "or a three-entry (data, fsdp, tensor) shape"
+            )
+        return shape
+    raise ValueError(
+        f"mesh shape {shape} must have 3 entries {SHAPE_AXES} or 4 entries {AXES}"
+    )
+
+
+def make_mesh(
+    shape: Sequence[int] = (-1, 1, 1),
+    *,
+    devices: Sequence[Any] | None = None,
+    sequence: int | None = None,
+) -> Mesh:
+    """Builds the ``("data", "fsdp", "sequence", "tensor")`` mesh; at most one ``-1`` entry
+    fills the rest.
 
     Args:
-      shape: three ints, e.g. ``(-1, 1, 1)`` (all devices data parallel) or ``(1, 8, 1)``.
+      shape: three ints (data, fsdp, tensor), e.g. ``(-1, 1, 1)`` (all devices data parallel)
+        or ``(1, 8, 1)``, or four (data, fsdp, sequence, tensor).
       devices: devices to use (default: all global devices, so multi-host meshes span hosts).
+      sequence: the sequence axis (actor.ulysses_sequence_parallel_size; None: 1, or what a
+        four-entry shape says): ``(1, -1, 1)`` with ``sequence=4`` on 8 devices is (1, 2, 4, 1).
 
     Returns:
       A ``Mesh`` with ``AxisType.Auto`` axes (see the module docstring for why).
 
     Raises:
-      ValueError: if ``shape`` does not have 3 entries, has more than one ``-1``, has an entry
-        below 1 other than ``-1``, or its product differs from the device count.
+      ValueError: if ``shape`` does not have 3 or 4 entries, has more than one ``-1``, has an
+        entry below 1 other than ``-1``, or its product differs from the device count.
     """
     devices = list(jax.devices() if devices is None else devices)
-    shape = tuple(int(s) for s in shape)
-    if len(shape) != len(AXES):
-        raise ValueError(f"mesh shape {shape} must have one entry per axis {AXES}")
+    if sequence is not None and sequence < 1:
+        raise ValueError(f"sequence axis of {sequence}: it must be >= 1")
+    shape = mesh_shape(shape, sequence)
     if shape.count(-1) > 1 or any(s < 1 and s != -1 for s in shape):
         raise ValueError(f"mesh shape {shape}: entries must be >= 1, with at most one -1 (fill)")
     known = math.prod(s for s in shape if s != -1)

@@ -208,7 +208,7 @@ def test_fsdp_sharded_export_equals_the_unsharded_one(tmp_path):
     mesh = sharding.make_mesh((1, 8, 1))
     params = sharding.init_sharded_params(config, mesh, jax.random.key(0))
     kernel = params["layers"]["mlp"]["up_proj"]["kernel"]
-    assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, ("fsdp", "sequence"), "tensor")
     assert {s.data.shape for s in kernel.addressable_shards} == {(2, 4, 64)}  # D=32 split 8 ways
     hf_lib.save(config, params, tmp_path / "fsdp", max_shard_bytes=_small_shards(config))
     hf_lib.save(config, _params(config), tmp_path / "one", max_shard_bytes=_small_shards(config))

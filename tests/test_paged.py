@@ -183,6 +183,29 @@ def test_a_pool_too_small_for_one_row_names_the_knobs(tiny):
         paged.plan_pool(num_prompts=1, n=1, prompt_width=4, max_new_tokens=4, max_num_seqs=0)
 
 
+def test_a_response_longer_than_any_decode_bucket_needs_only_its_slots_pages(tiny):
+    """Long responses (the long-CoT recipes' 32K, here 2,048 tokens on the tiny model): the
+    pool holds the pages of the rows in flight, not a full-length cache for every row of the
+    call, and the tokens are `sampler.sample`'s (whose response cache is sized for the call)."""
+    config, params = tiny
+    ids, mask = _prompts([5, 3, 6], config.vocab_size, seed=4)
+    R, rng, stats = 2048, jax.random.key(7), {}
+    assert R - 1 > model.MAX_DECODE_BLOCKS * model.DECODE_BLOCK  # past the grouped cache's
+    kw = dict(n=2, max_new_tokens=R, temperature=1.0)  # no EOS: every row runs to R tokens
+    out = paged.sample_paged(config, params, ids, mask, rng, max_num_seqs=2, page_size=64,
+                             stats=stats, **kw)  # fmt: skip
+    ref = sampler.sample(config, params, ids, mask, rng, **kw)
+    _assert_same_rollout(config, params, ids, mask, rng, ref, out, temperature=1.0, top_k=-1,
+                         top_p=1.0)  # fmt: skip
+    assert int(np.asarray(out.response_mask).sum()) == 6 * R
+    # 6 rows through 2 slots: the pool is 2 rows' response pages (R - 1 slots each: the last
+    # token is never fed back) plus prompt pages, a third of what all 6 rows would need.
+    response_pages = -(-(R - 1) // 64)
+    assert stats["peak_rows"] == 2
+    assert stats["num_pages"] < 3 * response_pages
+    assert stats["peak_pages"] >= 2 * response_pages
+
+
 def test_page_buckets_cover_every_count():
     for m in (1, 2, 7, 28, 200):
         buckets = paged_model.page_buckets(m)

@@ -4,6 +4,8 @@ Unit tests use synthetic logical trees; the parity tests further down run the re
 sampler and orbax on meshes (2,2,2), (1,8,1), (8,1,1) against one device.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numerics
@@ -16,14 +18,16 @@ from jax.sharding import PartitionSpec as P
 from grpo_jax import distributed, sharding
 
 MESH_SHAPES = [(2, 2, 2), (1, 8, 1), (8, 1, 1)]
+E = ("fsdp", "sequence")  # the mesh axes of a parameter's `embed` dimension (FSDP)
 
 
 def test_make_mesh_fills_minus_one_and_uses_auto_axes():
     mesh = sharding.make_mesh()
-    assert dict(mesh.shape) == {"data": 8, "fsdp": 1, "tensor": 1}
+    assert dict(mesh.shape) == {"data": 8, "fsdp": 1, "sequence": 1, "tensor": 1}
     assert mesh.axis_names == sharding.AXES
     assert all(t == AxisType.Auto for t in mesh.axis_types)
-    assert dict(sharding.make_mesh((2, -1, 2)).shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert dict(sharding.make_mesh((2, -1, 2)).shape) == {
+        "data": 2, "fsdp": 2, "sequence": 1, "tensor": 2}  # fmt: skip
     one = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
     assert one.devices.size == 1
 
@@ -33,7 +37,7 @@ def test_make_mesh_fills_minus_one_and_uses_auto_axes():
     [
         ((3, -1, 1), "not divisible"),
         ((-1, -1, 1), "at most one -1"),
-        ((2, 2), "one entry per axis"),
+        ((2, 2), "must have 3 entries"),
         ((1, 1, 1), "needs 1 devices, have 8"),
         ((0, 8, 1), ">= 1"),
     ],
@@ -44,12 +48,13 @@ def test_make_mesh_rejects_bad_shapes(shape, match):
 
 
 def test_logical_to_mesh_spec_follows_rules():
-    assert sharding.logical_to_mesh_spec(P("embed", "mlp")) == P("fsdp", "tensor")
-    assert sharding.logical_to_mesh_spec(P("vocab", "embed")) == P("tensor", "fsdp")
+    assert sharding.logical_to_mesh_spec(P("embed", "mlp")) == P(E, "tensor")
+    assert sharding.logical_to_mesh_spec(P("vocab", "embed")) == P("tensor", E)
     assert sharding.logical_to_mesh_spec(P("embed", "kv_heads", "head_dim")) == P(
-        "fsdp", "tensor", None
+        E, "tensor", None
     )
-    assert sharding.logical_to_mesh_spec(P("batch", "seq", None)) == P(("data", "fsdp"), None, None)
+    batch_spec = P(("data", "fsdp"), "sequence", None)
+    assert sharding.logical_to_mesh_spec(P("batch", "seq", None)) == batch_spec
     assert sharding.logical_to_mesh_spec(P()) == P()
 
 
@@ -99,7 +104,7 @@ def test_params_really_are_sharded_shard_by_shard():
     shardings = sharding.logical_to_mesh_sharding(logical, mesh, shapes=params)
     placed = jax.device_put(params, shardings)
     up = placed["layer"]["up_DF"]
-    assert up.sharding.spec == P("fsdp", "tensor")
+    assert up.sharding.spec == P(E, "tensor")
     # up_DF (8,16) split 2 ways on dim 0 (fsdp) and 2 ways on dim 1 (tensor): 8 shards of (4,8),
     # each pair of devices differing only in "data" holding the same block.
     assert len(up.addressable_shards) == 8
@@ -147,14 +152,14 @@ def test_opt_state_mirrors_params_through_chains_and_masks():
     )
     o_sh = sharding.tx_state_shardings(tx, abstract, p_sh, mesh)
     adam = o_sh[2].inner_state[0]
-    assert adam.mu["layer"]["up_DF"].spec == P("fsdp", "tensor")
-    assert adam.nu["embed_VD"].spec == P("tensor", "fsdp")
+    assert adam.mu["layer"]["up_DF"].spec == P(E, "tensor")
+    assert adam.nu["embed_VD"].spec == P("tensor", E)
     assert adam.count.spec == P()
     assert o_sh[2].hyperparams["learning_rate"].spec == P()
     # The sharded state is usable: tx.init under jit with these out_shardings and one update.
     placed = jax.device_put(params, p_sh)
     state = jax.jit(tx.init, out_shardings=o_sh)(placed)
-    assert state[2].inner_state[0].mu["layer"]["q_DNH"].sharding.spec == P("fsdp", "tensor", None)
+    assert state[2].inner_state[0].mu["layer"]["q_DNH"].sharding.spec == P(E, "tensor", None)
     grads = jax.tree.map(jnp.ones_like, placed)
     updates, _ = jax.jit(tx.update)(grads, state, placed)
     ref_updates, _ = tx.update(grads, tx.init(params), params)
@@ -288,8 +293,9 @@ def test_two_processes_share_one_mesh(tmp_path):
                           timeout=180)  # fmt: skip
     # Process p's local rows become global rows [4p, 4p+4): x = [0,2,4,6,1,3,5,7], so
     # sum(x * arange(8)) = 0+2+8+18+4+15+30+49 = 126.
-    assert results[0] == [0, 2, 4, True, [0, 2, 4, 6], 126.0, "P('fsdp', 'tensor')", True]
-    assert results[1] == [1, 2, 4, False, [1, 3, 5, 7], 126.0, "P('fsdp', 'tensor')", True]
+    spec = "P(('fsdp', 'sequence'), 'tensor')"
+    assert results[0] == [0, 2, 4, True, [0, 2, 4, 6], 126.0, spec, True]
+    assert results[1] == [1, 2, 4, False, [1, 3, 5, 7], 126.0, spec, True]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -438,7 +444,7 @@ def test_params_are_really_sharded(shape):
         mesh_spec = sharding.logical_to_mesh_spec(spec)
         assert x.sharding.spec == mesh_spec, jax.tree_util.keystr(path)
         local = tuple(
-            n // (mesh.shape[a] if isinstance(a, str) else 1)
+            n // math.prod(mesh.shape[a] for a in ((a,) if isinstance(a, str) else a or ()))
             for n, a in zip(x.shape, tuple(mesh_spec) + (None,) * x.ndim)
         )
         assert {s.data.shape for s in x.addressable_shards} == {local}
@@ -454,11 +460,11 @@ def test_params_are_really_sharded(shape):
 def test_param_shardings_of_tiny_model_follow_logical_axes():
     config = _tiny()
     sh = sharding.param_shardings(config, sharding.make_mesh((2, 2, 2)))
-    assert sh["embed"]["embedding"].spec == P("tensor", "fsdp")  # (vocab, embed)
+    assert sh["embed"]["embedding"].spec == P("tensor", E)  # (vocab, embed)
     attn = sh["layers"]["attn"]
-    assert attn["q_proj"]["kernel"].spec == P(None, "fsdp", "tensor", None)
-    assert attn["o_proj"]["kernel"].spec == P(None, "tensor", None, "fsdp")
-    assert sh["layers"]["mlp"]["down_proj"]["kernel"].spec == P(None, "tensor", "fsdp")
+    assert attn["q_proj"]["kernel"].spec == P(None, E, "tensor", None)
+    assert attn["o_proj"]["kernel"].spec == P(None, "tensor", None, E)
+    assert sh["layers"]["mlp"]["down_proj"]["kernel"].spec == P(None, "tensor", E)
     # K=2 kv heads cannot be split 4 ways: a clear error, not silent replication.
     with pytest.raises(ValueError, match="k_proj.*cannot be split 4 ways"):
         sharding.param_shardings(config, sharding.make_mesh((2, 1, 4)))
@@ -524,9 +530,9 @@ def test_checkpoint_saved_on_one_mesh_restores_onto_another(tmp_path):
         ),
     }
     state_b = ckptr.restore(tmp_path / "ckpt", target)
-    assert p_a_sh["embed"]["embedding"].spec == P("tensor", "fsdp")
+    assert p_a_sh["embed"]["embedding"].spec == P("tensor", E)
     emb_b = state_b["params"]["embed"]["embedding"]
-    assert emb_b.sharding.mesh.shape == mesh_b.shape and emb_b.sharding.spec == P("tensor", "fsdp")
+    assert emb_b.sharding.mesh.shape == mesh_b.shape and emb_b.sharding.spec == P("tensor", E)
     # (V=128, D=32) on (1,8,1): tensor=1, fsdp=8 -> each device holds (128, 4).
     assert {s.data.shape for s in emb_b.addressable_shards} == {(128, 4)}
     jax.tree.map(

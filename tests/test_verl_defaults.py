@@ -57,6 +57,8 @@ DEVIATIONS = {
     "${oc.select:actor_rollout_ref.actor.use_dynamic_bsz} does",
     "rollout.log_prob_max_token_len_per_gpu": "None follows the actor's, as verl's "
     "${oc.select:...ppo_max_token_len_per_gpu} does",
+    "ref.ulysses_sequence_parallel_size": "None follows the actor's, as verl's "
+    "${oc.select:actor_rollout_ref.actor.ulysses_sequence_parallel_size,1} does",
     "rollout.tensor_model_parallel_size": "verl's 2 is vLLM's on a GPU node; 1 runs anywhere "
     "(the native sampler shards by mesh instead)",
     "rollout.vllm.gpu_memory_utilization": "the sidecar stays resident while JAX trains (verl "
@@ -120,7 +122,7 @@ def _verl_path(name: str) -> str | None:
     if name in RENAMED:
         return RENAMED[name]
     section = name.split(".")[0]
-    if section in ("actor", "rollout", "model"):
+    if section in ("actor", "rollout", "model", "ref"):
         return f"actor_rollout_ref.{name}"
     return name
 

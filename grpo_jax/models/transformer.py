@@ -278,9 +278,9 @@ class Decoder(nnx.Module):
             q_BTNH, k_BTKH, v_BTKH = layer.attn.qkv(layer.input_norm(x_BTD), cos_BTH, sin_BTH)
             q_BTNH = nn.with_logical_constraint(q_BTNH, ("batch", "seq", "act_heads", None))
             if self_attend:
-                o_BTNH = attention.self_attention(q_BTNH, k_BTKH.astype(c.dtype),
-                                                  v_BTKH.astype(c.dtype), mask,
-                                                  c.attention_impl)  # fmt: skip
+                q_, k_, v_ = ulysses_in(c, q_BTNH, k_BTKH.astype(c.dtype), v_BTKH.astype(c.dtype))
+                o_BTNH = attention.self_attention(q_, k_, v_, mask, c.attention_impl)
+                o_BTNH = ulysses_out(o_BTNH)
             if kv is not None:
                 # Keys are kept transposed, [.., H, S]: the scores then read each key block
                 # with the slot axis contiguous, 3x faster on XLA:CPU than [.., S, H] at decode.
@@ -328,6 +328,43 @@ class Decoder(nnx.Module):
         if logits_xV.ndim == 3:
             logits_xV = nn.with_logical_constraint(logits_xV, ("batch", "seq", "act_vocab"))
         return logits_xV
+
+
+def sequence_shards(axis: str = "sequence") -> int:
+    """The size of the active mesh's ``sequence`` axis (1 without one): Ulysses sequence
+    parallelism is on when it is above 1 (grpo_jax/sharding.py)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or axis not in mesh.axis_names:
+        return 1
+    return mesh.shape[axis]
+
+
+def ulysses_in(config: config_lib.ModelConfig, q_BTNH, k_BTKH, v_BTKH):
+    """Queries, keys and values as whole rows split by head (Ulysses, DeepSpeed's and verl's
+    sequence parallelism): under a ``sequence`` mesh axis the activations arrive split by
+    token, and these constraints make GSPMD turn that into a split by head (an all-to-all), so
+    each device attends whole rows for its heads with any attention implementation. The kv
+    heads are split the same way where they divide (GQA groups stay on one device), else every
+    device gets all of them (verl repeats them). Without the axis: unchanged."""
+    sp = sequence_shards()
+    if sp == 1:
+        return q_BTNH, k_BTKH, v_BTKH
+    q_BTNH = nn.with_logical_constraint(q_BTNH, ("batch", "attn_seq", "attn_heads", None))
+    split_kv = config.num_kv_heads % (sp * sequence_shards("tensor")) == 0
+    kv_axes = ("batch", "attn_seq", "attn_kv_heads" if split_kv else None, None)
+    return (
+        q_BTNH,
+        nn.with_logical_constraint(k_BTKH, kv_axes),
+        nn.with_logical_constraint(v_BTKH, kv_axes),
+    )
+
+
+def ulysses_out(o_BTNH):
+    """Attention's output back to the token split (the all-to-all the other way)."""
+    if sequence_shards() == 1:
+        return o_BTNH
+    o_BTNH = nn.with_logical_constraint(o_BTNH, ("batch", "attn_seq", "attn_heads", None))
+    return nn.with_logical_constraint(o_BTNH, ("batch", "seq", "act_heads", None))
 
 
 def remat_policy_fn(config: config_lib.ModelConfig):

@@ -153,6 +153,13 @@ def _train(
     elif not isinstance(reward_fn, reward_fns.RewardFn):
         reward_fn = reward_fns.RewardFn.of(reward_fn, on_error=run.reward.on_error)
     dp = mesh.shape["data"] * mesh.shape["fsdp"]
+    sp = dict(mesh.shape).get("sequence", 1)
+    if sp != run.actor.ulysses_sequence_parallel_size:
+        raise config_lib.ConfigError([
+            f"actor.ulysses_sequence_parallel_size={run.actor.ulysses_sequence_parallel_size} "
+            f"but the mesh {dict(mesh.shape)} has a sequence axis of {sp}: build the mesh with "
+            "sharding.make_mesh(..., sequence=actor.ulysses_sequence_parallel_size)"
+        ])  # fmt: skip
     run.check_mesh(dp)
     for message in run.ignored_settings():
         logging.warning(message)
@@ -191,6 +198,7 @@ def _train(
     del params
     root_key = jax.random.key_data(jax.random.key(run.trainer.seed))
     progs = programs.make_programs(run, model_config, tx, dp=dp)
+    run.check_sequence_parallel(model_config.num_heads, mesh.shape["tensor"], progs.row_len)
     logging.info(
         "model %s; %d train / %d val prompts (%d / %d filtered); %d steps",
         model_config,

@@ -51,7 +51,8 @@ class Programs:
         (weights_BT or None, response_mask_BT, metrics) of algorithm.rollout_correction.
       mini_rows / micro_rows / logprob_rows: sequences per mini-batch, padded micro-batch,
         padded log-prob micro-batch (global, over all data devices).
-      update_tokens / logprob_tokens: the token budgets of a packed micro-batch (global).
+      update_tokens / logprob_tokens: the token budgets of a packed micro-batch (global: per
+        device x dp x actor.ulysses_sequence_parallel_size).
       row_len: the packed row length (packing.row_length of the run's prompt + response).
       dp: the data devices (data x fsdp); packed rows per micro-batch are a multiple of it.
       precompiled: the packed programs already compiled for every micro-batch shape of the run
@@ -84,6 +85,9 @@ def make_programs(
 ) -> Programs:
     """Builds (does not compile) the jitted functions of `run` on `dp` = data x fsdp devices."""
     a, n, r = run.actor, run.rollout.n, run.rollout
+    # verl's token budgets are per device: a sequence-parallel group of sp devices packs sp
+    # times the tokens of one, and its rows may be sp times as long.
+    sp = a.ulysses_sequence_parallel_size
     loss_config = run.loss_config()
     mini_rows = a.ppo_mini_batch_size * n
     micro_rows = min(a.ppo_micro_batch_size_per_gpu * dp, mini_rows)
@@ -153,10 +157,12 @@ def make_programs(
         mini_rows=mini_rows,
         micro_rows=micro_rows,
         logprob_rows=logprob_rows,
-        update_tokens=a.ppo_max_token_len_per_gpu * dp,
-        logprob_tokens=run.log_prob_max_token_len_per_gpu * dp,
+        update_tokens=a.ppo_max_token_len_per_gpu * dp * sp,
+        logprob_tokens=run.log_prob_max_token_len_per_gpu * dp * sp,
         row_len=packing.row_length(
-            run.data.max_prompt_length, run.data.max_response_length, a.ppo_max_token_len_per_gpu
+            run.data.max_prompt_length,
+            run.data.max_response_length,
+            a.ppo_max_token_len_per_gpu * sp,
         ),
         dp=dp,
     )

@@ -130,7 +130,18 @@ def train_mesh(run: config_lib.RunConfig):
     devices = jax.devices()
     if run.rollout.num_devices:
         devices = devices[: max(0, len(devices) - run.rollout.num_devices)]
-    return sharding.make_mesh(tuple(run.mesh.shape), devices=devices)
+    sp = run.actor.ulysses_sequence_parallel_size
+    try:
+        return sharding.make_mesh(tuple(run.mesh.shape), devices=devices, sequence=sp)
+    except ValueError as e:
+        if sp == 1:
+            raise
+        fits = [s for s in range(1, sp) if len(devices) % s == 0]
+        raise config_lib.ConfigError([
+            f"actor.ulysses_sequence_parallel_size={sp} with mesh.shape={tuple(run.mesh.shape)} "
+            f"does not fit the {len(devices)} devices ({e}); a size that divides them "
+            f"(e.g. {max(fits)}) with an fsdp or data entry of -1 would"
+        ]) from None
 
 
 def rollout_mesh(run: config_lib.RunConfig, mesh):
