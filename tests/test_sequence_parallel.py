@@ -7,6 +7,7 @@ float32 rounding (the bound the issue names: 1e-5), padded and packed rows alike
 must really happen (an all-to-all in the compiled program, activations split by token).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -16,7 +17,7 @@ import pytest
 
 from grpo_jax import config, loading, model, sharding
 from grpo_jax.data import demo_task
-from grpo_jax.models import transformer
+from grpo_jax.models import lora, transformer
 from grpo_jax.trainer import actor, loop, packing
 from grpo_jax.trainer import setup as setup_lib
 
@@ -72,20 +73,47 @@ LOSS = actor.LossConfig(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1,
                         calculate_entropy=True, chunk_size=8)  # fmt: skip
 
 
-def _padded_update(sp, params_host, batch_host):
+# Ulysses composes with the attention implementations, remat and LoRA: the same equality for
+# each (the xla kernel is "auto"'s at these lengths on the CPU).
+VARIANTS = {
+    "xla": CFG,
+    "blockwise + remat": dataclasses.replace(CFG, attention_impl="blockwise", remat=True),
+    "lora": lora.configure(CFG, rank=4, alpha=8.0, target_modules="q_proj,v_proj,down_proj"),
+}
+
+
+def _with_adapters(cfg, params_host):
+    if not cfg.lora_rank:
+        return params_host
+    adapters = jax.device_get(lora.init_adapters(cfg, jax.random.key(2)))
+    # B starts at zero (PEFT); a non-zero B makes the adapters' path count in the forward.
+    adapters = jax.tree_util.tree_map_with_path(
+        lambda path, x: x + 0.05 if "lora_b" in jax.tree_util.keystr(path) else x, adapters)
+    return lora.attach(params_host, adapters)
+
+
+def _shardings(cfg, mesh):
+    sh = sharding.param_shardings(cfg, mesh)
+    if cfg.lora_rank:
+        sh = lora.attach(sh, sharding.adapter_shardings(cfg, mesh))
+    return sh
+
+
+def _padded_update(sp, params_host, batch_host, cfg=CFG):
     """One optimizer step (2 micro-batches) and the old log-probs pass, padded rows, on the
     sp mesh; returns (params, metrics, log_probs, entropy, compiled text of the step)."""
     mesh = _mesh(sp)
     tx = actor.make_optimizer(grad_clip=1e9, betas=(0.9, 0.999), weight_decay=0.0)
-    p_sh = sharding.param_shardings(CFG, mesh)
+    params_host = _with_adapters(cfg, params_host)
+    p_sh = _shardings(cfg, mesh)
     params = jax.device_put(params_host, p_sh)
     batch = jax.tree.map(lambda x: jax.device_put(x, sharding.batch_sharding(mesh, x.ndim)),
                          batch_host)  # fmt: skip
     step = jax.jit(functools.partial(
-        actor.train_step, model_config=CFG, loss_config=LOSS, tx=tx, mini_batch_size=B,
+        actor.train_step, model_config=cfg, loss_config=LOSS, tx=tx, mini_batch_size=B,
         micro_batch_size=B // 2))  # fmt: skip
     log_probs = jax.jit(functools.partial(
-        actor.compute_log_probs, CFG, micro_batch_size=B, temperature=1.0, chunk_size=8,
+        actor.compute_log_probs, cfg, micro_batch_size=B, temperature=1.0, chunk_size=8,
         calculate_entropy=True))  # fmt: skip
     with sharding.use_mesh(mesh):
         state = actor.init_state(params, tx)
@@ -95,11 +123,12 @@ def _padded_update(sp, params_host, batch_host):
     return jax.device_get((state.params, metrics, lp, ent)), text
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("sp", [2, 4])
-def test_padded_update_and_log_probs_equal_sp1(params, sp):
-    batch = _padded_batch()
-    (p1, m1, lp1, ent1), text1 = _padded_update(1, params, batch)
-    (p, m, lp, ent), text = _padded_update(sp, params, batch)
+def test_padded_update_and_log_probs_equal_sp1(params, sp, variant):
+    batch, cfg = _padded_batch(), VARIANTS[variant]
+    (p1, m1, lp1, ent1), text1 = _padded_update(1, params, batch, cfg)
+    (p, m, lp, ent), text = _padded_update(sp, params, batch, cfg)
     # Ulysses really ran: GSPMD turned the token split into a head split and back (FSDP's
     # embedding lookup has all-to-alls of its own, at sp = 1 too).
     assert text.count("all-to-all(") > text1.count("all-to-all(")
