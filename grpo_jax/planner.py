@@ -60,6 +60,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import linen as nn
+from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_jax import config as config_lib
 from grpo_jax import errors, sampler, sharding
@@ -489,9 +491,20 @@ class Planner:
         return self._memo(("sample", prompts), self._sample)
 
     def sample_shards(self, prompts: int) -> int:
-        """The data shards the native engine splits ``prompts`` over (their batch sharding:
-        whole on every device when they do not split, as `_arr`)."""
-        return 1 if prompts % self.dp else self.dp
+        """The data shards the native engine splits ``prompts`` over (engines.NativeEngine:
+        data x fsdp, x sequence with sequence parallelism; whole on every device when they do
+        not split, as `_arr`)."""
+        shards = math.prod(self.mesh.shape[a] for a in self._sample_axes(prompts))
+        return 1 if prompts % shards else shards
+
+    def _sample_axes(self, prompts: int) -> tuple[str, ...]:
+        return sharding.rollout_batch_axes(self.mesh, prompts)
+
+    def _sample_sharding(self, prompts: int, ndim: int):
+        axes = self._sample_axes(prompts)
+        if prompts % math.prod(self.mesh.shape[a] for a in axes) or ndim == 0:
+            return sharding.replicated(self.mesh)
+        return NamedSharding(self.mesh, PartitionSpec(axes, *(None,) * (ndim - 1)))
 
     def is_paged(self, prompts: int, max_num_seqs: int | None = None) -> bool:
         """Whether the native engine pages a call of ``prompts`` (engines.NativeEngine's rule)."""
@@ -589,7 +602,8 @@ class Planner:
 
     def _sample(self, prompts: int) -> PhaseMemory:
         w = self.w
-        ids = self._arr((prompts, w.prompt_len), jnp.int32)
+        ids = jax.ShapeDtypeStruct((prompts, w.prompt_len), jnp.int32,
+                                   sharding=self._sample_sharding(prompts, 2))  # fmt: skip
         rng = self._key()
 
         def sample(p, i, m, r):
@@ -600,13 +614,20 @@ class Planner:
             )
 
         fn = jax.jit(sample)
-        return self._compile(fn.lower(self.params, ids, ids, rng))
+        with nn.logical_axis_rules(self._sample_rules(prompts)):
+            return self._compile(fn.lower(self.params, ids, ids, rng))
+
+    def _sample_rules(self, prompts: int):
+        """The rules engines.NativeEngine samples under (sharding.rollout_rules)."""
+        axes = self._sample_axes(prompts)
+        return self.rules if axes == sharding.BATCH_AXES else sharding.rollout_rules(
+            self.rules, axes)  # fmt: skip
 
     def _paged_sample(self, prompts: int, max_num_seqs: int) -> PhaseMemory:
         shards = self.sample_shards(prompts)
         fn, inputs = paged.peak_program(
             self.cfg, self.pool_plan(prompts, max_num_seqs), shards=shards,
-            shard_axes=sharding.BATCH_AXES if shards > 1 else None,
+            shard_axes=self._sample_axes(prompts) if shards > 1 else None,
             max_new_tokens=self.w.response_len,
         )  # fmt: skip
 
@@ -618,12 +639,13 @@ class Planner:
         def arg(shape, dtype):
             if shards > 1 and shape:
                 return jax.ShapeDtypeStruct(
-                    shape, dtype, sharding=sharding.batch_sharding(self.mesh, len(shape))
+                    shape, dtype, sharding=self._sample_sharding(prompts, len(shape))
                 )
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.replicated(self.mesh))
 
         args = [arg(shape, dtype) for shape, dtype in inputs]
-        return self._compile(jax.jit(call).lower(self.params, self._key(), *args))
+        with nn.logical_axis_rules(self._sample_rules(prompts)):
+            return self._compile(jax.jit(call).lower(self.params, self._key(), *args))
 
     # Analytic sizes, for the report (the compiled temporaries already contain them).
     def kv_cache_bytes(self, prompts: int) -> int:
@@ -636,12 +658,13 @@ class Planner:
             return int(paged_model.pool_bytes(c, plan.num_pages, plan.page_size)
                        / self.mesh.shape["tensor"])  # fmt: skip
         num_blocks, block = model_lib.decode_blocks(w.response_len - 1)
-        slots = (prompts * w.prompt_len + prompts * w.n * num_blocks * block) / self.dp
+        slots = ((prompts * w.prompt_len + prompts * w.n * num_blocks * block)
+                 / self.sample_shards(prompts))  # fmt: skip
         kv_heads = c.num_kv_heads / self.mesh.shape["tensor"]
         return int(2 * c.num_layers * slots * kv_heads * c.head_dim * c.dtype.itemsize)
 
     def sample_logits_bytes(self, prompts: int) -> int:
-        return int(prompts * self.w.n / self.dp * self.cfg.vocab_size * 4)
+        return int(prompts * self.w.n / self.sample_shards(prompts) * self.cfg.vocab_size * 4)
 
     def train_logits_bytes(self) -> int:
         """One float32 [chunk, V] logits chunk of the chunked log-prob pass."""

@@ -292,6 +292,31 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *(None,) * (ndim - 1)))
 
 
+# The sampler's rows split over every non-tensor device: a sequence group's devices (which the
+# update gives one row's tokens) each decode rows of their own, as verl's rollout replicas do.
+ROLLOUT_BATCH_AXES = ("data", "fsdp", "sequence")
+
+
+def rollout_batch_axes(mesh: Mesh, num_prompts: int) -> tuple[str, ...]:
+    """The mesh axes the native sampler splits `num_prompts` prompts over: ROLLOUT_BATCH_AXES
+    when the mesh has a sequence axis and they divide, else BATCH_AXES (the batch's own)."""
+    sizes = dict(mesh.shape)
+    if sizes.get("sequence", 1) == 1:
+        return BATCH_AXES
+    if num_prompts % math.prod(sizes[a] for a in ROLLOUT_BATCH_AXES):
+        return BATCH_AXES
+    return ROLLOUT_BATCH_AXES
+
+
+def rollout_rules(rules: Rules, axes: tuple[str, ...]) -> Rules:
+    """`rules` for sampling over batch `axes`: "batch" over them and, since decoding is row
+    by row, no token split ("seq" replicated: no Ulysses in the sampler's prefill)."""
+    return tuple(
+        (name, axes if name == "batch" else None if name == "seq" else mesh_axes)
+        for name, mesh_axes in validate_rules(rules)
+    )
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     """A full copy on every device (scalars, step counters, RNG keys)."""
     return NamedSharding(mesh, PartitionSpec())

@@ -313,7 +313,7 @@ def test_planner_reads_the_seed_recipe():
     """The config's step and mesh reach the planner; bytes per device on fsdp=8 are exact."""
     p = planner.from_run(_run(gsm8k_qwen3_8b.get_config()), model_name="qwen3-8b")
     w = p.w
-    assert dict(p.mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert dict(p.mesh.shape) == {"data": 1, "fsdp": 8, "sequence": 1, "tensor": 1}
     assert (w.prompts, w.n, w.mini_rows, w.prompt_len, w.response_len) == (1024, 5, 1280, 1024,
                                                                            2048)  # fmt: skip
     # Token budgets: rows of 1024 + 2048 = 3072 tokens (a multiple of 128), 8 a device.

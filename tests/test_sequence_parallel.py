@@ -18,6 +18,7 @@ import pytest
 from grpo_jax import config, loading, model, sharding
 from grpo_jax.data import demo_task
 from grpo_jax.models import lora, transformer
+from grpo_jax.rollout import engines, paged
 from grpo_jax.trainer import actor, loop, packing
 from grpo_jax.trainer import setup as setup_lib
 
@@ -227,6 +228,43 @@ def test_activations_are_split_by_token_and_attention_by_head(params):
     assert seen["heads"].shard_shape(shape) == (B // DP, TP + TR, CFG.num_heads // 4, CFG.head_dim)
 
 
+# --- sampling ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_num_seqs", [256, 1], ids=["grouped", "paged"])
+def test_the_native_sampler_splits_rows_over_the_sequence_devices_too(params, max_num_seqs):
+    """Decoding is row by row: with sp 4 the sampler's rows go over data x fsdp x sequence (8
+    shards, each its own pool and slots), not 2 shards decoded 4 times over; the rollout is
+    sp 1's, back on the batch's sharding."""
+    r = np.random.default_rng(5)
+    ids = r.integers(4, CFG.vocab_size, (8, 6)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[::3, :2] = 0
+    sp_args = engines.SamplingParams(n=2, max_new_tokens=6, temperature=1.0)
+    seen = []
+    real = paged.sample_paged
+
+    def spy(*args, **kwargs):
+        seen.append(paged.shard_layout(args[2])[2])
+        return real(*args, **kwargs)
+
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(paged, "sample_paged", spy)
+        for sp in (1, 4):
+            mesh = _mesh(sp)
+            engine = engines.NativeEngine(CFG, mesh, eos_ids=(3,), pad_id=0,
+                                          max_num_seqs=max_num_seqs)  # fmt: skip
+            p = jax.device_put(params, sharding.param_shardings(CFG, mesh))
+            out[sp] = engine.sample(p, ids, mask, jax.random.key(1), sp_args)
+            assert out[sp].response_ids.sharding.spec == sharding.batch_sharding(mesh, 2).spec
+    for field in ("response_ids", "response_mask"):
+        np.testing.assert_array_equal(getattr(out[4], field), getattr(out[1], field))
+    np.testing.assert_allclose(out[4].log_probs, out[1].log_probs, rtol=0, atol=TOL)
+    if max_num_seqs == 1:  # 16 rows: 8 a shard on 2 shards, 2 a shard on 8, one slot each
+        assert seen == [DP, DP * 4]
+
+
 # --- a whole loop step --------------------------------------------------------------------------
 
 
@@ -238,14 +276,16 @@ def _reward(solution_str, ground_truth):
 
 def _loop_step(tmp_path, sp):
     """One GRPO step of the tiny random model through loop.train (packed rows, KL loss,
-    entropy), on a mesh of DP x sp devices; returns the step's metrics and the final params."""
+    entropy), on a mesh of DP x sp devices; returns the step's metrics and the final params.
+    The per-device token budget is 128 / sp, so every sp packs the same micro-batches (verl's
+    budgets are per device: a group of sp devices packs sp times one's)."""
     tok = loading.tokenizer(config.ModelSpec(source="random", tokenizer="char", path=None))
     mesh = _mesh(sp)
     run = config.RunConfig(
-        data=config.DataConfig(train_batch_size=4, max_prompt_length=24, max_response_length=8,
-                               val_batch_size=4),
-        actor=config.ActorConfig(ppo_mini_batch_size=4, use_dynamic_bsz=True,
-                                 ppo_max_token_len_per_gpu=128, use_kl_loss=True,
+        data=config.DataConfig(train_batch_size=8, max_prompt_length=24, max_response_length=8,
+                               val_batch_size=8),
+        actor=config.ActorConfig(ppo_mini_batch_size=8, use_dynamic_bsz=True,
+                                 ppo_max_token_len_per_gpu=128 // sp, use_kl_loss=True,
                                  calculate_entropy=True, ulysses_sequence_parallel_size=sp),
         rollout=config.RolloutConfig(n=4, log_prob_micro_batch_size_per_gpu=4),
         reward=config.RewardConfig(num_workers=0),
@@ -255,7 +295,7 @@ def _loop_step(tmp_path, sp):
         checkpoint=config.CheckpointConfig(save_last=False, export_hf=False),
     )  # fmt: skip
     spec = config.ModelSpec(source="random", tokenizer="char", path=None)
-    train_rows, _ = demo_task.arithmetic_rows(8, 1, max_operand=9, seed=0)
+    train_rows, _ = demo_task.arithmetic_rows(16, 1, max_operand=9, seed=0)
     with sharding.use_mesh(mesh):
         model_config, p0 = loading.model(spec, tok, mesh, sharding.LOGICAL_RULES,
                                          max_positions=64)  # fmt: skip

@@ -330,13 +330,16 @@ class Decoder(nnx.Module):
         return logits_xV
 
 
-def sequence_shards(axis: str = "sequence") -> int:
-    """The size of the active mesh's ``sequence`` axis (1 without one): Ulysses sequence
-    parallelism is on when it is above 1 (grpo_jax/sharding.py)."""
+def sequence_shards(name: str = "seq") -> int:
+    """Over how many devices the active logical-axis rules split logical axis `name` on the
+    active mesh (1 without either): with "seq", Ulysses sequence parallelism is on when it is
+    above 1 (grpo_jax/sharding.py; the sampler's rules keep "seq" whole)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or axis not in mesh.axis_names:
+    axes = dict(nn.get_logical_axis_rules()).get(name)
+    if mesh.empty or axes is None:
         return 1
-    return mesh.shape[axis]
+    axes = (axes,) if isinstance(axes, str) else axes
+    return math.prod(mesh.shape[a] for a in axes if a in mesh.axis_names)
 
 
 def ulysses_in(config: config_lib.ModelConfig, q_BTNH, k_BTKH, v_BTKH):
@@ -350,7 +353,7 @@ def ulysses_in(config: config_lib.ModelConfig, q_BTNH, k_BTKH, v_BTKH):
     if sp == 1:
         return q_BTNH, k_BTKH, v_BTKH
     q_BTNH = nn.with_logical_constraint(q_BTNH, ("batch", "attn_seq", "attn_heads", None))
-    split_kv = config.num_kv_heads % (sp * sequence_shards("tensor")) == 0
+    split_kv = config.num_kv_heads % sequence_shards("attn_kv_heads") == 0
     kv_axes = ("batch", "attn_seq", "attn_kv_heads" if split_kv else None, None)
     return (
         q_BTNH,

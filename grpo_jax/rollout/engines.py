@@ -174,7 +174,19 @@ class NativeEngine:
             x if isinstance(x, jax.Array) else distributed.to_device(x, self.mesh)
             for x in (prompt_ids_PT, prompt_mask_PT)
         )
-        with sharding.use_mesh(self.mesh, self.rules):  # also from another thread (async)
+        # With sequence parallelism the rows split over the sequence devices too.
+        axes = sharding.rollout_batch_axes(self.mesh, ids.shape[0])
+        if axes == sharding.BATCH_AXES:
+            return self._sample(params, ids, mask, rng, sp, self.rules)
+        rows = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(axes, None))
+        ids, mask = jax.device_put(ids, rows), jax.device_put(mask, rows)
+        rollout = self._sample(params, ids, mask, rng, sp, sharding.rollout_rules(self.rules, axes))
+        return jax.tree.map(  # back on the batch's sharding, as the trainer's arrays
+            lambda x: jax.device_put(x, sharding.batch_sharding(self.mesh, x.ndim)
+                                     if x.ndim else sharding.replicated(self.mesh)), rollout)
+
+    def _sample(self, params, ids, mask, rng, sp: SamplingParams, rules):
+        with sharding.use_mesh(self.mesh, rules):  # also from another thread (async)
             kwargs = dict(eos_token_ids=self.eos_ids, pad_token_id=self.pad_id,
                           logprobs_mode=self.logprobs_mode, **sp.kwargs())  # fmt: skip
             # Continuous batching over pages when a data shard has more rows than slots
