@@ -61,7 +61,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
-from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo_jax import config as config_lib
 from grpo_jax import errors, sampler, sharding
@@ -494,17 +493,18 @@ class Planner:
         """The data shards the native engine splits ``prompts`` over (engines.NativeEngine:
         data x fsdp, x sequence with sequence parallelism; whole on every device when they do
         not split, as `_arr`)."""
-        shards = math.prod(self.mesh.shape[a] for a in self._sample_axes(prompts))
+        shards = math.prod(self.mesh.shape[a] for a in self._sample_rows(prompts)[0])
         return 1 if prompts % shards else shards
 
-    def _sample_axes(self, prompts: int) -> tuple[str, ...]:
-        return sharding.rollout_batch_axes(self.mesh, prompts)
+    def _sample_rows(self, prompts: int):
+        """(batch axes, rules) engines.NativeEngine samples ``prompts`` under."""
+        return sharding.rollout_rows(self.mesh, self.rules, prompts)
 
     def _sample_sharding(self, prompts: int, ndim: int):
-        axes = self._sample_axes(prompts)
+        axes = self._sample_rows(prompts)[0]
         if prompts % math.prod(self.mesh.shape[a] for a in axes) or ndim == 0:
             return sharding.replicated(self.mesh)
-        return NamedSharding(self.mesh, PartitionSpec(axes, *(None,) * (ndim - 1)))
+        return sharding.batch_sharding(self.mesh, ndim, axes)
 
     def is_paged(self, prompts: int, max_num_seqs: int | None = None) -> bool:
         """Whether the native engine pages a call of ``prompts`` (engines.NativeEngine's rule)."""
@@ -614,20 +614,14 @@ class Planner:
             )
 
         fn = jax.jit(sample)
-        with nn.logical_axis_rules(self._sample_rules(prompts)):
+        with nn.logical_axis_rules(self._sample_rows(prompts)[1]):
             return self._compile(fn.lower(self.params, ids, ids, rng))
-
-    def _sample_rules(self, prompts: int):
-        """The rules engines.NativeEngine samples under (sharding.rollout_rules)."""
-        axes = self._sample_axes(prompts)
-        return self.rules if axes == sharding.BATCH_AXES else sharding.rollout_rules(
-            self.rules, axes)  # fmt: skip
 
     def _paged_sample(self, prompts: int, max_num_seqs: int) -> PhaseMemory:
         shards = self.sample_shards(prompts)
         fn, inputs = paged.peak_program(
             self.cfg, self.pool_plan(prompts, max_num_seqs), shards=shards,
-            shard_axes=self._sample_axes(prompts) if shards > 1 else None,
+            shard_axes=self._sample_rows(prompts)[0] if shards > 1 else None,
             max_new_tokens=self.w.response_len,
         )  # fmt: skip
 
@@ -644,7 +638,7 @@ class Planner:
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.replicated(self.mesh))
 
         args = [arg(shape, dtype) for shape, dtype in inputs]
-        with nn.logical_axis_rules(self._sample_rules(prompts)):
+        with nn.logical_axis_rules(self._sample_rows(prompts)[1]):
             return self._compile(jax.jit(call).lower(self.params, self._key(), *args))
 
     # Analytic sizes, for the report (the compiled temporaries already contain them).

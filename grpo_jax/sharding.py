@@ -285,11 +285,14 @@ def init_sharded_params(
     return jax.jit(model.init_params, static_argnums=0, out_shardings=shardings)(config, rng)
 
 
-def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
-    """Leading axis over ``("data", "fsdp")``, the other ``ndim - 1`` axes replicated."""
+def batch_sharding(
+    mesh: Mesh, ndim: int, axes: tuple[str, ...] = BATCH_AXES
+) -> NamedSharding:
+    """Leading axis over `axes` (``("data", "fsdp")``; the sampler's rows may take
+    `rollout_rows`'), the other ``ndim - 1`` axes replicated."""
     if ndim < 1:
         raise ValueError(f"a batch array needs a leading batch axis, got ndim={ndim}")
-    return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *(None,) * (ndim - 1)))
+    return NamedSharding(mesh, PartitionSpec(axes, *(None,) * (ndim - 1)))
 
 
 # The sampler's rows split over every non-tensor device: a sequence group's devices (which the
@@ -315,6 +318,14 @@ def rollout_rules(rules: Rules, axes: tuple[str, ...]) -> Rules:
         (name, axes if name == "batch" else None if name == "seq" else mesh_axes)
         for name, mesh_axes in validate_rules(rules)
     )
+
+
+def rollout_rows(mesh: Mesh, rules: Rules, num_prompts: int) -> tuple[tuple[str, ...], Rules]:
+    """(batch axes, rules) the native sampler runs `num_prompts` prompts under: the batch's
+    own axes and `rules`, or with sequence parallelism every non-tensor device and
+    `rollout_rules` (engines.NativeEngine; the planner plans the same)."""
+    axes = rollout_batch_axes(mesh, num_prompts)
+    return axes, (rules if axes == BATCH_AXES else rollout_rules(rules, axes))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -175,12 +175,12 @@ class NativeEngine:
             for x in (prompt_ids_PT, prompt_mask_PT)
         )
         # With sequence parallelism the rows split over the sequence devices too.
-        axes = sharding.rollout_batch_axes(self.mesh, ids.shape[0])
+        axes, rules = sharding.rollout_rows(self.mesh, self.rules, ids.shape[0])
         if axes == sharding.BATCH_AXES:
-            return self._sample(params, ids, mask, rng, sp, self.rules)
-        rows = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(axes, None))
+            return self._sample(params, ids, mask, rng, sp, rules)
+        rows = sharding.batch_sharding(self.mesh, 2, axes)
         ids, mask = jax.device_put(ids, rows), jax.device_put(mask, rows)
-        rollout = self._sample(params, ids, mask, rng, sp, sharding.rollout_rules(self.rules, axes))
+        rollout = self._sample(params, ids, mask, rng, sp, rules)
         return jax.tree.map(  # back on the batch's sharding, as the trainer's arrays
             lambda x: jax.device_put(x, sharding.batch_sharding(self.mesh, x.ndim)
                                      if x.ndim else sharding.replicated(self.mesh)), rollout)
