@@ -147,7 +147,8 @@ def main(argv):
 
 def report(workdir: str, *, samples: int = 2) -> str:
     """The run in a few lines: the core validation metrics at the first and the last
-    validation, and `samples` logged completions of each (trainer.log_val_generations)."""
+    validation, and the logged completions (trainer.log_val_generations) of the same inputs at
+    both: how many scored higher, lower and the same, with `samples` examples of each."""
     evals = [r for r in metrics.read(workdir) if any(k.startswith("val-core/") for k in r)]
     lines = []
     if evals:
@@ -157,10 +158,17 @@ def report(workdir: str, *, samples: int = 2) -> str:
                          f"{last[key]:.3f} at step {last['step']}")
     generations = validation.read_generations(workdir)
     if generations:
-        for step in sorted({min(generations), max(generations)}):
-            lines.append(f"validation samples at step {step}:")
-            for g in generations[step][:samples]:
-                lines.append(f"  {g['input']!r} -> {g['output']!r} (score {g['score']:.3g})")
+        lo, hi = min(generations), max(generations)
+        changes = validation.compare_generations(generations[lo], generations[hi],
+                                                 samples=samples) if hi > lo else []
+        if changes:
+            lines.append(f"validation samples, step {lo} -> step {hi}:")
+            lines += changes
+        else:
+            for step in sorted({lo, hi}):
+                lines.append(f"validation samples at step {step}:")
+                for g in generations[step][:samples]:
+                    lines.append(f"  {g['input']!r} -> {g['output']!r} (score {g['score']:.3g})")
     return "\n".join(lines)
 
 

@@ -14,8 +14,9 @@ method="flexible" (the last number equals the sum: "acc") plus 0.1 for a "#### <
 so the run rewards both the sums and writing "####" (the model never writes it unprompted, so a
 strict-format reward alone would be 0 for every sample). Settings: 8 prompts x n=8, 48 new
 tokens, lr 2e-5, no KL term (a few steps from a pretrained model), one optimizer step per batch,
-fp32, 6 steps, greedy validation every 3 steps; two validation completions are logged each time
-and printed at the end.
+fp32, 6 steps, greedy validation every 3 steps; every validation completion is logged
+(runs/demo/val_generations.jsonl) and the end of the run pairs step 0's with the last: how many
+sums scored higher, lower and the same, with two examples of each.
 
 Measured (`/usr/bin/time -v python scripts/check_demo.py --config.trainer.seed=1` on this
 repository's 2-core CPU, float32, 2026-12-04, empty compilation cache): greedy accuracy on the 48
@@ -78,7 +79,7 @@ def get_config(arg=None):
     c.trainer.total_training_steps = arg.steps or 6
     c.trainer.test_freq = 3
     c.trainer.save_freq = -1
-    c.trainer.log_val_generations = 2
+    c.trainer.log_val_generations = 48  # every held-out sum: the report pairs them before/after
     c.trainer.seed = arg.seed
     c.trainer.default_local_dir = "runs/demo"
     c.checkpoint.max_to_keep = 1

@@ -9,6 +9,8 @@ lacking "acc"), and every key and value must agree. The bootstrap draws are verl
 legacy generator seeded 42 before every estimate), so the values agree bit for bit.
 """
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -272,3 +274,27 @@ def test_val_do_sample_is_ignored_as_by_verl():
     assert any("rollout.val_kwargs.do_sample=False is ignored" in m for m in run.ignored_settings())
     greedy = config.RunConfig(rollout=config.RolloutConfig(val_kwargs=config.ValKwargs()))
     assert not any("do_sample" in m for m in greedy.ignored_settings())
+
+
+def test_report_pairs_the_same_inputs_before_and_after(tmp_path):
+    """The end-of-run report compares the first and last validation on the same inputs and
+    shows the changes that went the wrong way as well as the right one."""
+    import train
+
+    before = [{"input": f"{i}+1", "output": "x", "score": float(i % 2), "ground_truth": "0"}
+              for i in range(6)]
+    after = [dict(g, output="y", score=1.0) for g in before]
+    after[1] = dict(after[1], score=0.0)  # one right answer lost
+    after.reverse()  # paired by input, not by position
+    validation.write_generations(str(tmp_path), 0, before)
+    validation.write_generations(str(tmp_path), 6, after)
+    text = train.report(str(tmp_path), samples=1)
+    assert ("6 inputs logged at both validations: 3 scored higher, 1 scored lower, "
+            "2 scored the same") in text
+    lost = text.split("  lower: ")[1].splitlines()
+    assert lost[0] == "'1+1'"
+    assert lost[1].strip() == "before 'x' (score 1)" and lost[2].strip() == "after  'y' (score 0)"
+    one = str(tmp_path / "one")
+    os.makedirs(one)
+    validation.write_generations(one, 0, before)
+    assert "validation samples at step 0:" in train.report(one)

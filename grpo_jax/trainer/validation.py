@@ -397,6 +397,7 @@ def group_metrics(
 
 
 GENERATIONS_FILE = "val_generations.jsonl"
+LOGGED_SAMPLES = 2  # written to the log as well as the file
 
 
 def write_generations(
@@ -406,7 +407,7 @@ def write_generations(
     with open(os.path.join(workdir, GENERATIONS_FILE), "a") as f:
         for g in generations:
             f.write(json.dumps({"step": step_done, **g}, default=str) + "\n")
-    for g in generations if log else ():
+    for g in generations[:LOGGED_SAMPLES] if log else ():
         logging.info(
             "val sample (step %d, score %.3g): %r -> %r",
             step_done,
@@ -414,6 +415,36 @@ def write_generations(
             g["input"],
             g["output"],
         )
+    if log and len(generations) > LOGGED_SAMPLES:
+        logging.info("%d validation samples of step %d in %s", len(generations), step_done,
+                     os.path.join(workdir, GENERATIONS_FILE))
+
+
+def compare_generations(before: Sequence[dict], after: Sequence[dict], *, samples: int = 2
+                        ) -> list[str]:
+    """Report lines pairing two validations' logged samples by their input: how many scored
+    higher, lower and the same after, and up to `samples` examples of each change (the same
+    input's completion before and after, the ones that got worse included)."""
+    first = {}
+    for g in before:
+        first.setdefault(g["input"], g)
+    pairs = [(first[g["input"]], g) for g in dict((g["input"], g) for g in after).values()
+             if g["input"] in first]
+    if not pairs:
+        return []
+    kinds = {"higher": [], "lower": [], "the same": []}
+    for b, a in pairs:
+        kind = "higher" if a["score"] > b["score"] else "lower" if a["score"] < b["score"] else (
+            "the same")
+        kinds[kind].append((b, a))
+    lines = [f"{len(pairs)} inputs logged at both validations: "
+             + ", ".join(f"{len(v)} scored {k}" for k, v in kinds.items())]
+    for kind, rows in kinds.items():
+        for b, a in rows[:samples]:
+            lines.append(f"  {kind}: {b['input']!r}")
+            lines.append(f"    before {b['output']!r} (score {b['score']:.3g})")
+            lines.append(f"    after  {a['output']!r} (score {a['score']:.3g})")
+    return lines
 
 
 def truncate_generations(workdir: str, step: int) -> None:
