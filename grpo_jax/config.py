@@ -567,6 +567,46 @@ VLLMSettings.__module__, VLLMSettings.__doc__ = __name__, _VLLMSection.__doc__
 
 
 @dataclasses.dataclass(frozen=True)
+class MultiTurnConfig:
+    """Section `rollout.multi_turn`: rollouts in which the model calls tools (verl 0.9.1's
+    names, defaults and meanings; grpo_jax/rollout/multi_turn.py)."""
+
+    enable: bool = False
+    max_assistant_turns: int | None = None  # model turns per trajectory; None = no limit
+    max_user_turns: int | None = None  # tool (or user) turns per trajectory; None = no limit
+    max_parallel_calls: int = 1  # calls of one turn that run; later ones are dropped (verl)
+    max_tool_response_length: int = 256  # characters of a tool's response kept
+    tool_response_truncate_side: str = "middle"  # "left" | "right" | "middle"
+    format: str = "hermes"  # the tool-call format the model writes and the parser reads
+    tool_config_path: str | None = None  # verl's tool YAML (tools: class_name, config, schema)
+    # verl <= 0.5's scripted user turns (BaseInteraction); verl 0.9.1's agent loop has none,
+    # and neither has grpo_jax yet: setting it is an error.
+    interaction_config_path: str | None = None
+    # grpo_jax's (verl has none): seconds one tool call may take before the model gets a
+    # timeout error as its response (the call is abandoned, the run goes on)
+    tool_timeout: float = 30.0
+    # grpo_jax's: check a call's arguments against the tool's JSON schema and answer the model
+    # with the violation instead of running the tool; False passes anything through (verl)
+    validate_tool_arguments: bool = True
+
+    def __post_init__(self):
+
+        c = _Checks("rollout.multi_turn")
+        for name in ("max_assistant_turns", "max_user_turns"):
+            value = getattr(self, name)
+            c.need(value is None or value >= 1, name, value, "must be >= 1 or None (no limit)")
+        _positive(c, self, "max_parallel_calls", "max_tool_response_length")
+        c.choice("tool_response_truncate_side", self.tool_response_truncate_side,
+                 ("left", "right", "middle"))
+        c.choice("format", self.format, ("hermes",))
+        c.need(self.tool_timeout > 0, "tool_timeout", self.tool_timeout, "must be > 0 seconds")
+        c.need(self.interaction_config_path is None, "interaction_config_path",
+               self.interaction_config_path,
+               "is not supported (verl 0.9.1's tool agent loop has no interactions either)")
+        c.done()
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutConfig:
     """Section `rollout`: the rollout engine and its sampling settings."""
 
@@ -603,6 +643,7 @@ class RolloutConfig:
     max_num_batched_tokens: int = 8192
     val_kwargs: ValKwargs = ValKwargs()
     vllm: VLLMSettings = VLLMSettings()
+    multi_turn: MultiTurnConfig = MultiTurnConfig()
 
     def __post_init__(self):
 

@@ -84,6 +84,11 @@ class Rollout:
         distribution it was drawn from; see the module docstring); 0 where masked.
       group_ids: [B] int32, the prompt index of each row (0,0,..,1,1,..).
       weights_version: int32 scalar, the policy weights version the rollout was sampled under.
+      loss_mask: [B,R] int32 or None. Multi-turn rollouts (rollout/multi_turn.py): 1 on the
+        tokens the policy sampled, 0 on the tool responses and chat-template tokens appended
+        between its turns (verl's agent-loop `response_mask`); response_mask then marks every
+        valid token (verl's attention mask). None: every valid token was sampled.
+      num_turns: [B] int32 or None, verl's num_turns (user + assistant turns + 1); None: 2.
     """
 
     prompt_ids: jax.Array
@@ -93,6 +98,8 @@ class Rollout:
     log_probs: jax.Array
     group_ids: jax.Array
     weights_version: jax.Array
+    loss_mask: jax.Array | None = None
+    num_turns: jax.Array | None = None
 
 
 @flax.struct.dataclass

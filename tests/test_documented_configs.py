@@ -26,6 +26,7 @@ RUN_HERE = (
     "configs/gsm8k_dapo.py:smoke",
     "configs/gsm8k_lora.py:smoke",
     "configs/gsm8k_qwen3_8b.py:smoke",
+    "configs/gsm8k_tool.py:smoke",
     "configs/math.py:smoke",
 )
 ELSEWHERE = {
@@ -77,3 +78,5 @@ def test_documented_cpu_form_runs_one_step(tmp_path, form):
     assert [r["step"] for r in steps] == [1] and math.isfinite(steps[0]["actor/pg_loss"])
     if "qwen3_8b" in form:  # trainer.balance_batch=True, verl's: one rank holds every row
         assert steps[0]["global_seqlen/balanced_max"] == steps[0]["global_seqlen/max"]
+    if "tool" in form:  # the multi-turn rollout ran (the random model writes no call)
+        assert "multi_turn/tool_calls/mean" in steps[0]

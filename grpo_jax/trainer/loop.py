@@ -120,6 +120,7 @@ def train(
     mesh=None,
     rules=None,
     callbacks: Sequence[Callback] = (),
+    tools: Sequence[Any] | None = None,
 ) -> Result:
     """Runs GRPO (see the module docstring) and returns the final state and metrics.
 
@@ -136,17 +137,20 @@ def train(
       mesh, rules: the device mesh and logical-axis rules; default from run.mesh (train enters
         `sharding.use_mesh(mesh, rules)` itself).
       callbacks: called as fn(step, metrics_row) after every step's row is written.
+      tools: with rollout.multi_turn.enable, the tool objects (verl's BaseTool interface:
+        grpo_jax/tools/base.py) instead of rollout.multi_turn.tool_config_path's YAML.
     """
     if mesh is None:
         mesh, rules = setup.train_mesh(run), sharding.rules_from_config(run.mesh.rules)
     rules = sharding.rules_from_config(None) if rules is None else rules
     with sharding.use_mesh(mesh, rules):
         return _train(run, model_config, params, tokenizer, train_data, val_data, reward_fn, mesh,
-                      rules, callbacks)  # fmt: skip
+                      rules, callbacks, tools)  # fmt: skip
 
 
 def _train(
-    run, model_config, params, tokenizer, train_data, val_data, reward_fn, mesh, rules, callbacks
+    run, model_config, params, tokenizer, train_data, val_data, reward_fn, mesh, rules, callbacks,
+    tools=None,
 ) -> Result:
     if reward_fn is None:
         reward_fn = loading.reward_fn(run.reward, run.custom_reward_function)
@@ -168,6 +172,7 @@ def _train(
     is_main = distributed.is_main_process()
 
     # DATA, PARAMS, OPTIMIZER
+    tool_set = setup.tool_set(run, tools)  # rollout.multi_turn: the tools, or None
     encode = functools.partial(
         prompts.encode,
         tokenizer,
@@ -175,7 +180,7 @@ def _train(
         filter_overlong_prompts=run.data.filter_overlong_prompts,
         truncation=run.data.truncation,
         share=distributed.share(),
-        chat_template_kwargs=run.data.apply_chat_template_kwargs,
+        chat_template_kwargs=setup.chat_template_kwargs(run, tool_set),
     )
     columns = loading.layout(run.data)
     train_set = encode(_examples(train_data, "train_data", columns, run.data, "train"))
@@ -274,7 +279,8 @@ def _train(
         if run.reward.num_workers
         else None
     )
-    ctx = programs.StepContext(run, progs, engine, tokenizer, reward_fn, mesh, pool, base)
+    agent = setup.make_agent(run, tool_set, tokenizer, eos_ids=eos_ids, pad_id=pad_id, dp=dp)
+    ctx = programs.StepContext(run, progs, engine, tokenizer, reward_fn, mesh, pool, base, agent)
     val_sampling = engines.SamplingParams(
         run.rollout.val_kwargs.n,
         run.data.max_response_length,
@@ -300,6 +306,7 @@ def _train(
             num_generations=run.trainer.log_val_generations,
             overlong_buffer=run.reward.overlong_buffer,
             keep_outputs=bool(run.trainer.validation_data_dir),
+            agent=agent,
         )
         if result.generations and is_main:
             validation.write_generations(workdir, step_done, result.generations)
@@ -344,6 +351,8 @@ def _train(
         engine.close()
         if pool is not None:
             pool.close()
+        if agent is not None:
+            agent.close()
         writer.close()
     return Result(loop.state, model_config, history, workdir, base)
 

@@ -32,6 +32,7 @@ def data_metrics(
     *,
     max_response_length: int,
     max_prompt_length: int,
+    num_turns_B=None,
 ) -> dict[str, float]:
     """The host part of verl 0.9.1's compute_data_metrics (critic-free) of a step's batch:
     `reward_metrics`, `length_metrics` and `turn_metrics`. (critic/advantages/*,
@@ -41,6 +42,7 @@ def data_metrics(
       result: the batch's rewards.
       response_mask_BT, prompt_mask_BP: the masks as sampled (before rejection sampling).
       max_response_length, max_prompt_length: data.max_response_length / max_prompt_length.
+      num_turns_B: each sample's turns (multi-turn rollouts), None for single-turn (2 each).
     """
     length_B = np.asarray(response_mask_BT).sum(1)
     return (
@@ -51,7 +53,8 @@ def data_metrics(
             max_response_length=max_response_length,
             max_prompt_length=max_prompt_length,
         )
-        | turn_metrics(np.full(len(length_B), SINGLE_TURN_NUM_TURNS))
+        | turn_metrics(np.full(len(length_B), SINGLE_TURN_NUM_TURNS) if num_turns_B is None
+                       else num_turns_B)
     )
 
 

@@ -219,6 +219,7 @@ class StepContext:
     mesh: Any
     pool: reward_pool_lib.Pool | None = None
     base_params: Any = None  # LoRA: the frozen base (TrainState.params are the adapters)
+    agent: Any = None  # rollout.multi_turn: a rollout.multi_turn.Agent
 
     def policy(self, state: actor.TrainState):
         """The params the policy samples and scores with (with LoRA: base + adapters)."""

@@ -87,9 +87,11 @@ def score(
     *,
     n: int,
     pool: reward_pool_lib.Pool | None = None,
+    examples: Sequence[prompts_lib.Example] | None = None,
 ) -> tuple[list[str | None], reward_fns.RewardResult]:
     """Stage 2: decode every completion (host tokens, B = P * n rows) and score it against its
-    prompt's example. Returns (texts, rewards).
+    prompt's example (or `examples[b]`, one per row: a multi-turn rollout's, with its tool
+    results in extra_info). Returns (texts, rewards).
 
     With several processes (`prompts.rows`), each decodes and scores the completions of its own
     prompts, and only the reward results are exchanged: `texts` holds this process's
@@ -98,8 +100,9 @@ def score(
     ids, mask = response_ids_BT, response_mask_BT
     start, stop = (0, len(prompts.examples)) if prompts.rows is None else prompts.rows
     texts = decode(tokenizer, ids[start * n : stop * n], mask[start * n : stop * n])
-    examples = [ex for ex in prompts.examples[start:stop] for _ in range(n)]
-    result = reward_fns.score_batch(reward_fn, texts, examples, pool=pool)
+    if examples is None:
+        examples = [ex for ex in prompts.examples for _ in range(n)]
+    result = reward_fns.score_batch(reward_fn, texts, examples[start * n : stop * n], pool=pool)
     if prompts.rows is not None:
         result = reward_fns.RewardResult.concat(distributed.gather_objects([result]))
         texts = [None] * (start * n) + texts + [None] * (len(ids) - stop * n)
@@ -179,24 +182,32 @@ def sample_and_score(
     """Stages 1 and 2: n completions per prompt, decoded and scored (plus DAPO's overlong
     penalty with reward.overlong_buffer.enable)."""
     run, sp = ctx.run, rollout_sampling(ctx.run)
-    rollout = perf.timed(
-        timing,
-        "gen",
-        generate,
-        ctx.engine,
-        params,
-        prompts,
-        rng,
-        sp,
-        add=True,
-        policy_version=policy_version,
-    )
+    examples = [ex for ex in prompts.examples for _ in range(sp.n)]
+    row_stats = {}
+    if ctx.agent is not None:  # multi-turn: the trajectories, and what their rewards see
+        out = perf.timed(timing, "gen", ctx.agent.sample, ctx.engine, params, prompts, rng, sp,
+                         add=True, policy_version=policy_version)
+        rollout, examples, row_stats = out.rollout, list(out.examples), out.row_stats
+    else:
+        rollout = perf.timed(
+            timing,
+            "gen",
+            generate,
+            ctx.engine,
+            params,
+            prompts,
+            rng,
+            sp,
+            add=True,
+            policy_version=policy_version,
+        )
     prompt_ids, prompt_mask = full_prompts(prompts)
     host = batch_lib.HostRollout(
         np.repeat(prompt_ids, sp.n, axis=0),
         np.repeat(prompt_mask, sp.n, axis=0),
         distributed.to_host(rollout.response_ids),
         distributed.to_host(rollout.response_mask),
+        None if rollout.loss_mask is None else distributed.to_host(rollout.loss_mask),
     )
     texts, result = perf.timed(
         timing,
@@ -210,6 +221,7 @@ def sample_and_score(
         n=sp.n,
         pool=ctx.pool,
         add=True,
+        examples=examples,
     )
     result = with_overlong_penalty(
         result,
@@ -217,8 +229,8 @@ def sample_and_score(
         run.reward.overlong_buffer,
         max_response_length=sp.max_new_tokens,
     )
-    examples = [ex for ex in prompts.examples for _ in range(sp.n)]
-    return batch_lib.RolloutBatch(rollout, host, texts, examples, result, sp.n)
+    return batch_lib.RolloutBatch(rollout, host, texts, examples, result, sp.n,
+                                  row_stats=row_stats)
 
 
 def group_values(
@@ -261,7 +273,8 @@ def select_groups(
     """The rows of `groups` (renumbered 0..), device and host sides alike."""
     n = batch.group_size
     rows = np.concatenate([np.arange(g * n, (g + 1) * n) for g in groups]).astype(np.int32)
-    return _rebuild(
+    stats = {k: np.asarray(v)[rows] for k, v in batch.row_stats.items()}
+    return dataclasses.replace(_rebuild(
         batch,
         batch.host.take(rows),
         batch.result.take(rows),
@@ -269,7 +282,12 @@ def select_groups(
         [batch.examples[i] for i in rows],
         distributed.to_host(batch.rollout.log_probs)[rows],
         mesh,
-    )
+        _host_or_none(batch.rollout.num_turns, rows),
+    ), row_stats=stats)
+
+
+def _host_or_none(x, rows=slice(None)):
+    return None if x is None else distributed.to_host(x)[rows]
 
 
 def _rebuild(
@@ -280,6 +298,7 @@ def _rebuild(
     examples,
     log_probs_BT,
     mesh,
+    num_turns_B=None,
 ) -> batch_lib.RolloutBatch:
     """A RolloutBatch over `host`'s rows, the rollout re-placed from the host arrays."""
     put = functools.partial(distributed.to_device, mesh=mesh)
@@ -291,6 +310,8 @@ def _rebuild(
         response_mask=put(host.response_mask_BT),
         log_probs=put(np.asarray(log_probs_BT, np.float32)),
         group_ids=put(np.repeat(np.arange(len(texts) // n, dtype=np.int32), n)),
+        loss_mask=None if host.loss_mask_BT is None else put(host.loss_mask_BT),
+        num_turns=None if num_turns_B is None else put(np.asarray(num_turns_B, np.int32)),
     )
     return dataclasses.replace(
         like, rollout=rollout, host=host, texts=texts, examples=examples, result=result
@@ -309,10 +330,16 @@ def concat(parts: Sequence[batch_lib.RolloutBatch], mesh) -> batch_lib.RolloutBa
         np.concatenate([left_pad(p.host.prompt_mask_BP) for p in parts]),
         np.concatenate([p.host.response_ids_BT for p in parts]),
         np.concatenate([p.host.response_mask_BT for p in parts]),
+        None if parts[0].host.loss_mask_BT is None else
+        np.concatenate([p.host.loss_mask_BT for p in parts]),
     )
     result = reward_fns.RewardResult.concat([p.result for p in parts])
     log_probs = np.concatenate([distributed.to_host(p.rollout.log_probs) for p in parts])
-    return _rebuild(
+    turns = None if parts[0].rollout.num_turns is None else np.concatenate(
+        [_host_or_none(p.rollout.num_turns) for p in parts])
+    stats = {k: np.concatenate([np.asarray(p.row_stats[k]) for p in parts])
+             for k in parts[0].row_stats}
+    return dataclasses.replace(_rebuild(
         parts[0],
         host,
         result,
@@ -320,7 +347,8 @@ def concat(parts: Sequence[batch_lib.RolloutBatch], mesh) -> batch_lib.RolloutBa
         [e for p in parts for e in p.examples],
         log_probs,
         mesh,
-    )
+        turns,
+    ), row_stats=stats)
 
 
 def sample_size(count: int, *, unit: int, train_batch_size: int, cap: int) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 from typing import Any
 
@@ -17,7 +18,10 @@ from grpo_jax import model as model_lib
 from grpo_jax import sharding
 from grpo_jax.data import prompts
 from grpo_jax.models import lora
-from grpo_jax.rollout import engines, vllm_pool, vllm_sidecar
+from grpo_jax.rollout import chat_turns, engines, multi_turn, vllm_pool, vllm_sidecar
+from grpo_jax.tools import executor as tool_executor
+from grpo_jax.tools import hermes
+from grpo_jax.tools import loading as tool_loading
 from grpo_jax.trainer import actor
 
 
@@ -224,3 +228,66 @@ def lora_pointer(run: config_lib.RunConfig, model_config: model_lib.ModelConfig)
         "model.lora_alpha": model_config.lora_alpha,
         "model.target_modules": ",".join(model_config.lora_targets),
     }
+
+
+def tool_set(run: config_lib.RunConfig, tools=None) -> list | None:
+    """rollout.multi_turn's tools: `tools` (loop.train(tools=...)) or those of
+    rollout.multi_turn.tool_config_path; None when multi-turn is off.
+
+    Raises:
+      config_lib.ConfigError: multi-turn is on and no tools are given, or tools are given with
+        it off.
+    """
+    mt = run.rollout.multi_turn
+    if not mt.enable:
+        if tools:
+            raise config_lib.ConfigError([
+                "tools were given but rollout.multi_turn.enable=False: set it to True to run "
+                "multi-turn rollouts with them"
+            ])  # fmt: skip
+        return None
+    if tools:
+        return tool_loading.check_tools(list(tools), source="loop.train(tools=...)")
+    if not mt.tool_config_path:
+        raise config_lib.ConfigError([
+            "rollout.multi_turn.enable=True needs tools: set rollout.multi_turn.tool_config_path "
+            "to a verl tool YAML (tools: - class_name, config, tool_schema), or pass "
+            "loop.train(tools=[...])"
+        ])  # fmt: skip
+    return tool_loading.load_tools(mt.tool_config_path)
+
+
+def chat_template_kwargs(run: config_lib.RunConfig, tools) -> dict:
+    """data.apply_chat_template_kwargs, plus the tools' schemas (the template's `tools=`, which
+    lists them in the prompt) for multi-turn rollouts."""
+    kwargs = dict(run.data.apply_chat_template_kwargs or {})
+    if tools:
+        kwargs["tools"] = tool_loading.tool_schemas(tools)
+    return kwargs
+
+
+def make_agent(run: config_lib.RunConfig, tools, tokenizer, *, eos_ids, pad_id, dp: int):
+    """The multi-turn rollout driver (rollout/multi_turn.py), or None without tools."""
+    if not tools:
+        return None
+    mt = run.rollout.multi_turn
+    turns = chat_turns.ChatTurns(
+        tokenizer,
+        tools=tool_loading.tool_schemas(tools),
+        stop_ids=eos_ids,
+        chat_template_kwargs=run.data.apply_chat_template_kwargs,
+    )
+    runner = tool_executor.ToolExecutor(
+        tools, max_parallel_calls=mt.max_parallel_calls, timeout_s=mt.tool_timeout,
+        validate_arguments=mt.validate_tool_arguments,
+    )
+    settings = multi_turn.Settings(
+        max_assistant_turns=mt.max_assistant_turns,
+        max_user_turns=mt.max_user_turns,
+        max_parallel_calls=mt.max_parallel_calls,
+        max_tool_response_length=mt.max_tool_response_length,
+        tool_response_truncate_side=mt.tool_response_truncate_side,
+        format=mt.format,
+    )
+    unit = math.lcm(dp, run.rollout.num_devices or 1)
+    return multi_turn.Agent(turns, runner, hermes.parse, settings, unit=unit, pad_id=pad_id)

@@ -23,6 +23,7 @@ import numpy as np
 from grpo_jax import config as config_lib
 from grpo_jax import distributed, sampler
 from grpo_jax import loss as loss_lib
+from grpo_jax.rollout import multi_turn
 from grpo_jax.trainer import actor, balance, metrics, packing, perf, programs
 from grpo_jax.trainer import batch as batch_lib
 
@@ -40,10 +41,12 @@ def train_batch(rollout: sampler.Rollout, *, prompt_width: int, bucket: int) -> 
     def prompt_columns(x):
         return jnp.pad(x, ((0, 0), (short, 0)))[:, -width:]
 
-    mask = rollout.response_mask
+    valid = rollout.response_mask
+    # the loss's tokens: those the policy sampled (multi-turn: not the tool responses)
+    mask = valid if rollout.loss_mask is None else valid * rollout.loss_mask
     return actor.TrainBatch(
         input_ids_BS=jnp.concatenate([prompt_columns(rollout.prompt_ids), rollout.response_ids], 1),
-        attention_mask_BS=jnp.concatenate([prompt_columns(rollout.prompt_mask), mask], 1),
+        attention_mask_BS=jnp.concatenate([prompt_columns(rollout.prompt_mask), valid], 1),
         response_ids_BT=rollout.response_ids,
         response_mask_BT=mask,
         advantages_BT=jnp.zeros(mask.shape, jnp.float32),
@@ -229,7 +232,9 @@ def advantages(
     estimator's advantages. `extras`: the estimator's per-batch inputs (make_advantage)."""
     mask_BT = batch.response_mask_BT
     scores = distributed.to_device(np.asarray(scores_B, np.float32), mesh)
-    rewards_BT = token_level_scores(scores, mask_BT)
+    # verl: the score sits on the last valid response token (a multi-turn rollout's may be a
+    # tool response's, outside the loss mask: GRPO sums the token rewards regardless)
+    rewards_BT = token_level_scores(scores, rollout.response_mask)
     device = {}  # scalar metrics, fetched from the device once at the end
     if run.algorithm.use_kl_in_reward:
         rewards_BT, device = kl_in_reward(
@@ -495,8 +500,11 @@ def train_stage(
         host.prompt_mask_BP,
         max_response_length=run.data.max_response_length,
         max_prompt_length=run.data.max_prompt_length,
+        num_turns_B=None if rollout.num_turns is None else distributed.to_host(rollout.num_turns),
     )
     record |= rollout_batch.filter_metrics
+    if rollout_batch.row_stats:
+        record |= multi_turn.metrics(rollout_batch.row_stats)
     prompt_B, response_B = host.prompt_mask_BP.sum(1), host.response_mask_BT.sum(1)
     record |= perf.timing_per_token(
         timing, prompt_tokens=int(prompt_B.sum()), response_tokens=int(response_B.sum())

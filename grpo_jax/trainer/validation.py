@@ -84,6 +84,7 @@ def run(
     num_generations: int = 0,
     overlong_buffer: config_lib.OverlongBufferConfig = config_lib.OverlongBufferConfig(),
     keep_outputs: bool = False,
+    agent=None,
 ) -> Validation:
     """`validate`, returning a Validation with the first `num_generations` samples (and with
     `keep_outputs` every completion, gathered from every process).
@@ -91,10 +92,11 @@ def run(
     The prompts go in chunks of `batch_size`; the last chunk is padded with its last prompt so
     every call has one compiled shape (the padding rows are not scored). `overlong_buffer`
     (reward.overlong_buffer) penalises overlong responses as in training: verl's DAPO reward
-    manager scores validation the same way.
+    manager scores validation the same way. With `agent` (rollout.multi_turn) the samples are
+    multi-turn trajectories, as verl validates them, and num_turns is theirs.
     """
     n = sampling.n
-    results, sources, lengths, generations, outputs = [], [], [], [], []
+    results, sources, lengths, generations, outputs, turns = [], [], [], [], [], []
     procs = jax.process_count()
     if procs > 1 and batch_size % procs:
         raise ValueError(
@@ -107,16 +109,24 @@ def run(
         idx += [idx[-1]] * (batch_size - real)
         rows = distributed.process_rows(batch_size) if procs > 1 else None
         pb = prompts_lib.make_batch(prompts, idx, pad_token_id=pad_id, rows=rows)
-        rollout = rollout_stage.generate(
-            engine, params, pb, jax.random.key(seed), sampling, policy_version=policy_version
-        )
+        examples = [ex for ex in pb.examples for _ in range(n)]
+        if agent is not None:
+            out = agent.sample(engine, params, pb, jax.random.key(seed), sampling,
+                               policy_version=policy_version)
+            rollout, examples = out.rollout, list(out.examples)
+        else:
+            rollout = rollout_stage.generate(
+                engine, params, pb, jax.random.key(seed), sampling, policy_version=policy_version
+            )
         lo, hi = (0, batch_size) if rows is None else rows
         hi = min(hi, real)  # padding prompts are not scored
         lo = min(lo, hi)
         ids = distributed.to_host(rollout.response_ids)[lo * n : hi * n]
         mask = distributed.to_host(rollout.response_mask)[lo * n : hi * n]
         texts = rollout_stage.decode(tokenizer, ids, mask)
-        examples = [ex for ex in pb.examples[lo:hi] for _ in range(n)]
+        examples = examples[lo * n : hi * n]
+        if rollout.num_turns is not None:  # multi-turn (one process)
+            turns += distributed.to_host(rollout.num_turns)[lo * n : hi * n].tolist()
         res = reward_fns.score_batch(reward_fn, texts, examples, pool=pool)
         res = rollout_stage.with_overlong_penalty(
             res, mask.sum(1), overlong_buffer, max_response_length=sampling.max_new_tokens
@@ -143,7 +153,7 @@ def run(
         sources += [ex.data_source for ex in pb.examples[:real] for _ in range(n)]
         lengths += chunk_lengths
     merged = reward_fns.RewardResult.concat(results)  # a key missing from a chunk is None there
-    out = metrics_of(sources, verl_variables(merged), n=n)
+    out = metrics_of(sources, verl_variables(merged), n=n, num_turns=turns or None)
     out["val-aux/response_length/mean"] = float(np.mean(lengths))  # not verl's
     if keep_outputs:
         return Validation(out, generations, outputs, merged)
@@ -372,15 +382,18 @@ def verl_variables(result: reward_fns.RewardResult) -> dict[str, list]:
 
 
 def metrics_of(
-    data_sources: Sequence[str], variables: dict[str, Sequence], *, n: int
+    data_sources: Sequence[str], variables: dict[str, Sequence], *, n: int,
+    num_turns: Sequence[int] | None = None,
 ) -> dict[str, float]:
     """verl's validation metrics of samples whose n samples per prompt are adjacent, each
     prompt its own uid: `source_metrics` (with verl's V1 expected counts), `prefixed`, and
-    num_turns."""
+    num_turns (`num_turns`, default NUM_TURNS each)."""
     uids = [i // n for i in range(len(data_sources))]
     expected = {(data_sources[i * n], i): n for i in range(len(data_sources) // n)}
     per_source = source_metrics(data_sources, uids, variables, expected_counts=expected)
-    return prefixed(per_source) | turn_metrics([NUM_TURNS] * len(data_sources))
+    if num_turns is None:
+        num_turns = [NUM_TURNS] * len(data_sources)
+    return prefixed(per_source) | turn_metrics(num_turns)
 
 
 def group_metrics(

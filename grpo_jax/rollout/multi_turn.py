@@ -1,0 +1,311 @@
+"""Multi-turn rollouts with tool calls (rollout.multi_turn, verl 0.9.1's tool agent loop).
+
+    agent = multi_turn.Agent(turns, tools, settings, unit=dp)
+    out = agent.sample(engine, params, prompts, rng, sp)   # out.rollout: a sampler.Rollout
+
+Each of the B = P x n trajectories runs verl's ToolAgentLoop state machine
+(verl/experimental/agent_loop/tool_agent_loop.py):
+  1. the model samples a turn from the whole context so far (the prompt, rendered with the
+     tools' schemas, and every earlier turn);
+  2. the turn's tokens are appended as sampled (loss mask 1, the engine's log-probs); the
+     trajectory ends when its response reaches data.max_response_length tokens, after
+     max_assistant_turns model turns or max_user_turns tool turns, or when the turn holds no
+     tool call (the parser, rollout.multi_turn.format, reads the turn's text);
+  3. its first max_parallel_calls calls run (`tools.executor`: concurrently, off the decode
+     path, with a timeout; a tool that fails, hangs or returns garbage answers with an error
+     text), each response cut to max_tool_response_length characters on
+     tool_response_truncate_side, and the tool turn's tokens (`chat_turns.ChatTurns`:
+     rendered alone, never re-tokenising the model's) are appended with loss mask 0 and
+     log-prob 0; if that would reach the response limit the trajectory ends instead, the tool
+     turn not appended (verl's order); then back to 1.
+
+Token in, token out: the trainer's sequence of a trajectory (prompt + response) is exactly the
+context its last turn was sampled from plus that turn, so the old, reference and policy
+log-probs score the tokens the policy produced, with the tool turns as context only
+(`Rollout.loss_mask`).
+
+The turns run in lockstep: each round samples one turn of every unfinished trajectory in one
+engine call (n = 1 per trajectory, the rows padded to a size of a halving ladder so a run
+compiles few shapes), then runs every tool call of the round concurrently. A trajectory's
+keys are fold_in(rng, round) and its row in the round's call, so a batch's rollout is a
+function of its prompts and rng (an exact resume samples it again). Each round prefills the
+whole context again (the vLLM sidecar's prefix cache makes that cheap there); the native
+engine does not yet keep a paused row's KV pages between rounds.
+
+Rewards follow verl: the reward function scores the whole response's text (tool turns
+included), and a verl-style scorer finds the trajectory's "tool_rewards" (each call's
+execute() reward), "turn_scores" ([], verl 0.9.1 has no interaction) and "num_turns" in its
+extra_info.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from grpo_jax import distributed, sampler, sharding
+from grpo_jax.data import prompts as prompts_lib
+from grpo_jax.rollout import chat_turns, engines
+
+FORMATS = ("hermes",)
+TRUNCATE_SIDES = ("left", "right", "middle")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """rollout.multi_turn's limits (verl's names and defaults; None = no limit)."""
+
+    max_assistant_turns: int | None = None
+    max_user_turns: int | None = None
+    max_parallel_calls: int = 1
+    max_tool_response_length: int = 256
+    tool_response_truncate_side: str = "middle"
+    format: str = "hermes"
+
+
+@dataclasses.dataclass
+class _Trajectory:
+    context: list[int]  # the prompt and the response so far: what the next turn is sampled from
+    tools_kwargs: Mapping[str, Any]
+    response: list[int] = dataclasses.field(default_factory=list)
+    loss: list[int] = dataclasses.field(default_factory=list)
+    log_probs: list[float] = dataclasses.field(default_factory=list)
+    assistant_turns: int = 0
+    user_turns: int = 0
+    done: bool = False
+    cut: str = ""  # why it ended: "answer" (no tool call), "length" or "turns"
+    tool_rewards: list[float] = dataclasses.field(default_factory=list)
+    statuses: list[str] = dataclasses.field(default_factory=list)  # per tool call
+    tool_tokens: int = 0
+
+    def append(self, ids, loss: int, log_probs=None) -> None:
+        ids = [int(t) for t in ids]
+        self.context += ids
+        self.response += ids
+        self.loss += [loss] * len(ids)
+        self.log_probs += [0.0] * len(ids) if log_probs is None else [float(x) for x in log_probs]
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentRollout:
+    """What `Agent.sample` returns.
+
+    Attributes:
+      rollout: the B trajectories as a sampler.Rollout (loss_mask and num_turns set).
+      examples: the B rows' examples, extra_info with "tool_rewards", "turn_scores" and
+        "num_turns" added (what the reward function sees).
+      row_stats: per-row arrays for the metrics (`metrics`).
+    """
+
+    rollout: sampler.Rollout
+    examples: tuple[prompts_lib.Example, ...]
+    row_stats: dict[str, np.ndarray]
+
+
+def metrics(row_stats: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """The step's multi-turn metrics from `AgentRollout.row_stats` (of the kept rows)."""
+    out = {}
+    for key in ("assistant_turns", "tool_calls", "tool_response_tokens"):
+        x = np.asarray(row_stats[key], np.float64)
+        out |= {f"multi_turn/{key}/mean": float(x.mean()), f"multi_turn/{key}/max": float(x.max())}
+    calls = float(np.sum(row_stats["tool_calls"]))
+    for key in ("tool_errors", "tool_timeouts"):
+        total = float(np.sum(row_stats[key]))
+        out[f"multi_turn/{key}"] = total
+        out[f"multi_turn/{key}_ratio"] = total / calls if calls else 0.0
+    for cut in ("length", "turns"):
+        out[f"multi_turn/cut_by_{cut}_ratio"] = float(np.mean(row_stats[f"cut_by_{cut}"]))
+    return out
+
+
+def round_sizes(rows: int, unit: int) -> list[int]:
+    """The row counts a round's engine call is padded to: rows, rows / 2, ... down to `unit`
+    (each a multiple of it), largest first."""
+    sizes = [rows]
+    while sizes[-1] % 2 == 0 and (sizes[-1] // 2) % unit == 0 and sizes[-1] // 2 >= unit:
+        sizes.append(sizes[-1] // 2)
+    return sizes
+
+
+class Agent:
+    """Runs multi-turn rollouts (see the module docstring).
+
+    Args:
+      turns: the chat template's tokens between turns.
+      runner: a tools.executor.ToolExecutor (the tools, their timeout and concurrency).
+      parse: text -> (content, calls) of the format (tools.hermes.parse).
+      settings: rollout.multi_turn's limits.
+      unit: rows per engine call must be a multiple of this (the engine's data shards).
+      pad_id: the padding token.
+    """
+
+    def __init__(self, turns: chat_turns.ChatTurns, runner, parse, settings: Settings, *,
+                 unit: int = 1, pad_id: int = 0):
+        self.turns, self.runner, self.parse, self.settings = turns, runner, parse, settings
+        self.unit, self.pad_id = unit, pad_id
+
+    def close(self) -> None:
+        """Stops the tool runner (its worker threads)."""
+        self.runner.close()
+
+    def sample(
+        self,
+        engine: engines.Engine,
+        params,
+        prompts: prompts_lib.PromptBatch,
+        rng,
+        sp: engines.SamplingParams,
+        *,
+        policy_version: int | None = None,
+    ) -> AgentRollout:
+        """sp.n trajectories per prompt of `prompts`, each up to sp.max_new_tokens response
+        tokens over all its turns."""
+        if prompts.rows is not None:
+            raise ValueError(
+                "rollout.multi_turn with several JAX processes is not supported yet: run one "
+                "process (rollout.multi_turn.enable=False for multi-process data)"
+            )
+        n, limit = sp.n, sp.max_new_tokens
+        trajectories = []
+        for p in range(len(prompts.examples)):
+            prompt = prompts.prompt_ids_PT[p][prompts.prompt_mask_PT[p] == 1].tolist()
+            kwargs = dict(prompts.examples[p].extra_info or {}).get("tools_kwargs") or {}
+            trajectories += [_Trajectory(list(prompt), kwargs) for _ in range(n)]
+        sizes = round_sizes(len(trajectories), self.unit)
+        turn_sp = dataclasses.replace(sp, n=1)
+        version = None
+        for turn in itertools.count():
+            active = [t for t in trajectories if not t.done]
+            if not active:
+                break
+            size = min(s for s in sizes if s >= len(active))
+            rows = active + [active[-1]] * (size - len(active))
+            ids, mask = _left_pad([t.context for t in rows], self.pad_id)
+            out = engine.sample(params, ids, mask, jax.random.fold_in(rng, turn), turn_sp,
+                                policy_version)
+            version = out.weights_version
+            new_ids = distributed.to_host(out.response_ids)
+            new_mask = distributed.to_host(out.response_mask)
+            new_lp = distributed.to_host(out.log_probs)
+            calls_of = []
+            for j, t in enumerate(active):
+                k = min(int(new_mask[j].sum()), limit - len(t.response))
+                t.append(new_ids[j, :k], 1, new_lp[j, :k])
+                t.assistant_turns += 1
+                calls = self._next_calls(t, new_ids[j, :k], limit)
+                if calls:
+                    calls_of.append((t, calls))
+            self._run_tools(calls_of, limit)
+        return self._collect(trajectories, prompts, n, limit, version, engine)
+
+    def _next_calls(self, t: _Trajectory, turn_ids, limit: int):
+        """The tool calls a finished turn asks for, or None when the trajectory ends here
+        (verl's checks, in its order)."""
+        s = self.settings
+        if len(t.response) >= limit:
+            t.done, t.cut = True, "length"
+        elif s.max_assistant_turns and t.assistant_turns >= s.max_assistant_turns:
+            t.done, t.cut = True, "turns"
+        elif s.max_user_turns and t.user_turns >= s.max_user_turns:
+            t.done, t.cut = True, "turns"
+        if t.done:
+            return None
+        text = self.turns.tokenizer.decode([int(x) for x in turn_ids], skip_special_tokens=False)
+        _, calls = self.parse(text)
+        if not calls:
+            t.done, t.cut = True, "answer"
+            return None
+        return list(calls)[: s.max_parallel_calls]
+
+    def _run_tools(self, calls_of, limit: int) -> None:
+        """Runs a round's calls (all trajectories' at once) and appends the tool turns."""
+        if not calls_of:
+            return
+        s = self.settings
+        results = self.runner.run_calls([(calls, t.tools_kwargs) for t, calls in calls_of])
+        for (t, calls), outcomes in zip(calls_of, results, strict=True):
+            texts = [
+                chat_turns.truncate_text(o.text or "", s.max_tool_response_length,
+                                         s.tool_response_truncate_side)
+                for o in outcomes
+            ]
+            t.statuses += [o.status for o in outcomes]
+            t.tool_rewards += [float(o.reward) for o in outcomes if o.reward is not None]
+            delta = self.turns.boundary(t.context[-1] if t.context else None)
+            delta += self.turns.tool_tokens(
+                [chat_turns.call_dict(c.name, c.arguments) for c in calls], texts
+            )
+            if len(t.response) + len(delta) >= limit:
+                t.done, t.cut = True, "length"
+                continue
+            t.append(delta, 0)
+            t.tool_tokens += len(delta)
+            t.user_turns += 1
+
+    def _collect(self, trajectories, prompts, n, limit, version, engine) -> AgentRollout:
+        B = len(trajectories)
+        ids = np.full((B, limit), self.pad_id, np.int32)
+        valid = np.zeros((B, limit), np.int32)
+        loss = np.zeros((B, limit), np.int32)
+        lp = np.zeros((B, limit), np.float32)
+        for b, t in enumerate(trajectories):
+            k = len(t.response)
+            ids[b, :k], valid[b, :k], loss[b, :k], lp[b, :k] = t.response, 1, t.loss, t.log_probs
+        turns = np.array([t.assistant_turns + t.user_turns + 1 for t in trajectories], np.int32)
+        mesh = engine.mesh
+
+        def put(x):
+            if mesh is None:
+                return jax.numpy.asarray(x)
+            return jax.device_put(x, sharding.batch_sharding(mesh, x.ndim))
+
+        P = len(prompts.examples)
+        rollout = sampler.Rollout(
+            prompt_ids=put(np.repeat(prompts.prompt_ids_PT, n, 0).astype(np.int32)),
+            prompt_mask=put(np.repeat(prompts.prompt_mask_PT, n, 0).astype(np.int32)),
+            response_ids=put(ids),
+            response_mask=put(valid),
+            log_probs=put(lp),
+            group_ids=put(np.repeat(np.arange(P, dtype=np.int32), n)),
+            weights_version=jax.numpy.asarray(0 if version is None else version, jax.numpy.int32),
+            loss_mask=put(loss),
+            num_turns=put(turns),
+        )
+        examples = tuple(
+            dataclasses.replace(
+                prompts.examples[b // n],
+                extra_info={
+                    **dict(prompts.examples[b // n].extra_info or {}),
+                    "tool_rewards": list(t.tool_rewards),
+                    "turn_scores": [],
+                    "num_turns": int(turns[b]),
+                },
+            )
+            for b, t in enumerate(trajectories)
+        )
+        row_stats = {
+            "assistant_turns": np.array([t.assistant_turns for t in trajectories]),
+            "tool_calls": np.array([len(t.statuses) for t in trajectories]),
+            "tool_errors": np.array([sum(s not in ("ok", "timeout") for s in t.statuses)
+                                     for t in trajectories]),
+            "tool_timeouts": np.array([t.statuses.count("timeout") for t in trajectories]),
+            "tool_response_tokens": np.array([t.tool_tokens for t in trajectories]),
+            "cut_by_length": np.array([t.cut == "length" for t in trajectories]),
+            "cut_by_turns": np.array([t.cut == "turns" for t in trajectories]),
+        }
+        return AgentRollout(rollout, examples, row_stats)
+
+
+def _left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    width = max(len(s) for s in seqs)
+    ids = np.full((len(seqs), width), pad_id, np.int32)
+    mask = np.zeros((len(seqs), width), np.int32)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):] = s
+        mask[i, width - len(s):] = 1
+    return ids, mask

@@ -1,0 +1,332 @@
+"""Multi-turn rollouts with tools (rollout/multi_turn.py, rollout/chat_turns.py): token in,
+token out, the loss mask, verl's termination rules, and the trainer on such rollouts."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_tools import SCHEMA  # calc(answer: string)
+
+from grpo_jax import config, sampler
+from grpo_jax.data import demo_task, prompts
+from grpo_jax.rollout import chat_turns, engines, multi_turn
+from grpo_jax.tools import base as tool_base
+from grpo_jax.tools import executor as tool_executor
+from grpo_jax.tools import hermes
+
+HERE = os.path.dirname(__file__)
+
+
+def qwen_tool_tokenizer():
+    """The character tokenizer with ChatML specials and Qwen2.5's real tool chat template."""
+    tok = demo_task.char_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    with open(os.path.join(HERE, "fixtures", "qwen2_5_chat_template.jinja")) as f:
+        tok.chat_template = f.read()
+    tok.eos_token = "<|im_end|>"
+    return tok
+
+
+class CalcTool(tool_base.BaseTool):
+    """verl's interface: scores the answer against the ground truth given at create time."""
+
+    async def create(self, instance_id=None, **kwargs):
+        self.truth = kwargs.get("create_kwargs", {}).get("ground_truth")
+        return await super().create(instance_id)
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        ok = str(parameters.get("answer")) == str(self.truth)
+        return tool_base.ToolResponse(text=f"answer {parameters.get('answer')}: "
+                                      f"{'right' if ok else 'wrong'}"), float(ok), {}
+
+
+class ScriptedEngine:
+    """An engine whose turns are scripted from the context's text: a call while the context
+    holds fewer than `calls` tool responses, then a plain answer. Log-probs are -(t + 1) / 100
+    so each sampled token's is known."""
+
+    mesh = None
+    pad_id = 0
+
+    def __init__(self, tok, calls=1, answer="7", call_text=None):
+        self.tok, self.calls, self.answer = tok, calls, answer
+        self.call_text = call_text or ('<tool_call>\n{"name": "calc", "arguments": '
+                                       '{"answer": "ANSWER"}}\n</tool_call><|im_end|>')
+        self.eos_ids = (tok.eos_token_id,)
+        self.contexts = []  # every row's context, every call
+
+    def sample(self, params, ids, mask, rng, sp, policy_version=None):
+        ids, mask = np.asarray(ids), np.asarray(mask)
+        R = sp.max_new_tokens
+        out = np.zeros((len(ids), R), np.int32)
+        out_mask = np.zeros((len(ids), R), np.int32)
+        for b in range(len(ids)):
+            context = ids[b][mask[b] == 1].tolist()
+            self.contexts.append(context)
+            text = self.tok.decode(context)
+            if text.count("<tool_response>") < self.calls:
+                turn = self.call_text.replace("ANSWER", self.answer)
+            else:
+                turn = f"It is {self.answer}.<|im_end|>"
+            new = self.tok(turn, add_special_tokens=False)["input_ids"][:R]
+            out[b, : len(new)], out_mask[b, : len(new)] = new, 1
+        lp = -(np.arange(R, dtype=np.float32)[None] + 1) / 100 * out_mask
+        return sampler.Rollout(
+            prompt_ids=jnp.asarray(ids), prompt_mask=jnp.asarray(mask),
+            response_ids=jnp.asarray(out), response_mask=jnp.asarray(out_mask),
+            log_probs=jnp.asarray(lp), group_ids=jnp.arange(len(ids)),
+            weights_version=jnp.asarray(0),
+        )  # fmt: skip
+
+
+def _agent(tok, *, settings=multi_turn.Settings(), tools=None, timeout=2.0):
+    tools = tools or [CalcTool({}, tool_base.ToolSchema.model_validate(SCHEMA))]
+    turns = chat_turns.ChatTurns(tok, tools=[SCHEMA], stop_ids=[tok.eos_token_id])
+    runner = tool_executor.ToolExecutor(
+        tools, max_parallel_calls=settings.max_parallel_calls, timeout_s=timeout,
+        validate_arguments=True,
+    )
+    return multi_turn.Agent(turns, runner, hermes.parse, settings, pad_id=0)
+
+
+def _prompts(tok, questions=("1+6?", "2+5?"), truth="7"):
+    examples = [
+        prompts.Example(
+            ({"role": "user", "content": q},), ground_truth=truth,
+            extra_info={"tools_kwargs": {"calc": {"create_kwargs": {"ground_truth": truth}}}},
+        )
+        for q in questions
+    ]  # fmt: skip
+    ps = prompts.encode(tok, examples, max_prompt_length=4096, filter_overlong_prompts=False,
+                        truncation="error", chat_template_kwargs={"tools": [SCHEMA]})  # fmt: skip
+    return prompts.make_batch(ps, range(len(examples)), pad_token_id=0)
+
+
+def _sample(agent, engine, batch, *, n=2, limit=400):
+    sp = engines.SamplingParams(n, limit, 1.0)
+    return agent.sample(engine, None, batch, jax.random.key(0), sp)
+
+
+def test_trajectory_is_the_sampled_tokens_and_the_tool_turns_between():
+    tok = qwen_tool_tokenizer()
+    engine, agent = ScriptedEngine(tok, calls=2), _agent(tok)
+    batch = _prompts(tok)
+    out = _sample(agent, engine, batch)
+    r = out.rollout
+    ids, valid = np.asarray(r.response_ids), np.asarray(r.response_mask)
+    loss, lp = np.asarray(r.loss_mask), np.asarray(r.log_probs)
+    for b in range(4):
+        k = int(valid[b].sum())
+        assert valid[b, :k].all() and not valid[b, k:].any()  # a prefix
+        prompt = batch.prompt_ids_PT[b // 2][batch.prompt_mask_PT[b // 2] == 1].tolist()
+        # The last turn was sampled from the prompt and everything before it, token for token:
+        # the trainer's sequence is exactly what the model saw plus its last turn.
+        last_turn = tok("It is 7.<|im_end|>", add_special_tokens=False)["input_ids"]
+        assert prompt + ids[b, :k].tolist() == engine.contexts[-4 + b] + last_turn
+        # The sampled tokens are under the loss mask with their log-probs; the rest is context.
+        runs = np.split(np.arange(k), np.flatnonzero(np.diff(loss[b, :k])) + 1)
+        sampled = [seg for seg in runs if loss[b, seg[0]]]
+        assert len(sampled) == 3  # two calls and the answer
+        for seg in sampled:
+            np.testing.assert_allclose(lp[b, seg], -(np.arange(len(seg)) + 1) / 100, rtol=1e-6)
+        tool_text = tok.decode(ids[b, :k][loss[b, :k] == 0])
+        assert tool_text.count("<tool_response>\nanswer 7: right\n</tool_response>") == 2
+        assert (lp[b][loss[b] == 0] == 0).all()
+    assert np.asarray(r.num_turns).tolist() == [6] * 4  # 3 model turns + 2 tool turns + 1
+    assert [ex.extra_info["tool_rewards"] for ex in out.examples] == [[1.0, 1.0]] * 4
+    assert out.row_stats["tool_calls"].tolist() == [2] * 4
+
+
+def test_model_tokens_are_never_retokenised():
+    """A turn whose text the template would render differently (spacing of the call's JSON)
+    stays as sampled; re-templating the conversation would have changed its tokens."""
+    tok = qwen_tool_tokenizer()
+    odd = '<tool_call>{"name":"calc","arguments":{"answer":"ANSWER"}}</tool_call><|im_end|>'
+    engine, agent = ScriptedEngine(tok, calls=1, call_text=odd), _agent(tok)
+    out = _sample(agent, engine, _prompts(tok, questions=("1+6?",)), n=1)
+    ids = np.asarray(out.rollout.response_ids)[0]
+    first = tok(odd.replace("ANSWER", "7"), add_special_tokens=False)["input_ids"]
+    assert ids[: len(first)].tolist() == first
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": "1+6?"},
+         {"role": "assistant", "content": "", "tool_calls": [
+             {"type": "function", "function": {"name": "calc", "arguments": {"answer": "7"}}}]}],
+        tools=[SCHEMA], tokenize=False,
+    )  # fmt: skip
+    assert tok.decode(first) not in rendered  # the template's own render differs
+
+
+def test_limits_end_trajectories_as_verl():
+    tok = qwen_tool_tokenizer()
+    batch = _prompts(tok, questions=("1+6?",))
+    # max_assistant_turns: the turn that reaches it ends the trajectory, its call not run
+    agent = _agent(tok, settings=multi_turn.Settings(max_assistant_turns=2))
+    out = _sample(agent, ScriptedEngine(tok, calls=5), batch, n=1)
+    assert int(out.rollout.num_turns[0]) == 2 + 1 + 1
+    assert out.row_stats["cut_by_turns"].tolist() == [True]
+    # max_user_turns
+    agent = _agent(tok, settings=multi_turn.Settings(max_user_turns=1))
+    out = _sample(agent, ScriptedEngine(tok, calls=5), batch, n=1)
+    assert int(out.rollout.num_turns[0]) == 2 + 1 + 1
+    # the response limit: a tool turn that would reach it is not appended
+    engine = ScriptedEngine(tok, calls=5)
+    first = len(tok(engine.call_text.replace("ANSWER", "7"), add_special_tokens=False)["input_ids"])
+    out = _sample(_agent(tok), engine, batch, n=1, limit=first + 10)
+    r = out.rollout
+    assert int(np.asarray(r.response_mask).sum()) == first
+    assert np.asarray(r.loss_mask)[0, :first].all()
+    assert out.row_stats["cut_by_length"].tolist() == [True]
+    # a turn cut by the limit mid-way is kept as sampled, up to the limit
+    out = _sample(_agent(tok), ScriptedEngine(tok, calls=5), batch, n=1, limit=9)
+    assert int(np.asarray(out.rollout.response_mask).sum()) == 9
+
+
+def test_bad_calls_answer_the_model_and_are_counted():
+    tok = qwen_tool_tokenizer()
+    batch = _prompts(tok, questions=("1+6?",))
+    for text, expect in [
+        ('<tool_call>{"name": "calc", "arguments": {"answer": 7</tool_call><|im_end|>', "json"),
+        ('<tool_call>{"name": "nope", "arguments": {}}</tool_call><|im_end|>', "nope"),
+        ('<tool_call>{"name": "calc", "arguments": {"answer": 7}}</tool_call><|im_end|>',
+         "answer"),
+    ]:
+        engine = ScriptedEngine(tok, calls=1, call_text=text)
+        out = _sample(_agent(tok), engine, batch, n=1)
+        ids, loss = np.asarray(out.rollout.response_ids)[0], np.asarray(out.rollout.loss_mask)[0]
+        k = int(np.asarray(out.rollout.response_mask)[0].sum())
+        feedback = tok.decode(ids[:k][loss[:k] == 0]).lower()
+        assert expect in feedback, feedback
+        assert out.row_stats["tool_errors"].tolist() == [1]
+
+
+def test_round_sizes_halve_down_to_the_unit():
+    assert multi_turn.round_sizes(16, 1) == [16, 8, 4, 2, 1]
+    assert multi_turn.round_sizes(16, 4) == [16, 8, 4]
+    assert multi_turn.round_sizes(12, 4) == [12]
+    assert multi_turn.round_sizes(24, 2) == [24, 12, 6]
+
+
+def test_config_checks_name_the_field():
+    with pytest.raises(config.ConfigError, match="rollout.multi_turn.max_assistant_turns"):
+        config.MultiTurnConfig(max_assistant_turns=0)
+    with pytest.raises(config.ConfigError, match="rollout.multi_turn.format"):
+        config.MultiTurnConfig(format="llama3_json")
+    with pytest.raises(config.ConfigError, match="interaction_config_path"):
+        config.MultiTurnConfig(interaction_config_path="x.yaml")
+
+
+def test_a_template_that_rewrites_history_is_refused():
+    tok = qwen_tool_tokenizer()
+    # renders only the last two messages: the earlier turns change as the chat grows
+    tok.chat_template = (
+        "{%- for m in messages[-2:] %}{{- '<|im_start|>' + m['role'] + '\\n' + "
+        "(m['content'] or '') + '<|im_end|>\\n' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+    turns = chat_turns.ChatTurns(tok, stop_ids=[tok.eos_token_id])
+    with pytest.raises(ValueError, match="append"):
+        turns.tool_tokens([{"name": "calc", "arguments": {}}], ["x"])
+
+
+def test_truncation_sides_are_verls():
+    assert chat_turns.truncate_text("abcdefgh", 4, "left") == "(truncated)...efgh"
+    assert chat_turns.truncate_text("abcdefgh", 4, "right") == "abcd...(truncated)"
+    assert chat_turns.truncate_text("abcdefgh", 4, "middle") == "ab...(truncated)...gh"
+    assert chat_turns.truncate_text("abc", 4, "middle") == "abc"
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop on multi-turn rollouts: the tiny random model, warmed up to call the tool
+
+
+ADD_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Adds two numbers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
+
+
+class AddTool(tool_base.BaseTool):
+    async def execute(self, instance_id, parameters, **kwargs):
+        total = int(parameters["a"]) + int(parameters["b"])
+        return tool_base.ToolResponse(text=str(total)), 0.0, {}
+
+
+def add_tool():
+    return AddTool({}, tool_base.ToolSchema.model_validate(ADD_SCHEMA))
+
+
+def tool_rows(n, seed=0):
+    """Sums whose warm-up answer is the call of the add tool."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        a, b = (int(x) for x in rng.integers(0, 5, 2))
+        rows.append({
+            "prompt": [{"role": "user", "content": f"{a}+{b}"}],
+            "data_source": "tool_sum",
+            "reward_model": {"ground_truth": str(a + b)},
+            "extra_info": {"answer": '<tool_call>{"name":"add","arguments":{"a":%d,"b":%d}}'
+                                     "</tool_call>" % (a, b)},
+        })  # fmt: skip
+    return rows
+
+
+def final_sum_reward(data_source, solution_str, ground_truth, extra_info=None):
+    """1 when the text after the last tool response is "#### <sum>"."""
+    tail = solution_str.rsplit("</tool_response>", 1)[-1]
+    return float(tail.strip() == f"#### {ground_truth}")
+
+
+def _tool_run(tmp_path, *, steps=2, warmup=60, **mt):
+    from grpo_jax import loading, sharding
+    from grpo_jax.trainer import loop
+
+    tok = demo_task.char_tokenizer()
+    mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    run = config.RunConfig(
+        data=config.DataConfig(train_batch_size=4, max_prompt_length=48, max_response_length=128,
+                               val_batch_size=4),
+        # two mini-batches: the old log-probs are recomputed and compared with the engine's
+        actor=config.ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=4,
+                                 optim=config.OptimConfig(lr=1e-3)),
+        rollout=config.RolloutConfig(
+            n=2, log_prob_micro_batch_size_per_gpu=8,
+            multi_turn=config.MultiTurnConfig(enable=True, max_assistant_turns=2, **mt)),
+        reward=config.RewardConfig(num_workers=0),
+        warmup=config.WarmupConfig(steps=warmup, batch_size=16, lr=3e-3),
+        trainer=config.TrainerConfig(total_training_steps=steps, save_freq=-1, test_freq=-1,
+                                     val_before_train=False, progress_bar=False,
+                                     tensorboard=False, default_local_dir=str(tmp_path)),
+    )  # fmt: skip
+    spec = config.ModelSpec(source="random", tokenizer="char", path=None)
+    with sharding.use_mesh(mesh):
+        model_config, params = loading.model(spec, tok, mesh, sharding.LOGICAL_RULES,
+                                             max_positions=256)
+        return loop.train(run, model_config=model_config, params=params, tokenizer=tok,
+                          train_data=tool_rows(64), reward_fn=final_sum_reward, mesh=mesh,
+                          tools=[add_tool()])
+
+
+def test_loop_trains_on_multi_turn_rollouts(tmp_path):
+    result = _tool_run(tmp_path)
+    rows = [r for r in result.history if "actor/pg_loss" in r]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["multi_turn/tool_calls/mean"] > 0.5  # the warmed-up model calls the tool
+        assert r["num_turns/max"] >= 4  # a call, its response and the next turn
+        assert np.isfinite(r["actor/pg_loss"])
+        # token in, token out: the trainer's log-probs of the sampled tokens, recomputed on
+        # whole trajectories (tool turns as context), are the engine's
+        assert r["training/rollout_probs_diff_max"] < 1e-3, r["training/rollout_probs_diff_max"]
+        assert r["response_length/mean"] > r["multi_turn/tool_response_tokens/mean"] > 0
