@@ -710,3 +710,21 @@ def test_executor_is_off_the_callers_thread():
     with executor.ToolExecutor([tool], max_parallel_calls=1, timeout_s=1.0) as runner:
         runner.run_calls([([_call("t")], {})])
     assert seen and seen[0] != threading.get_ident()
+
+
+def test_calculator_evaluates_arithmetic_and_answers_errors():
+    from grpo_jax.tools import calculator
+
+    assert calculator.evaluate("12*(3+4)") == 84
+    assert calculator.evaluate("7/2") == 3.5 and calculator.evaluate("8/2") == 4
+    assert calculator.evaluate("-3**2 + 2**10 // 3 % 7") == -9 + (1024 // 3) % 7
+    for bad in ("__import__('os')", "x+1", "2**1000", "1/0", "len('a')", "1" * 300, "1 +"):
+        with pytest.raises(ValueError):
+            calculator.evaluate(bad)
+    with executor.ToolExecutor([calculator.CalculatorTool()], max_parallel_calls=2,
+                               timeout_s=2.0) as runner:
+        (outs,) = runner.run_calls([(
+            [hermes.ToolCall("calculator", {"expression": "2+3"}),
+             hermes.ToolCall("calculator", {"expression": "os.system('x')"})], {})])
+    assert [o.text for o in outs] == ["5", outs[1].text] and outs[1].text.startswith("error:")
+    assert [o.status for o in outs] == ["ok", "ok"]

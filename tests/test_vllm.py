@@ -1285,3 +1285,48 @@ def test_train_py_lora_on_the_sidecar_pushes_adapters(tmp_path):
     adapter = json.loads((workdir / "hf_adapter" / "adapter_config.json").read_text())
     assert (adapter["r"], adapter["peft_type"]) == (4, "LORA")
     assert (workdir / "hf" / "model.safetensors").exists()
+
+
+def test_multi_turn_through_the_sidecar_sends_token_ids(fake, tiny_params, tmp_path):
+    """rollout.multi_turn with the vLLM sidecar: each round's request is the previous context,
+    the server's own token ids and the tool turn's tokens, as ids (no text round trip)."""
+    from test_multi_turn import _prompts, qwen_tool_tokenizer
+
+    from grpo_jax.rollout import chat_turns, engines, multi_turn
+    from grpo_jax.tools import executor, hermes
+    from grpo_jax.tools import gsm8k as gsm8k_tool
+
+    tok = qwen_tool_tokenizer()
+    schema = gsm8k_tool.SCHEMA
+    turns = chat_turns.ChatTurns(tok, tools=[schema], stop_ids=[17])
+    rounds = []
+
+    def parse(text):  # the stand-in server's ids are no text: its first turn "calls" the tool
+        rounds.append(text)
+        if len(rounds) > 1:
+            return text, []
+        return text, [hermes.ToolCall("calc_gsm8k_reward", {"answer": "7"})]
+
+    runner = executor.ToolExecutor([gsm8k_tool.Gsm8kTool({}, None)], max_parallel_calls=1,
+                                   timeout_s=5.0)
+    agent = multi_turn.Agent(turns, runner, parse, multi_turn.Settings(), pad_id=0)
+    batch = _prompts(tok, questions=("1+6?",))
+    with vllm_sidecar.VLLMSidecar(fake.config, _TINY, tmp_path / "work") as sc:
+        engine = engines.SidecarEngine(sc, eos_ids=(17,), pad_id=0)
+        engine.start(tiny_params)
+        out = agent.sample(engine, None, batch, jax.random.key(0),
+                           engines.SamplingParams(1, 300, 1.0))
+        first, second = fake.requests("/v1/completions")
+    agent.close()
+    prompt = batch.prompt_ids_PT[0][batch.prompt_mask_PT[0] == 1].tolist()
+    ids = np.asarray(out.rollout.response_ids)[0]
+    loss = np.asarray(out.rollout.loss_mask)[0]
+    k = int(np.asarray(out.rollout.response_mask)[0].sum())
+    assert first["prompt"] == prompt
+    turn1 = ids[: int(np.argmin(loss[:k]))].tolist()  # the server's first turn, as it sent it
+    assert second["prompt"] == prompt + ids[: len(second["prompt"]) - len(prompt)].tolist()
+    assert second["prompt"][len(prompt) : len(prompt) + len(turn1)] == turn1
+    tool_ids = [t for t, m in zip(ids[:k], loss[:k], strict=True) if not m]
+    assert "Current parsed answer='7'" in tok.decode(tool_ids)  # verl's tool text
+    assert loss[len(second["prompt"]) - len(prompt) : k].all()  # the second turn: sampled
+    assert int(out.rollout.num_turns[0]) == 4
