@@ -288,7 +288,7 @@ def final_sum_reward(data_source, solution_str, ground_truth, extra_info=None):
     return float(tail.strip() == f"#### {ground_truth}")
 
 
-def _tool_run(tmp_path, *, steps=2, warmup=60, **mt):
+def _tool_run(tmp_path, *, steps=2, warmup=60, save_freq=-1, **mt):
     from grpo_jax import loading, sharding
     from grpo_jax.trainer import loop
 
@@ -305,8 +305,8 @@ def _tool_run(tmp_path, *, steps=2, warmup=60, **mt):
             multi_turn=config.MultiTurnConfig(enable=True, max_assistant_turns=2, **mt)),
         reward=config.RewardConfig(num_workers=0),
         warmup=config.WarmupConfig(steps=warmup, batch_size=16, lr=3e-3),
-        trainer=config.TrainerConfig(total_training_steps=steps, save_freq=-1, test_freq=-1,
-                                     val_before_train=False, progress_bar=False,
+        trainer=config.TrainerConfig(total_training_steps=steps, save_freq=save_freq,
+                                     test_freq=-1, val_before_train=False, progress_bar=False,
                                      tensorboard=False, default_local_dir=str(tmp_path)),
     )  # fmt: skip
     spec = config.ModelSpec(source="random", tokenizer="char", path=None)
@@ -318,9 +318,17 @@ def _tool_run(tmp_path, *, steps=2, warmup=60, **mt):
                           tools=[add_tool()])
 
 
-def test_loop_trains_on_multi_turn_rollouts(tmp_path):
-    result = _tool_run(tmp_path)
-    rows = [r for r in result.history if "actor/pg_loss" in r]
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    return _tool_run(tmp_path_factory.mktemp("mt_full"), save_freq=1)
+
+
+def _step_rows(result):
+    return [r for r in result.history if "actor/pg_loss" in r]
+
+
+def test_loop_trains_on_multi_turn_rollouts(two_steps):
+    rows = _step_rows(two_steps)
     assert len(rows) == 2
     for r in rows:
         assert r["multi_turn/tool_calls/mean"] > 0.5  # the warmed-up model calls the tool
@@ -330,3 +338,16 @@ def test_loop_trains_on_multi_turn_rollouts(tmp_path):
         # whole trajectories (tool turns as context), are the engine's
         assert r["training/rollout_probs_diff_max"] < 1e-3, r["training/rollout_probs_diff_max"]
         assert r["response_length/mean"] > r["multi_turn/tool_response_tokens/mean"] > 0
+
+
+def test_a_resumed_multi_turn_run_is_the_run_that_was_not_stopped(two_steps, tmp_path):
+    """Stopped after step 1 and resumed from its checkpoint, step 2 samples the same
+    trajectories (tools included) and trains the same: its metrics are the uninterrupted run's."""
+    _tool_run(tmp_path, steps=1, save_freq=1)
+    resumed = _step_rows(_tool_run(tmp_path, steps=2, save_freq=1))
+    want = _step_rows(two_steps)[-1]
+    got = resumed[-1]
+    assert got["step"] == want["step"] == 2
+    for key in ("actor/pg_loss", "multi_turn/tool_calls/mean", "num_turns/mean",
+                "response_length/mean", "critic/score/mean", "actor/entropy"):
+        assert got[key] == want[key], key
