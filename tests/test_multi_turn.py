@@ -351,3 +351,23 @@ def test_a_resumed_multi_turn_run_is_the_run_that_was_not_stopped(two_steps, tmp
     for key in ("actor/pg_loss", "multi_turn/tool_calls/mean", "num_turns/mean",
                 "response_length/mean", "critic/score/mean", "actor/entropy"):
         assert got[key] == want[key], key
+
+
+def test_prompt_messages_keep_their_tool_calls():
+    """A verl row's messages reach the chat template whole: an assistant turn's tool_calls (and
+    None content), a tool turn's name; parquet's None-filled keys are dropped."""
+    from grpo_jax.data import readers
+
+    call = {"type": "function", "function": {"name": "calc", "arguments": {"answer": "7"}}}
+    row = {"prompt": [
+        {"role": "user", "content": "1+6?", "tool_calls": None},
+        {"role": "assistant", "content": None, "tool_calls": np.array([call], dtype=object)},
+        {"role": "tool", "content": "right", "name": "calc"},
+    ], "data_source": "x", "reward_model": {"ground_truth": "7"}}  # fmt: skip
+    (ex,) = readers.parse_rows([row], source="t", on_malformed="error")
+    assert ex.prompt[0] == {"role": "user", "content": "1+6?"}
+    assert ex.prompt[1] == {"role": "assistant", "content": "", "tool_calls": [call]}
+    assert ex.prompt[2]["name"] == "calc"
+    tok = qwen_tool_tokenizer()
+    text = prompts.prompt_text(tok, ex.prompt, {"tools": [SCHEMA]})
+    assert '<tool_call>\n{"name": "calc", "arguments": {"answer": "7"}}\n</tool_call>' in text

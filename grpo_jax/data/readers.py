@@ -73,6 +73,13 @@ def _messages(value, key: str) -> str | tuple[dict, ...]:
     if isinstance(value, Sequence) and value:
         messages = []
         for m in value:
+            if isinstance(m, Mapping):
+                # parquet gives every message every key of the column (None where absent) and
+                # lists as arrays: keep what is there, as lists
+                m = {k: v.tolist() if hasattr(v, "tolist") else v for k, v in m.items()
+                     if v is not None or k == "content"}
+                if m.get("tool_calls") and m.get("content") is None:  # OpenAI: calls only
+                    m["content"] = ""
             if not (
                 isinstance(m, Mapping)
                 and isinstance(m.get("role"), str)
@@ -82,7 +89,9 @@ def _messages(value, key: str) -> str | tuple[dict, ...]:
                     f"'{key}' must be a string or chat messages with 'role' and "
                     f"'content' strings, got {m!r:.80}"
                 )
-            messages.append({"role": m["role"], "content": m["content"]})
+            # every key is kept (an assistant turn's tool_calls, a tool turn's name or
+            # tool_call_id): the chat template renders them
+            messages.append(dict(m))
         return tuple(messages)
     raise _Malformed(f"'{key}' must be a non-empty string or list of chat messages")
 
