@@ -298,7 +298,10 @@ def _tool_run(tmp_path, *, steps=2, warmup=60, save_freq=-1, **mt):
         data=config.DataConfig(train_batch_size=4, max_prompt_length=48, max_response_length=128,
                                val_batch_size=4),
         # two mini-batches: the old log-probs are recomputed and compared with the engine's
+        # packed token-budget micro-batches (verl's recipes): the tool turns are packed as
+        # context and the loss reads the loss mask through the slots
         actor=config.ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=4,
+                                 use_dynamic_bsz=True, ppo_max_token_len_per_gpu=512,
                                  optim=config.OptimConfig(lr=1e-3)),
         rollout=config.RolloutConfig(
             n=2, log_prob_micro_batch_size_per_gpu=8,
