@@ -728,3 +728,23 @@ def test_calculator_evaluates_arithmetic_and_answers_errors():
              hermes.ToolCall("calculator", {"expression": "os.system('x')"})], {})])
     assert [o.text for o in outs] == ["5", outs[1].text] and outs[1].text.startswith("error:")
     assert [o.status for o in outs] == ["ok", "ok"]
+
+
+def test_code_interpreter_runs_code_in_the_sandbox_and_answers_failures():
+    from grpo_jax.tools import code_interpreter
+
+    (tool,) = loading.load_tools(os.path.join(ROOT, "configs", "tools", "code_interpreter.yaml"))
+    assert tool.limits.wall_seconds == 8.0
+    fast = code_interpreter.CodeInterpreterTool({"cpu_seconds": 1, "wall_seconds": 2.0})
+    with executor.ToolExecutor([fast], max_parallel_calls=3, timeout_s=10.0) as runner:
+        (outs,) = runner.run_calls([([
+            hermes.ToolCall("code_interpreter", {"code": "print(sum(range(10)))"}),
+            hermes.ToolCall("code_interpreter", {"code": "while True: pass"}),
+            hermes.ToolCall("code_interpreter", {"code": "1/0"}),
+        ], {})])  # fmt: skip
+    assert outs[0].text == "45\n" or outs[0].text.strip() == "45"
+    assert outs[1].text.endswith("[timeout]")
+    assert "ZeroDivisionError" in outs[2].text and outs[2].text.endswith("[error]")
+    assert [o.status for o in outs] == ["ok"] * 3  # the tool answered; the code failed
+    with pytest.raises(ValueError, match="unknown keys"):
+        code_interpreter.CodeInterpreterTool({"cpu_secs": 1})
