@@ -89,6 +89,9 @@ OWN = (
     "model.source", "model.tokenizer",
     "model.gradient_checkpointing_policy", "model.attention_impl", "model.tiny.",
     "rollout.num_devices", "rollout.vllm.",
+    # grpo_jax's multi-turn knobs (docs/rollouts.md), and verl <= 0.5's interactions (refused)
+    "rollout.multi_turn.tool_timeout", "rollout.multi_turn.validate_tool_arguments",
+    "rollout.multi_turn.interaction_config_path",
     "algorithm.gdpo_reward_keys", "algorithm.gdpo_reward_weights",
     # the DAPO reward manager's reward_kwargs.overlong_buffer_cfg, not in the YAML
     "reward.fn", "reward.weights", "reward.on_error", "reward.timeout_s", "reward.overlong_buffer.",
