@@ -374,3 +374,19 @@ def test_prompt_messages_keep_their_tool_calls():
     tok = qwen_tool_tokenizer()
     text = prompts.prompt_text(tok, ex.prompt, {"tools": [SCHEMA]})
     assert '<tool_call>\n{"name": "calc", "arguments": {"answer": "7"}}\n</tool_call>' in text
+
+
+def test_bad_tool_settings_are_config_errors(tmp_path):
+    from grpo_jax.trainer import setup
+
+    def run(**mt):
+        return config.RunConfig(rollout=config.RolloutConfig(
+            multi_turn=config.MultiTurnConfig(**mt)))  # fmt: skip
+
+    with pytest.raises(config.ConfigError, match="tool_config_path=.*nope.yaml"):
+        setup.tool_set(run(enable=True, tool_config_path=str(tmp_path / "nope.yaml")))
+    with pytest.raises(config.ConfigError, match="needs tools"):
+        setup.tool_set(run(enable=True))
+    with pytest.raises(config.ConfigError, match="enable=False"):
+        setup.tool_set(run(), tools=[CalcTool({}, tool_base.ToolSchema.model_validate(SCHEMA))])
+    assert setup.tool_set(run()) is None

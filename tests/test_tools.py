@@ -24,7 +24,6 @@ import time
 import pytest
 import reference
 
-from grpo_jax import config
 from grpo_jax.tools import base, executor, gsm8k, hermes, loading
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -456,7 +455,7 @@ def test_bad_tool_yaml_names_file_entry_and_field(tmp_path, tool_module, entries
     else:
         entries = json.loads(json.dumps(entries).replace("{mod}", tool_module))
         path = _yaml(tmp_path, entries)
-    with pytest.raises(config.ConfigError) as e:
+    with pytest.raises(loading.ToolConfigError) as e:
         loading.load_tools(path)
     message = str(e.value)
     assert path in message
@@ -465,13 +464,13 @@ def test_bad_tool_yaml_names_file_entry_and_field(tmp_path, tool_module, entries
 
 
 def test_missing_tool_yaml(tmp_path):
-    with pytest.raises(config.ConfigError, match="tool_config_path=.*nope.yaml.*no such file"):
+    with pytest.raises(loading.ToolConfigError, match="tool_config_path=.*nope.yaml.*no such file"):
         loading.load_tools(str(tmp_path / "nope.yaml"))
 
 
 def test_every_bad_entry_is_reported_at_once(tmp_path):
     path = _yaml(tmp_path, [_entry("a_missing_module.T"), {"class_name": "x.Y"}])
-    with pytest.raises(config.ConfigError) as e:
+    with pytest.raises(loading.ToolConfigError) as e:
         loading.load_tools(path)
     assert len(e.value.problems) == 2  # the first entry's import, the second's config
     assert "tools[1].config: must be a mapping" in str(e.value)
@@ -480,9 +479,9 @@ def test_every_bad_entry_is_reported_at_once(tmp_path):
 def test_check_tools_built_in_code():
     tool = gsm8k.Gsm8kTool({"type": "native"}, None)
     assert loading.check_tools([tool], source="loop.train(tools=...)") == [tool]
-    with pytest.raises(config.ConfigError, match=r"loop.train\(tools=...\)\[1\]: duplicate"):
+    with pytest.raises(loading.ToolConfigError, match=r"loop.train\(tools=...\)\[1\]: duplicate"):
         loading.check_tools([tool, gsm8k.Gsm8kTool({}, None)], source="loop.train(tools=...)")
-    with pytest.raises(config.ConfigError, match=r"tools\[0\]: object has no method create"):
+    with pytest.raises(loading.ToolConfigError, match=r"tools\[0\]: object has no method create"):
         loading.check_tools([object()], source="tools")
 
 

@@ -31,8 +31,18 @@ import jsonschema
 import pydantic
 import yaml
 
-from grpo_jax import config as config_lib
+from grpo_jax import errors
 from grpo_jax.tools import base
+
+
+class ToolConfigError(errors.InputError):
+    """Bad tools: `problems` lists each one, naming the file (or source), the entry and the field.
+    (trainer/setup.py reports them as config errors of rollout.multi_turn.)"""
+
+    def __init__(self, problems):
+        self.problems = tuple(problems)
+        super().__init__("invalid tools:\n  " + "\n  ".join(self.problems))
+
 
 METHODS = ("create", "execute", "calc_reward", "release")
 ENTRY_KEYS = ("class_name", "config", "tool_schema")
@@ -46,20 +56,20 @@ def load_tools(path: str) -> list:
       config.ConfigError: naming the file, the entry and the field of each problem.
     """
     if not os.path.isfile(path):
-        raise config_lib.ConfigError([f"rollout.multi_turn.tool_config_path={path!r}: no such "
+        raise ToolConfigError([f"rollout.multi_turn.tool_config_path={path!r}: no such "
                                       "file (a verl tool YAML: tools: - class_name, config, "
                                       "tool_schema)"])  # fmt: skip
     try:
         with open(path) as f:
             doc = yaml.safe_load(f)
     except yaml.YAMLError as e:
-        raise config_lib.ConfigError([f"{path}: not valid YAML: {e}"]) from None
+        raise ToolConfigError([f"{path}: not valid YAML: {e}"]) from None
     if not isinstance(doc, Mapping):
-        raise config_lib.ConfigError([f"{path}: must be a mapping with a list `tools:` (verl's "
+        raise ToolConfigError([f"{path}: must be a mapping with a list `tools:` (verl's "
                                       f"tool YAML), got {type(doc).__name__}"])  # fmt: skip
     if not isinstance(doc.get("tools"), list):
         got = "nothing" if doc.get("tools") is None else type(doc["tools"]).__name__
-        raise config_lib.ConfigError([f"{path}: tools: must be a list of tools (class_name, "
+        raise ToolConfigError([f"{path}: tools: must be a list of tools (class_name, "
                                       f"config, tool_schema), got {got}"])  # fmt: skip
     problems = [f"{path}: unknown top-level key {k!r} (only `tools`)" for k in doc if k != "tools"]
     tools, wheres = [], []
@@ -73,7 +83,7 @@ def load_tools(path: str) -> list:
             wheres.append(where)
     problems += _duplicates(tools, wheres)
     if problems:
-        raise config_lib.ConfigError(problems)
+        raise ToolConfigError(problems)
     return tools
 
 
@@ -89,7 +99,7 @@ def check_tools(tools: Sequence[Any], *, source: str) -> list:
         problems += _check_tool(tool, f"{source}[{i}]")
     problems += _duplicates(tools, [f"{source}[{i}]" for i in range(len(tools))])
     if problems:
-        raise config_lib.ConfigError(problems)
+        raise ToolConfigError(problems)
     return list(tools)
 
 

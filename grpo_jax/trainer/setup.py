@@ -246,15 +246,18 @@ def tool_set(run: config_lib.RunConfig, tools=None) -> list | None:
                 "multi-turn rollouts with them"
             ])  # fmt: skip
         return None
-    if tools:
-        return tool_loading.check_tools(list(tools), source="loop.train(tools=...)")
-    if not mt.tool_config_path:
-        raise config_lib.ConfigError([
-            "rollout.multi_turn.enable=True needs tools: set rollout.multi_turn.tool_config_path "
-            "to a verl tool YAML (tools: - class_name, config, tool_schema), or pass "
-            "loop.train(tools=[...])"
-        ])  # fmt: skip
-    return tool_loading.load_tools(mt.tool_config_path)
+    try:
+        if tools:
+            return tool_loading.check_tools(list(tools), source="loop.train(tools=...)")
+        if mt.tool_config_path:
+            return tool_loading.load_tools(mt.tool_config_path)
+    except tool_loading.ToolConfigError as e:
+        raise config_lib.ConfigError(e.problems) from None
+    raise config_lib.ConfigError([
+        "rollout.multi_turn.enable=True needs tools: set rollout.multi_turn.tool_config_path "
+        "to a verl tool YAML (tools: - class_name, config, tool_schema), or pass "
+        "loop.train(tools=[...])"
+    ])  # fmt: skip
 
 
 def chat_template_kwargs(run: config_lib.RunConfig, tools) -> dict:
