@@ -21,7 +21,6 @@ found once from the template itself, not hard-coded per model family.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -145,12 +144,3 @@ def truncate_text(text: str, limit: int, side: str) -> str:
     half = limit // 2
     return text[:half] + "...(truncated)..." + text[-half:]
 
-
-def call_dict(name: str | None, arguments: Any) -> dict:
-    """A parsed call as the template's tool_calls entry wants it (arguments a dict)."""
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            arguments = {}
-    return {"name": name, "arguments": arguments if isinstance(arguments, dict) else {}}

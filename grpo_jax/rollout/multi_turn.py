@@ -48,7 +48,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from grpo_jax import distributed, sampler, sharding
+from grpo_jax import distributed, sampler
 from grpo_jax.data import prompts as prompts_lib
 from grpo_jax.rollout import chat_turns, engines
 
@@ -238,7 +238,7 @@ class Agent:
             t.tool_rewards += [float(o.reward) for o in outcomes if o.reward is not None]
             delta = self.turns.boundary(t.context[-1] if t.context else None)
             delta += self.turns.tool_tokens(
-                [chat_turns.call_dict(c.name, c.arguments) for c in calls], texts
+                [{"name": c.name, "arguments": c.arguments} for c in calls], texts
             )
             if len(t.response) + len(delta) >= limit:
                 t.done, t.cut = True, "length"
@@ -260,9 +260,7 @@ class Agent:
         mesh = engine.mesh
 
         def put(x):
-            if mesh is None:
-                return jax.numpy.asarray(x)
-            return jax.device_put(x, sharding.batch_sharding(mesh, x.ndim))
+            return jax.numpy.asarray(x) if mesh is None else distributed.to_device(x, mesh)
 
         P = len(prompts.examples)
         rollout = sampler.Rollout(

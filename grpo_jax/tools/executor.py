@@ -263,56 +263,50 @@ class ToolExecutor:
 
         return _Job(run, self._timeout_outcome(name))
 
+    def _method_job(self, name: str, call, convert, *, rewarded: bool = True) -> _Job:
+        """A job awaiting `call()` (one tool method) and turning its result into an Outcome
+        with `convert`; a raise or a timeout answers the failure (reward None unless
+        `rewarded`: create and release carry none)."""
+
+        def own(outcome: Outcome) -> Outcome:
+            return outcome if rewarded else dataclasses.replace(outcome, reward=None)
+
+        async def run(job: _Job) -> Outcome:
+            try:
+                return convert(await _maybe_await(call()))
+            except BaseException as e:  # noqa: BLE001
+                return own(_failure(name, e))
+
+        return _Job(run, own(self._timeout_outcome(name)))
+
     def _create_job(self, name: str, create_kwargs: Mapping[str, Any]) -> _Job:
         tool = self.tools[name]
 
-        async def run(job: _Job) -> Outcome:
-            try:
-                created = await _maybe_await(tool.create(create_kwargs=create_kwargs))
-                instance_id = _instance_id(created)
-                return Outcome(_response(created[1]), None, "ok", instance_id=instance_id)
-            except BaseException as e:  # noqa: BLE001
-                return dataclasses.replace(_failure(name, e), reward=None)
+        def convert(created) -> Outcome:
+            instance_id = _instance_id(created)
+            return Outcome(_response(created[1]), None, "ok", instance_id=instance_id)
 
-        return _Job(run, dataclasses.replace(self._timeout_outcome(name), reward=None))
+        return self._method_job(name, lambda: tool.create(create_kwargs=create_kwargs), convert,
+                                rewarded=False)  # fmt: skip
 
     def _execute_job(self, name: str, instance_id: Any, arguments: Mapping[str, Any]) -> _Job:
         tool = self.tools[name]
-
-        async def run(job: _Job) -> Outcome:
-            try:
-                return _execute_outcome(await _maybe_await(tool.execute(instance_id, arguments)))
-            except BaseException as e:  # noqa: BLE001
-                return _failure(name, e)
-
-        return _Job(run, self._timeout_outcome(name))
+        return self._method_job(name, lambda: tool.execute(instance_id, arguments),
+                                _execute_outcome)  # fmt: skip
 
     def _calc_reward_job(self, name: str, instance_id: Any) -> _Job:
         tool = self.tools[name]
-
-        async def run(job: _Job) -> Outcome:
-            try:
-                return Outcome(
-                    base.ToolResponse(),
-                    _reward(await _maybe_await(tool.calc_reward(instance_id)), allow_none=False),
-                    "ok",
-                )
-            except BaseException as e:  # noqa: BLE001
-                return _failure(name, e)
-
-        return _Job(run, self._timeout_outcome(name))
+        return self._method_job(
+            name, lambda: tool.calc_reward(instance_id),
+            lambda r: Outcome(base.ToolResponse(), _reward(r, allow_none=False), "ok"),
+        )  # fmt: skip
 
     def _release_job(self, name: str, instance_id: Any) -> _Job:
         tool = self.tools[name]
-
-        async def run(job: _Job) -> Outcome:
-            try:
-                await _maybe_await(tool.release(instance_id))  # verl ignores what it returns
-                return Outcome(base.ToolResponse(), None, "ok")
-            except BaseException as e:  # noqa: BLE001
-                return dataclasses.replace(_failure(name, e), reward=None)
-
-        return _Job(run, dataclasses.replace(self._timeout_outcome(name), reward=None))
+        # verl ignores what release returns
+        return self._method_job(name, lambda: tool.release(instance_id),
+                                lambda _: Outcome(base.ToolResponse(), None, "ok"),
+                                rewarded=False)  # fmt: skip
 
     def _methods(self, requests, make_job) -> list[Outcome]:
         slots = []

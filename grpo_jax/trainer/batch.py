@@ -42,12 +42,6 @@ class HostRollout:
     def take(self, rows) -> HostRollout:
         return HostRollout(*(None if x is None else x[rows] for x in dataclasses.astuple(self)))
 
-    def sampled_mask_BT(self) -> np.ndarray:
-        """1 on the tokens the policy sampled (the loss's tokens)."""
-        if self.loss_mask_BT is None:
-            return self.response_mask_BT
-        return self.response_mask_BT * self.loss_mask_BT
-
     def pack(self, max_tokens: int, *, row_multiple: int, row_len: int) -> packing.Packed:
         return packing.pack(
             self.prompt_ids_BP,

@@ -59,6 +59,26 @@ def generate(
     return engine.sample(params, ids, mask, rng, sp, policy_version)
 
 
+def sample_rollout(
+    engine: engines.Engine,
+    params,
+    prompts: prompts_lib.PromptBatch,
+    rng,
+    sp: engines.SamplingParams,
+    *,
+    agent=None,
+    policy_version: int | None = None,
+):
+    """Stage 1, single-turn (`generate`) or with tools (`agent`, a multi_turn.Agent):
+    (rollout, the B rows' examples, per-row multi-turn stats or {}). A multi-turn row's example
+    carries its tool results in extra_info, for the reward."""
+    if agent is not None:
+        out = agent.sample(engine, params, prompts, rng, sp, policy_version=policy_version)
+        return out.rollout, list(out.examples), out.row_stats
+    rollout = generate(engine, params, prompts, rng, sp, policy_version=policy_version)
+    return rollout, [ex for ex in prompts.examples for _ in range(sp.n)], {}
+
+
 def full_prompts(prompts: prompts_lib.PromptBatch) -> tuple[np.ndarray, np.ndarray]:
     """(ids, mask) of all P prompts on this host (gathered from every process with `rows`)."""
     if prompts.rows is None:
@@ -182,25 +202,10 @@ def sample_and_score(
     """Stages 1 and 2: n completions per prompt, decoded and scored (plus DAPO's overlong
     penalty with reward.overlong_buffer.enable)."""
     run, sp = ctx.run, rollout_sampling(ctx.run)
-    examples = [ex for ex in prompts.examples for _ in range(sp.n)]
-    row_stats = {}
-    if ctx.agent is not None:  # multi-turn: the trajectories, and what their rewards see
-        out = perf.timed(timing, "gen", ctx.agent.sample, ctx.engine, params, prompts, rng, sp,
-                         add=True, policy_version=policy_version)
-        rollout, examples, row_stats = out.rollout, list(out.examples), out.row_stats
-    else:
-        rollout = perf.timed(
-            timing,
-            "gen",
-            generate,
-            ctx.engine,
-            params,
-            prompts,
-            rng,
-            sp,
-            add=True,
-            policy_version=policy_version,
-        )
+    rollout, examples, row_stats = perf.timed(
+        timing, "gen", sample_rollout, ctx.engine, params, prompts, rng, sp, add=True,
+        agent=ctx.agent, policy_version=policy_version,
+    )  # fmt: skip
     prompt_ids, prompt_mask = full_prompts(prompts)
     host = batch_lib.HostRollout(
         np.repeat(prompt_ids, sp.n, axis=0),

@@ -109,15 +109,10 @@ def run(
         idx += [idx[-1]] * (batch_size - real)
         rows = distributed.process_rows(batch_size) if procs > 1 else None
         pb = prompts_lib.make_batch(prompts, idx, pad_token_id=pad_id, rows=rows)
-        examples = [ex for ex in pb.examples for _ in range(n)]
-        if agent is not None:
-            out = agent.sample(engine, params, pb, jax.random.key(seed), sampling,
-                               policy_version=policy_version)
-            rollout, examples = out.rollout, list(out.examples)
-        else:
-            rollout = rollout_stage.generate(
-                engine, params, pb, jax.random.key(seed), sampling, policy_version=policy_version
-            )
+        rollout, examples, _ = rollout_stage.sample_rollout(
+            engine, params, pb, jax.random.key(seed), sampling, agent=agent,
+            policy_version=policy_version,
+        )  # fmt: skip
         lo, hi = (0, batch_size) if rows is None else rows
         hi = min(hi, real)  # padding prompts are not scored
         lo = min(lo, hi)
