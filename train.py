@@ -123,6 +123,7 @@ def main(argv):
             val_data=val_examples,
             mesh=mesh,
             rules=rules,
+            donate_params=True,  # `params` is not used again: no second copy of the weights
         )
 
     # EXPORT: a collective under multi-process FSDP (every process gathers, process 0 writes).

@@ -2,7 +2,8 @@
 (data.train_max_samples / val_max_samples), the chat-template arguments
 (data.apply_chat_template_kwargs), the generation dumps (trainer.rollout_data_dir /
 validation_data_dir) and trainer.val_only; through `train.py --config=configs/gsm8k.py:smoke`
-and, for a tokenizer whose template reads enable_thinking, through `loop.train`.
+and, for a tokenizer whose template reads enable_thinking, through `loop.train`; and that
+`loop.train(donate_params=True)` (train.py) changes nothing but the copy of the weights.
 """
 
 import json
@@ -140,3 +141,46 @@ def test_chat_template_kwargs_reach_train_and_val_prompts(tmp_path):
     val_inputs = [r["input"] for r in _jsonl(tmp_path / "val" / "0.jsonl")]
     assert len(train_inputs) == 4 and len(val_inputs) == 2
     assert all(text.endswith(block) for text in train_inputs + val_inputs)
+
+
+def _tiny_run(tmp_path, name, *, donate, use_kl_loss):
+    """Two steps of the random tiny model from freshly loaded params: (result, those params)."""
+    tok = qwen3_like_tokenizer()
+    mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    run = config.RunConfig(
+        data=config.DataConfig(train_batch_size=2, max_prompt_length=96, max_response_length=4),
+        actor=config.ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=4,
+                                 use_kl_loss=use_kl_loss),
+        rollout=config.RolloutConfig(n=2, log_prob_micro_batch_size_per_gpu=4),
+        reward=config.RewardConfig(num_workers=0),
+        trainer=config.TrainerConfig(total_training_steps=2, progress_bar=False, tensorboard=False,
+                                     default_local_dir=str(tmp_path / name)),
+        checkpoint=config.CheckpointConfig(save_last=False),
+    )  # fmt: skip
+    spec = config.ModelSpec(source="random", tokenizer="char", path=None)
+    train_rows, _ = demo_task.arithmetic_rows(4, 2, max_operand=9, seed=0)
+    with sharding.use_mesh(mesh):
+        model_config, params = loading.model(spec, tok, mesh, sharding.LOGICAL_RULES,
+                                             max_positions=128)  # fmt: skip
+        result = loop.train(run, model_config=model_config, params=params, tokenizer=tok,
+                            train_data=train_rows, mesh=mesh, donate_params=donate,
+                            reward_fn=lambda solution_str, ground_truth: len(solution_str) % 3)
+    return result, params
+
+
+def test_donated_params_change_nothing_but_the_copy(tmp_path):
+    # train.py drops the params it loaded (loop.train(donate_params=True)). Without a reference
+    # the train state takes over their buffers, so the caller's arrays are deleted (one copy of
+    # the weights fewer for the run) and the run is bitwise the one that copies them.
+    kept, kept_params = _tiny_run(tmp_path, "copied", donate=False, use_kl_loss=False)
+    taken, taken_params = _tiny_run(tmp_path, "donated", donate=True, use_kl_loss=False)
+    assert not any(a.is_deleted() for a in jax.tree.leaves(kept_params))
+    assert all(a.is_deleted() for a in jax.tree.leaves(taken_params))
+    for a, b in zip(jax.tree.leaves(kept.state), jax.tree.leaves(taken.state), strict=True):
+        assert (a == b).all()
+    assert [r.get("actor/pg_loss") for r in kept.history] == [
+        r.get("actor/pg_loss") for r in taken.history
+    ]
+    # With a KL loss the params are the reference: kept, whatever the caller says.
+    _, ref_params = _tiny_run(tmp_path, "reference", donate=True, use_kl_loss=True)
+    assert not any(a.is_deleted() for a in jax.tree.leaves(ref_params))

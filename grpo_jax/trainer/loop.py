@@ -121,6 +121,7 @@ def train(
     rules=None,
     callbacks: Sequence[Callback] = (),
     tools: Sequence[Any] | None = None,
+    donate_params: bool = False,
 ) -> Result:
     """Runs GRPO (see the module docstring) and returns the final state and metrics.
 
@@ -139,18 +140,22 @@ def train(
       callbacks: called as fn(step, metrics_row) after every step's row is written.
       tools: with rollout.multi_turn.enable, the tool objects (verl's BaseTool interface:
         grpo_jax/tools/base.py) instead of rollout.multi_turn.tool_config_path's YAML.
+      donate_params: the caller will not use `params` again (train.py): without LoRA and without
+        a reference (no KL loss, no KL in the reward) the train state takes over their buffers
+        instead of copying them, and they are deleted; one copy of the weights fewer for the
+        whole run (0.54 GB for SmolLM2-135M in float32). Otherwise no effect.
     """
     if mesh is None:
         mesh, rules = setup.train_mesh(run), sharding.rules_from_config(run.mesh.rules)
     rules = sharding.rules_from_config(None) if rules is None else rules
     with sharding.use_mesh(mesh, rules):
         return _train(run, model_config, params, tokenizer, train_data, val_data, reward_fn, mesh,
-                      rules, callbacks, tools)  # fmt: skip
+                      rules, callbacks, tools, donate_params)  # fmt: skip
 
 
 def _train(
     run, model_config, params, tokenizer, train_data, val_data, reward_fn, mesh, rules, callbacks,
-    tools=None,
+    tools=None, donate_params=False,
 ) -> Result:
     if reward_fn is None:
         reward_fn = loading.reward_fn(run.reward, run.custom_reward_function)
@@ -194,7 +199,7 @@ def _train(
     tx, schedule = setup.make_optimizer(run, last_step)
     layout = setup.state_layout(run, model_config, mesh, rules, tx)
     model_config, state_sh = layout.model_config, layout.state_shardings
-    state, params = setup.init_state(run, layout, params, tx)
+    state, params = setup.init_state(run, layout, params, tx, donate=donate_params)
     base = params if model_config.lora_rank else None  # LoRA: the state trains the adapters
     # The frozen reference: the initial params (`state` holds a copy: never donated); with LoRA
     # the base itself, adapters disabled (verl), so no second copy of the weights.

@@ -112,11 +112,17 @@ def state_layout(
 LORA_INIT_STREAM = 0x7FFF10A0
 
 
-def init_state(run: config_lib.RunConfig, layout: StateLayout, params, tx):
+def init_state(run: config_lib.RunConfig, layout: StateLayout, params, tx, *, donate: bool = False):
     """(state, params): a fresh actor.TrainState on its devices (step 0, the optimizer state of
     its trained params) and `params` placed in their shardings (with LoRA: the frozen base).
+
     The state trains a copy of `params`, or with LoRA fresh adapters (PEFT's initialisation,
-    from trainer.seed)."""
+    from trainer.seed). With `donate` (the caller drops `params`) and neither LoRA nor a
+    reference (run.needs_reference) keeping them, the state takes over their buffers instead:
+    the returned `params` are None and the caller's arrays are deleted, one copy of the weights
+    fewer for the whole run.
+    """
+    donate = donate and not layout.model_config.lora_rank and not run.needs_reference
     params = jax.device_put(params, layout.param_shardings)
     if layout.model_config.lora_rank:
         key = jax.random.fold_in(jax.random.key(run.trainer.seed), LORA_INIT_STREAM)
@@ -124,8 +130,13 @@ def init_state(run: config_lib.RunConfig, layout: StateLayout, params, tx):
                                        shardings=layout.trained_shardings)  # fmt: skip
     else:
         trainable = params
-    init = jax.jit(functools.partial(actor.init_state, tx=tx), out_shardings=layout.state_shardings)
-    return init(trainable), params
+    init = jax.jit(
+        functools.partial(actor.init_state, tx=tx),
+        out_shardings=layout.state_shardings,
+        donate_argnums=0 if donate else (),
+    )
+    state = init(trainable)
+    return state, None if donate else params
 
 
 def train_mesh(run: config_lib.RunConfig):
