@@ -45,6 +45,12 @@ batch and KV-cache bytes are exact; temporaries can differ from the GPU/TPU comp
 fusion decisions, no cuDNN/Pallas flash attention), so keep the default 10 % headroom and re-run
 on the real hardware (without --devices) before a long job.
 
+--tpu_topology=v5p:2x2x2 (instead of --devices) removes that caveat for TPUs: the phases compile
+ahead of time with the TPU compiler itself (libtpu, `tpu_topology`) for that slice's chips, on
+a machine without TPUs. The memory analysis is then the TPU's own buffer assignment, with
+Pallas splash attention and the native bf16 layouts; only a TPU compile's time (minutes for an
+8B model on a laptop) is the cost.
+
 Peak of a phase = its compiled arguments + outputs - donated (aliased) buffers + temporaries +
 what stays resident outside it (the reference parameters; during sampling, log-prob and packed
 gradient passes also the optimizer state, which is not an argument there; during the packed
@@ -55,6 +61,7 @@ import dataclasses
 import functools
 import math
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -269,6 +276,7 @@ class PhaseMemory:
     output: int
     alias: int
     temp: int
+    refused_by_compiler: bool = False  # `refused`: temp is the compiler's count, the rest 0
 
     @classmethod
     def of(cls, compiled) -> "PhaseMemory":
@@ -283,6 +291,18 @@ class PhaseMemory:
     @property
     def total(self) -> int:
         return self.argument + self.output - self.alias + self.temp
+
+    @classmethod
+    def refused(cls, error: Exception) -> "PhaseMemory | None":
+        """The phase the TPU compiler refused to compile because it does not fit the chip
+        ("Ran out of memory on HBM, the total memory required for HLO temporaries (217.29G)
+        exceeds available HBM (95.74G)"): its temporaries as the compiler counted them (GiB),
+        arguments and outputs unknown (0), so its peak is a lower bound, over the chip. None
+        for any other error."""
+        found = re.search(r"required for HLO temporaries \(([0-9.]+)G\)", str(error))
+        if "RESOURCE_EXHAUSTED" not in str(error) or found is None:
+            return None
+        return cls(0, 0, 0, int(float(found.group(1)) * GIB), refused_by_compiler=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -414,7 +434,8 @@ class Planner:
         if overrides not in self._variants:  # memoised too: advise asks again for the same
             run = with_overrides(self.run, overrides)
             self._variants[overrides] = from_run(run, model_name=self.model_name,
-                                                 backend=self.backend)  # fmt: skip
+                                                 backend=self.backend,
+                                                 devices=list(self.mesh.devices.flat))  # fmt: skip
         return self._variants[overrides]
 
     def _arr(self, shape, dtype):
@@ -521,6 +542,12 @@ class Planner:
             max_num_batched_tokens=w.max_num_batched_tokens,
         )  # fmt: skip
 
+    @property
+    def native(self) -> bool:
+        """The programs compile for the planned backend itself (TPU devices of a
+        `tpu_topology`), not on CPU devices standing in for it."""
+        return self.backend is not None and self.mesh.devices.flat[0].platform == self.backend
+
     def compiler_options(self) -> dict:
         """XLA options of the planner's compiles (on CPU devices) for an accelerator's plan.
 
@@ -532,12 +559,24 @@ class Planner:
         a device (docs/scaling.md). Planning a GPU or TPU in 16-bit compute, the compiles skip
         that pass; what remains is still above the native-bf16 buffers (the CPU's float32
         temporaries of the bf16 dots). Plans for the CPU itself compile as XLA:CPU runs."""
-        if self.backend in ("gpu", "tpu") and jnp.dtype(self.cfg.dtype).itemsize == 2:
+        if (
+            self.backend in ("gpu", "tpu")
+            and not self.native
+            and jnp.dtype(self.cfg.dtype).itemsize == 2
+        ):
             return {"xla_disable_hlo_passes": CPU_ONLY_HOIST}
         return {}
 
     def _compile(self, lowered) -> PhaseMemory:
-        return PhaseMemory.of(lowered.compile(compiler_options=self.compiler_options()))
+        try:
+            return PhaseMemory.of(lowered.compile(compiler_options=self.compiler_options()))
+        except jax.errors.JaxRuntimeError as e:
+            # The TPU compiler (a `tpu_topology` plan) refuses a program over the chip's HBM;
+            # XLA:CPU never does. Its count of the temporaries is still the plan's answer.
+            refused = PhaseMemory.refused(e) if self.native else None
+            if refused is None:
+                raise
+            return refused
 
     def _memo(self, key, compile_fn) -> PhaseMemory:
         # Each compile takes seconds to minutes; the report and the searches reuse results.
@@ -1044,6 +1083,15 @@ def plan(
         ),
         *(
             [
+                f"compiled by the {p.backend.upper()} compiler itself, ahead of time for "
+                f"{p.mesh.devices.flat[0].device_kind} (tpu_topology): XLA's own buffers, "
+                "no stand-ins"
+            ]
+            if p.native
+            else []
+        ),
+        *(
+            [
                 f"compiled for {p.backend} in {p.cfg.dtype}: XLA:CPU without "
                 f"{CPU_ONLY_HOIST} (it hoists a float32 copy of the remat's bf16 layer stack "
                 "that native-bf16 backends never make; Planner.compiler_options)"
@@ -1071,6 +1119,8 @@ def plan(
         lines.append(
             f"{ph.label:<{_W}}|          | {_gb(m.argument)} | {_gb(m.output)} | {_gb(m.alias)} |"
             f" {_gb(m.temp)} | {_gb(ph.peak)}"
+            + (" (at least: the TPU compiler refused it, over the chip's HBM)"
+               if m.refused_by_compiler else "")  # fmt: skip
         )
     peak = max(ph.peak for ph in phases)
     lines += [
@@ -1239,12 +1289,43 @@ def _attention_note(p: Planner) -> str:
     return ""
 
 
+def tpu_topology(name: str) -> list:
+    """The devices of TPU slice `name` (e.g. "v5p:2x2x2", a v5p-16: 8 chips), for compiling
+    ahead of time with the TPU compiler on a machine without TPUs (libtpu's own compiler; no
+    TPU is touched). Run with JAX_PLATFORMS=cpu, as plan.py does, so that JAX does not look for
+    TPU hardware.
+
+    Raises:
+      errors.InputError: libtpu is not installed, or it does not know `name`.
+    """
+    from jax.experimental import topologies
+
+    # libtpu's lockfile guards a TPU against two processes; nothing here runs on one, so
+    # plans may compile side by side (and next to a job that holds the lock).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    try:
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+    except Exception as e:  # noqa: BLE001 - libtpu missing, or a name it rejects
+        raise errors.InputError(
+            f"--tpu_topology={name!r}: cannot build that TPU slice ({type(e).__name__}: {e}). "
+            f"It needs libtpu, the TPU compiler (pip install 'jax[tpu]=={jax.__version__}', or "
+            "bash scripts/build_tpu_venv.sh for a venv of its own), and a name such as "
+            "v5p:2x2x1 (v5p-8, 4 chips) or v5p:2x2x2 (v5p-16, 8 chips)"
+        ) from e
+
+
 def from_run(
-    run: config_lib.RunConfig, *, model_name: str = "", mesh=None, backend: str | None = None
+    run: config_lib.RunConfig,
+    *,
+    model_name: str = "",
+    mesh=None,
+    backend: str | None = None,
+    devices=None,
 ) -> Planner:
     """The Planner of a run; ``model_name`` picks a PRESET, else the HF config.json in
     model.path (a local directory). ``backend`` ("gpu", "tpu", None: JAX's own) is what
-    model.attention_impl="auto" is resolved for."""
+    model.attention_impl="auto" is resolved for. ``devices``: the mesh's devices when no
+    ``mesh`` is given (default: JAX's), e.g. a `tpu_topology`'s."""
     dtype, param_dtype = jnp.dtype(run.model.dtype), jnp.dtype(run.model.param_dtype)
     remat = bool(run.model.enable_gradient_checkpointing)
     path = run.model.path
@@ -1270,19 +1351,22 @@ def from_run(
     impl = attention.resolve(
         run.model.attention_impl, row, backend, dtype=dtype, head_dim=cfg.head_dim
     )
-    # cuDNN's and splash's kernels do not compile on the CPU devices the planner uses (splash
-    # only in interpret mode, whose memory is not the TPU's): the blockwise kernel (linear
-    # memory too) stands in for them, and the report says so.
-    stand_in_for = impl if impl in ("cudnn", "splash") else None
+    if mesh is None:
+        mesh = sharding.make_mesh(
+            tuple(run.mesh.shape),
+            devices=devices,
+            sequence=run.actor.ulysses_sequence_parallel_size,
+        )
+    native = backend is not None and mesh.devices.flat[0].platform == backend
+    # cuDNN's and splash's kernels do not compile on CPU devices (splash only in interpret
+    # mode, whose memory is not the TPU's): there the blockwise kernel (linear memory too)
+    # stands in for them, and the report says so. The TPU compiler compiles splash itself.
+    stand_in_for = impl if impl in ("cudnn", "splash") and not native else None
     cfg = dataclasses.replace(
         cfg,
         remat_policy=run.model.gradient_checkpointing_policy,
         attention_impl="blockwise" if stand_in_for else impl,
     )
-    if mesh is None:
-        mesh = sharding.make_mesh(
-            tuple(run.mesh.shape), sequence=run.actor.ulysses_sequence_parallel_size
-        )
     tx, _ = setup.make_optimizer(run, total_steps=1)
     # config.mesh.rules (None = sharding.LOGICAL_RULES) overrides the logical-axis rules.
     rules = sharding.rules_from_config(run.mesh.rules)
@@ -1302,9 +1386,10 @@ def report(
     search: bool = True,
     max_micro: int = 64,
     backend: str | None = None,
+    devices=None,
 ) -> str:
     """The memory report of `run` (plan.py, ``train.py --plan``): see the module docstring."""
-    planner = from_run(run, model_name=model_name, backend=backend)
+    planner = from_run(run, model_name=model_name, backend=backend, devices=devices)
     return plan(
         planner, hbm_bytes=int(hbm_gib * GIB * usable_fraction), search=search, max_micro=max_micro
     )

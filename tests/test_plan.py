@@ -1,16 +1,21 @@
 """Tests for the memory planner (grpo_jax/planner.py, planner.py) on 8 fake CPU devices with the
 tiny model."""
 
+import importlib.util
+import json
 import math
+import os
+import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
+import reference
 
 import train
 from configs import gsm8k, gsm8k_qwen3_8b
-from grpo_jax import config, model, planner, sharding
+from grpo_jax import config, errors, model, planner, sharding
 
 # Tiny model (V=128, D=32, N=4, K=2, H=8, F=64, L=2, tied, qkv bias) on mesh (2,2,2): vocab,
 # heads, kv_heads, mlp split 2 ways over tensor, embed 2 ways over fsdp. Elements per device:
@@ -547,3 +552,70 @@ def test_accelerator_plans_in_16_bit_skip_xla_cpus_hoisted_float32_layer_stack()
     assert f"compiled for gpu in bfloat16: XLA:CPU without {planner.CPU_ONLY_HOIST}" in text
     text = planner.report(_run(c), model_name="tiny", hbm_gib=80, search=False)
     assert "XLA:CPU without" not in text
+
+
+def test_a_tpu_topology_without_libtpu_names_what_to_install():
+    # The project's venv has no libtpu (scripts/build_tpu_venv.sh keeps it out of it).
+    if importlib.util.find_spec("libtpu") is not None:
+        pytest.skip("libtpu is installed here")
+    with pytest.raises(errors.InputError, match=r"jax\[tpu\]==.*build_tpu_venv.sh"):
+        planner.tpu_topology("v5p:2x2x2")
+
+
+_TPU_PLAN = """
+import json, sys
+sys.path[:0] = [{root!r}, {tests!r}]
+import test_plan
+from grpo_jax import planner
+p = planner.from_run(test_plan._run(test_plan._smoke_config()), model_name="tiny", backend="tpu",
+                     devices=planner.tpu_topology("v5p:2x2x2"))
+text = planner.plan(p, hbm_bytes=int(85.5 * planner.GIB), search=False)
+m = p.train(1)
+print(json.dumps({{"native": p.native, "attention": p.cfg.attention_impl,
+                  "stand_in": p.stand_in_for, "param_bytes": p.param_bytes,
+                  "opt_bytes": p.opt_bytes, "options": p.compiler_options(),
+                  "train": [m.argument, m.alias, m.temp], "report": text}}))
+"""
+
+
+@pytest.mark.reference("tpu")
+def test_a_tpu_topology_plan_compiles_with_the_tpu_compiler(planner_222):
+    # plan.py --tpu_topology: the same phases compiled ahead of time by libtpu's compiler for a
+    # v5p-16's 8 chips (no TPU here). Splash compiles for real (no blockwise stand-in), no
+    # XLA:CPU workaround is applied, and the resident bytes, exact from the shardings, are
+    # the CPU devices' plan's.
+    python = os.environ.get("GRPO_JAX_TPU_PYTHON", "")
+    if not python:
+        reference.require("tpu", "no libtpu venv (GRPO_JAX_TPU_PYTHON); scripts/test.sh builds "
+                                 "it with scripts/build_tpu_venv.sh")  # fmt: skip
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = _TPU_PLAN.format(root=root, tests=os.path.join(root, "tests"))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=900,
+                         env=env, cwd=root)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["native"] and got["stand_in"] is None and got["attention"] == "splash"
+    assert got["options"] == {}
+    assert got["param_bytes"] == planner_222.param_bytes == TINY_PARAM_BYTES_222
+    assert got["opt_bytes"] == planner_222.opt_bytes
+    # The TPU's buffers of the update hold the CPU's bytes and more: its tiled layouts pad the
+    # tiny model's minor dims (8 and 32) to 128 lanes, which a real model's never need.
+    cpu = planner_222.train(1)
+    argument, alias, temp = got["train"]
+    assert argument >= cpu.argument and alias >= cpu.alias and temp > 0
+    assert "on 8 x tpu" in got["report"] and "TPU compiler itself" in got["report"]
+    version = subprocess.run([python, "-c", "import importlib.metadata as m; "
+                              "print(m.version('libtpu'))"], capture_output=True, text=True)
+    reference.VERSIONS["tpu"] = f"libtpu {version.stdout.strip()} (compiler only, no TPU)"
+
+
+def test_a_phase_the_tpu_compiler_refuses_is_planned_as_over_the_chip():
+    # The TPU compiler will not compile a program over the chip's HBM; its message carries its
+    # count of the temporaries, which the plan keeps (a lower bound of the phase's peak).
+    msg = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+           "temporaries (217.29G) exceeds available HBM (95.74G).")  # fmt: skip
+    m = planner.PhaseMemory.refused(RuntimeError(msg))
+    assert m.refused_by_compiler and m.temp == int(217.29 * planner.GIB) and m.total == m.temp
+    assert planner.PhaseMemory.refused(RuntimeError("INTERNAL: something else")) is None
+    assert planner.PhaseMemory.refused(RuntimeError("RESOURCE_EXHAUSTED: host memory")) is None

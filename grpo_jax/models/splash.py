@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as _sk
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as _sm
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as _mi
 
 LANE = 128  # splash's block unit: rows are padded to a multiple of it
 BLOCKS = (512, 256, 128)  # the largest that divides the padded row is the block size
@@ -48,8 +49,16 @@ _NO_QUERY, _NO_KEY = -1, -2  # ids of the prefix call's non-responses and of the
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(T: int, R: int, interpret: bool):
-    """The causal MQA kernel for padded rows of T tokens and R query heads per kv head."""
+def _kernel(T: int, R: int, interpret: bool) -> _sk.SplashAttentionKernel:
+    """The causal MQA kernel for padded rows of T tokens and R query heads per kv head.
+
+    `make_splash_mqa`'s kernel, but its block tables (splash's own,
+    `splash_attention_mask_info.process_mask`) stay NumPy arrays: they enter each program as
+    constants, so the cached kernel holds no trace's tracers and building it runs nothing on a
+    device. (`make_splash_mqa` turns them into device arrays at once, which fails under a mesh
+    of devices this process cannot run on: the planner's TPU topology, compiled ahead of
+    time.) With every block size equal, the dq tables are the forward's.
+    """
     b = next(b for b in BLOCKS if T % b == 0)
     sizes = _sk.BlockSizes(
         block_q=b, block_kv=b, block_kv_compute=b,
@@ -57,12 +66,14 @@ def _kernel(T: int, R: int, interpret: bool):
         block_q_dq=b, block_kv_dq=b,
     )  # fmt: skip
     mask = _sm.MultiHeadMask([_sm.CausalMask((T, T))] * R)
-    # Built eagerly (its mask tables are constants), even when first asked for inside a trace:
-    # the cached kernel must not hold that trace's tracers.
-    with jax.ensure_compile_time_eval():
-        return _sk.make_splash_mqa(
-            mask, head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret
-        )
+    shards = {"downcast_smem_data": True, "head_shards": 1, "q_seq_shards": 1}
+    fwd, mask_function = _mi.process_mask(mask, (b, b), **shards)
+    dkv, _ = _mi.process_mask_dkv(mask, (b, b), shrink_grid=True, **shards)
+    return _sk.SplashAttentionKernel(
+        fwd, fwd, dkv, block_sizes=sizes, is_mqa=True, save_residuals=False,
+        mask_value=_sk.DEFAULT_MASK_VALUE, attn_logits_soft_cap=None,
+        residual_checkpoint_name=None, mask_function=mask_function, interpret=interpret,
+    )  # fmt: skip
 
 
 def _forward(kernel, q_RTH, k_TH, v_TH, ids):
