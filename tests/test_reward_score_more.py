@@ -223,7 +223,33 @@ def _prime_answer(r):
     return base._perturb(r, base._atom(r)) if r.random() < 0.5 else base._atom(r)
 
 
+# Answers that some of verl's checks take for equal and others not: pairs drawn from one group
+# reach the later, quirkier checks (units, bases, pi = 3.14, percent scaling, Point, Matrix).
+_PRIME_GROUPS = (
+    ("5", "5 liters", "5 cm", "$5", "5%", "5.0", "5\\%", "\\$5.00", "{5}", "5^\\circ", "101_5",
+     "5 degrees", "\\text{5 cm}", "5 seconds", "5 milliseconds", "0.05", "500", "5_x"),
+    ("\\pi", "3.14", "3.1416", "3.141", "1\\pi", "\\pi/1", "pi"),
+    ("2\\pi", "6.28", "6.2832", "2 \\pi", "(\\pi, 2)", "(3.14, 2)", "(3.1416,2)"),
+    ("(1,2)", "(1, 2)", "Point(1, 2)", "[1,2]", "Point(1,2)", "(1,2,3)", "Point(1, 2, 3)"),
+    ("[0,1]", "Interval(0, 1)", "[0, 1]", "Interval.Ropen(0, 1)", "[0,1)", "(0,1]"),
+    ("1000", "1,000", "1000.0", "1,000.00", "1 000", "1e3"),
+    ("2000000", "2 million", "2,000,000", "2\\text{ million}"),
+    ("31/4", "7 3/4", "7\\frac34", "7.75", "7\\frac{3}{4}"),
+    ("0.5", "1/2", "\\frac12", "50", "50%", "2/4", "\\dfrac{1}{2}", ".5"),
+    ("\\sqrt{8}", "2\\sqrt{2}", "2.828", "2.8284", "\\sqrt8"),
+    ("2x+2", "2(x+1)", "2 x + 2", "x+x+2", "2y+2"),
+    ("Matrix([[1], [2]])", "[[1], [2]]", "[1, 2]", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}",
+     "Matrix([1, 2])", "[[1, 2]]"),
+    ("\\text{(A)}", "(A)", "A", "a", "\\textbf{A}"),
+    ("Monday", "monday", "\\text{Monday}", "Mon"),
+    ("1, 2", "2, 1", "1 and 2", "\\{1,2\\}", "1 or 2", "1,2"),
+)  # fmt: skip
+
+
 def _prime_pair(r):
+    if r.random() < 0.5:
+        group = r.choice(_PRIME_GROUPS)
+        return r.choice(group), r.choice(group)
     gt = _prime_answer(r)
     pred = gt if r.random() < 0.3 else _prime_answer(r)
     if r.random() < 0.3:
