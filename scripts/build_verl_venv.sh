@@ -15,4 +15,4 @@ set -euo pipefail
 source "$(dirname "$0")/cached_venv.sh"
 cached_venv verl \
   "import verl, torch, transformers; from verl.trainer.ppo import core_algos; print('verl', verl.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" \
-  "torch==2.13.0 verl==0.9.1 transformers==5.9.0 math-verify==0.9.0"
+  "torch==2.13.0 verl==0.9.1 transformers==5.9.0 math-verify==0.9.0 mathruler==0.1.0"

@@ -56,9 +56,12 @@ No scorer has a timeout of its own: the caller runs scorers in worker processes 
   requirements.txt pins `antlr4-python3-runtime==4.9.3` for verl's scores.
 
 * `default_compute_score` is verl's dispatch by `data_source` (`verl.utils.reward_score.
-  default_compute_score`) for the sources above, with verl's return conversion (a dict is
-  returned as is, a number as a float). verl's other sources (PRIME math and code, geometry3k,
-  Search-R1) are not ported and raise NotImplementedError, as does any unknown source.
+  default_compute_score`) for the sources above and for those scored in their own modules:
+  PRIME math (the numina_* sources, prime_math.py, with the PRM800K grader in prm800k.py),
+  Geometry3K (geo3k.py) and Search-R1 exact match (the searchR1_* sources, qa_em.py); with
+  verl's return conversion (a dict is returned as is, a number or bool as a float, a tuple as the
+  float of its first entry). verl's code sources (PRIME code, sandbox fusion) are not ported and
+  raise NotImplementedError, as does any unknown source.
 """
 
 from __future__ import annotations
@@ -559,38 +562,40 @@ GSM8K_SOURCES = ("openai/gsm8k",)
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
 DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning")
 DAPO_SOURCE_PREFIX = "aime"
+PRIME_MATH_SOURCES = (
+    "numina_aops_forum",
+    "numina_synthetic_math",
+    "numina_amc_aime",
+    "numina_synthetic_amc",
+    "numina_cn_k12",
+    "numina_olympiads",
+)
+GEO3K_SOURCES = ("hiyouga/geometry3k",)
+SEARCH_R1_SOURCES = (
+    "searchR1_nq",
+    "searchR1_triviaqa",
+    "searchR1_popqa",
+    "searchR1_hotpotqa",
+    "searchR1_2wikimultihopqa",
+    "searchR1_musique",
+    "searchR1_bamboogle",
+)
 # verl 0.9.1 sources that grpo_jax does not port, with the verl module that scores them.
 _VERL_ONLY_SOURCES = {
-    **dict.fromkeys(
-        (
-            "numina_aops_forum",
-            "numina_synthetic_math",
-            "numina_amc_aime",
-            "numina_synthetic_amc",
-            "numina_cn_k12",
-            "numina_olympiads",
-        ),
-        "prime_math",
-    ),
     **dict.fromkeys(("codecontests", "apps", "codeforces", "taco"), "sandbox_fusion/prime_code"),
-    "hiyouga/geometry3k": "geo3k",
-    **dict.fromkeys(
-        (
-            "searchR1_nq",
-            "searchR1_triviaqa",
-            "searchR1_popqa",
-            "searchR1_hotpotqa",
-            "searchR1_2wikimultihopqa",
-            "searchR1_musique",
-            "searchR1_bamboogle",
-        ),
-        "search_r1_like_qa_em",
-    ),
 }
 
 
 def _unsupported_source_message(data_source) -> str:
-    supported = ", ".join(repr(s) for s in GSM8K_SOURCES + MATH_SOURCES + DAPO_SOURCES)
+    supported = ", ".join(
+        repr(s)
+        for s in GSM8K_SOURCES
+        + MATH_SOURCES
+        + DAPO_SOURCES
+        + PRIME_MATH_SOURCES
+        + GEO3K_SOURCES
+        + SEARCH_R1_SOURCES
+    )
     verl_module = _VERL_ONLY_SOURCES.get(data_source)
     verl_note = (
         f" verl scores it with verl.utils.reward_score.{verl_module}, which grpo_jax does not port."
@@ -609,7 +614,7 @@ def _unsupported_source_message(data_source) -> str:
 def default_compute_score(
     data_source: str, solution_str: str, ground_truth: str, extra_info=None, **kwargs
 ) -> float | dict:
-    """verl 0.9.1's default_compute_score for GSM8K, MATH and DAPO data sources.
+    """verl 0.9.1's default_compute_score for its math, geometry and QA data sources.
 
     Args:
       data_source: the dataset's data_source field, e.g. "openai/gsm8k".
@@ -620,7 +625,9 @@ def default_compute_score(
         memory_limit_mb; verl ignores them for these sources, and so does this function.
 
     Returns:
-      A float (GSM8K: strict `gsm8k_score`; MATH: `math_score`) or the dict of
+      A float (GSM8K: strict `gsm8k_score`; MATH: `math_score`; numina_*: the first entry of
+      `prime_math.prime_math_score`; hiyouga/geometry3k: `geo3k.geo3k_score`; searchR1_*:
+      `qa_em.qa_em_score`, which reads ground_truth["target"]) or the dict of
       `math_dapo_score` ("math_dapo", "math", "math_dapo_reasoning", "aime*").
 
     Raises:
@@ -634,7 +641,22 @@ def default_compute_score(
         result = math_score(solution_str, ground_truth)
     elif data_source in DAPO_SOURCES or data_source.startswith(DAPO_SOURCE_PREFIX):
         result = math_dapo_score(solution_str, ground_truth)
+    elif data_source in PRIME_MATH_SOURCES:
+        from grpo_jax.rewards import prime_math  # here: it imports this module
+
+        result = prime_math.prime_math_score(solution_str, ground_truth)
+    elif data_source in GEO3K_SOURCES:
+        from grpo_jax.rewards import geo3k
+
+        result = geo3k.geo3k_score(solution_str, ground_truth)
+    elif data_source in SEARCH_R1_SOURCES:
+        from grpo_jax.rewards import qa_em
+
+        result = qa_em.qa_em_score(solution_str, ground_truth)
     else:
         raise NotImplementedError(_unsupported_source_message(data_source))
-    # verl's conversion: a dict is returned as is, a number becomes a float.
-    return result if isinstance(result, dict) else float(result)
+    # verl's conversion: a dict is returned as is, a number becomes a float, a tuple (prime_math's
+    # (correct, format_ok, answer)) the float of its first entry.
+    if isinstance(result, dict):
+        return result
+    return float(result[0]) if isinstance(result, tuple) else float(result)
