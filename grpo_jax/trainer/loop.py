@@ -75,6 +75,9 @@ from grpo_jax.trainer import (
 from grpo_jax.trainer import (
     batch as batch_lib,
 )
+from grpo_jax.trainer import (
+    trackers as trackers_lib,
+)
 
 Callback = Callable[[int, dict], None]
 
@@ -121,6 +124,7 @@ def train(
     rules=None,
     callbacks: Sequence[Callback] = (),
     tools: Sequence[Any] | None = None,
+    trackers: Sequence[trackers_lib.Tracker] = (),
 ) -> Result:
     """Runs GRPO (see the module docstring) and returns the final state and metrics.
 
@@ -139,18 +143,21 @@ def train(
       callbacks: called as fn(step, metrics_row) after every step's row is written.
       tools: with rollout.multi_turn.enable, the tool objects (verl's BaseTool interface:
         grpo_jax/tools/base.py) instead of rollout.multi_turn.tool_config_path's YAML.
+      trackers: experiment trackers of the caller's own (trackers.Tracker: `name`, `log(step,
+        row)`, `log_generations(step, samples)`, `close()`), fed like run.trainer.logger's: a
+        tracker that raises is reported once and turned off, and the run goes on.
     """
     if mesh is None:
         mesh, rules = setup.train_mesh(run), sharding.rules_from_config(run.mesh.rules)
     rules = sharding.rules_from_config(None) if rules is None else rules
     with sharding.use_mesh(mesh, rules):
         return _train(run, model_config, params, tokenizer, train_data, val_data, reward_fn, mesh,
-                      rules, callbacks, tools)  # fmt: skip
+                      rules, callbacks, tools, trackers)  # fmt: skip
 
 
 def _train(
     run, model_config, params, tokenizer, train_data, val_data, reward_fn, mesh, rules, callbacks,
-    tools=None,
+    tools=None, trackers=(),
 ) -> Result:
     if reward_fn is None:
         reward_fn = loading.reward_fn(run.reward, run.custom_reward_function)
@@ -218,7 +225,6 @@ def _train(
     mngr = checkpoint.manager(
         os.path.join(workdir, "checkpoints"), max_to_keep=run.checkpoint.max_to_keep
     )
-    writer = metrics.Writer(workdir, tensorboard=run.trainer.tensorboard, enabled=is_main)
     loop = _LoopState(
         state, ref_params, root_key, prompts.Position(), 0, run.algorithm.kl_ctrl.kl_coef,
         base=base, lora_base=setup.lora_pointer(run, model_config),
@@ -233,6 +239,15 @@ def _train(
     # verl validates at the start of fit() whenever trainer.val_before_train, after a resume
     # too, logging under the resumed step: a row of its own, after that step's training row.
     revalidate = run.trainer.val_before_train and val_set is not None
+    # Only the main process logs; a resumed run continues its W&B / MLflow runs (trackers.py).
+    tracked = None
+    if is_main:
+        tracked = trackers_lib.start(
+            run.trainer.backends, workdir=workdir, project=run.trainer.project_name,
+            experiment=run.trainer.experiment_name, resume=restored is not None, extra=trackers,
+            params=trackers_lib.flatten(config_lib.to_dict(run)),
+        )  # fmt: skip
+    writer = metrics.Writer(workdir, trackers=tracked, enabled=is_main)
     if restored is not None:
         start_step, tree, meta = restored
         loop = loop.restored(tree, meta, with_ref=ref_in_ckpt)
@@ -310,6 +325,7 @@ def _train(
         )
         if result.generations and is_main:
             validation.write_generations(workdir, step_done, result.generations)
+            writer.log_generations(step_done, result.generations)
         if run.trainer.validation_data_dir and is_main:
             dumps.write_validation(
                 run.trainer.validation_data_dir, step_done, tokenizer, val_set,
