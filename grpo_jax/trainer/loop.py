@@ -27,6 +27,9 @@
             step trains; never across a checkpoint, so resume stays exact;
   outputs   (verl's trainer.rollout_data_dir / validation_data_dir) every step's and every
             validation's samples as <dir>/<step>.jsonl (trainer/dumps.py);
+  trackers  (verl's trainer.logger: console, TensorBoard, W&B, MLflow; trainer/trackers.py) each
+            metrics row after its metrics.jsonl line, and the logged validation samples; a
+            resumed run continues the same tracker runs, a failing tracker is turned off;
   val_only  (trainer.val_only) the validation before training, of the restored policy when
             there is a checkpoint, and no step;
   result    the final state and the metrics history.
