@@ -76,6 +76,7 @@ _REFERENCE_TITLES = {
     "verl": "verl parity",
     "hf": "HF transformers parity",
     "vllm": "vLLM",
+    "trackers": "experiment trackers",
 }
 
 

@@ -51,6 +51,8 @@ TINY = (
     "--config.trainer.experiment_name=tiny",
 )
 HINT = "scripts/test.sh installs it (requirements.txt)"
+# The tests that run W&B and MLflow themselves (conftest.py counts them in its summary).
+WITH_TRACKERS = pytest.mark.reference("trackers")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,6 +111,43 @@ def test_keys_mapped_for_mlflow_and_tensorboard():
     assert trackers.mlflow_key("a//b c:d+e") == "a/b c:d_e"
     assert trackers.flatten({"a": {"b": 1, "c": (1, 2)}, "d": {}}) == {
         "a.b": 1, "a.c": [1, 2], "d": {}}  # fmt: skip
+
+
+class _Recorder:
+    """A tracker that records what it gets."""
+
+    def __init__(self, name):
+        self.name, self.rows, self.samples = name, [], []
+
+    def log(self, step, row):
+        self.rows.append((step, row))
+
+    def log_generations(self, step, samples):
+        self.samples.append((step, list(samples)))
+
+    def close(self):
+        pass
+
+
+def test_a_resume_sends_what_a_tracker_missed_and_no_step_twice(tmp_path):
+    # "old" was sent steps 0..1 before a kill; "new" joins in the resumed run.
+    workdir = str(tmp_path)
+    trackers.write_state(workdir, {"old": {"last_step": 1}})
+    old, new = _Recorder("old"), _Recorder("new")
+    tracked = trackers.start((), workdir=workdir, project="p", experiment="e", params={},
+                             resume=True, extra=[old, new])  # fmt: skip
+    rows = [{"step": s, "x": s} for s in range(3)] + [{"step": 2, "val": 1}]
+    tracked.catch_up(rows, {0: [{"input": "a"}], 2: [{"input": "b"}]})
+    assert old.rows == [(2, {"x": 2.0}), (2, {"val": 1.0})]
+    assert old.samples == [(2, [{"input": "b"}])]
+    assert [s for s, _ in new.rows] == [0, 1, 2, 2] and [s for s, _ in new.samples] == [0, 2]
+    tracked.log(1, {"x": 9})  # a redone step: "old" has it already
+    tracked.log(3, {"x": 3})
+    assert [s for s, _ in old.rows] == [2, 2, 3] and [s for s, _ in new.rows] == [0, 1, 2, 2, 3]
+    assert trackers.read_state(workdir) == {"old": {"last_step": 3}, "new": {"last_step": 3}}
+    # a fresh run (no checkpoint) forgets the old runs and steps
+    trackers.start((), workdir=workdir, project="p", experiment="e", params={}, resume=False)
+    assert trackers.read_state(workdir) == {}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,9 +209,9 @@ def tracked(tmp_path_factory):
     """Steps 0..2 logged to W&B (offline) and MLflow (SQLite), then the resume (module
     docstring): (tmp, metrics rows of the first run and of the resumed one, both runs' output,
     the MLflow client)."""
-    wandb = reference.import_or_require("wandb", "wandb", HINT)
-    mlflow = reference.import_or_require("mlflow", "mlflow", HINT)
-    reference.VERSIONS["wandb"] = f"wandb {wandb.__version__}, mlflow {mlflow.__version__}"
+    wandb = reference.import_or_require("wandb", "trackers", HINT)
+    mlflow = reference.import_or_require("mlflow", "trackers", HINT)
+    reference.VERSIONS["trackers"] = f"wandb {wandb.__version__}, mlflow {mlflow.__version__}"
     from mlflow.tracking import MlflowClient
 
     tmp = tmp_path_factory.mktemp("trackers")
@@ -199,6 +238,7 @@ def _training_rows(rows):
     return out
 
 
+@WITH_TRACKERS
 def test_resume_keeps_metrics_jsonl_whole(tracked):
     _, first, second, _, _ = tracked
     assert [r["step"] for r in first] == [0, 1, 2]
@@ -206,6 +246,7 @@ def test_resume_keeps_metrics_jsonl_whole(tracked):
     assert [r["step"] for r in second] == [0, 1, 1, 2, 3]
 
 
+@WITH_TRACKERS
 def test_wandb_gets_every_step_once_in_one_run(tracked):
     tmp, first, second, _, _ = tracked
     state = trackers.read_state(str(tmp / "run"))
@@ -227,6 +268,7 @@ def test_wandb_gets_every_step_once_in_one_run(tracked):
     assert runs[1][1]["trainer.total_training_steps"] == 3  # W&B takes the resume's config
 
 
+@WITH_TRACKERS
 def test_wandb_generations_tables_are_the_logged_samples(tmp_path, tracked):
     tmp, *_ = tracked
     samples = validation.read_generations(str(tmp / "run"))
@@ -243,6 +285,7 @@ def test_wandb_generations_tables_are_the_logged_samples(tmp_path, tracked):
         assert data == [[step, s["input"], s["output"], s["score"]] for s in samples[step]]
 
 
+@WITH_TRACKERS
 def test_mlflow_gets_every_step_once_with_mapped_keys(tracked):
     tmp, first, second, (run1, run2), client = tracked
     state = trackers.read_state(str(tmp / "run"))
@@ -266,6 +309,7 @@ def test_mlflow_gets_every_step_once_with_mapped_keys(tracked):
         assert "sanitized" not in out.stderr and "illegal" not in out.stderr.lower()
 
 
+@WITH_TRACKERS
 def test_mlflow_generations_tables_are_the_logged_samples(tmp_path, tracked):
     tmp, _, _, _, client = tracked
     samples = validation.read_generations(str(tmp / "run"))
@@ -281,6 +325,7 @@ def test_mlflow_generations_tables_are_the_logged_samples(tmp_path, tracked):
                                  for s in samples[step]]  # fmt: skip
 
 
+@WITH_TRACKERS
 def test_console_prints_verls_lines(tracked):
     _, first, _, (run1, _), _ = tracked
     lines = [ln for ln in run1.stdout.splitlines() if ln.startswith("step:")]
@@ -312,10 +357,11 @@ class _Flaky:
         self.closed += 1
 
 
+@WITH_TRACKERS
 def test_a_tracker_that_fails_is_reported_once_and_the_run_goes_on(tmp_path, monkeypatch,
                                                                      caplog):  # fmt: skip
     # MLflow cannot start (nothing listens on the port) and a tracker raises at step 2 of 3.
-    reference.import_or_require("mlflow", "mlflow", HINT)
+    reference.import_or_require("mlflow", "trackers", HINT)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)

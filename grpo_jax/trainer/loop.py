@@ -258,6 +258,8 @@ def _train(
         writer.truncate_after(start_step, drop=lambda r: _is_resume_validation(r, start_step))
         if is_main:
             validation.truncate_generations(workdir, start_step - 1 if revalidate else start_step)
+        if is_main:  # what a tracker missed before the kill, or all of it for a new one
+            writer.catch_up(validation.read_generations(workdir))
         if start_step not in [r["step"] for r in metrics.read(workdir)]:
             writer.write(start_step, meta["metrics"])  # killed between the save and the row
         logging.info(

@@ -238,5 +238,11 @@ class Writer:
         if self.enabled:
             self.trackers.log_generations(int(step), samples)
 
+    def catch_up(self, generations: dict) -> None:
+        """On a resume, after `truncate_after`: hands the trackers what metrics.jsonl and the
+        logged validation samples (`generations`, {step: samples}) hold that they missed."""
+        if self.enabled:
+            self.trackers.catch_up(read(os.path.dirname(self.path)), generations)
+
     def close(self) -> None:
         self.trackers.close()

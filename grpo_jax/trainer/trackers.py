@@ -15,11 +15,13 @@ Backends (verl 0.9.1's names, verl/utils/tracking.py):
 W&B and MLflow get the run's config as parameters (flattened dotted keys, `flatten`).
 
 Resume: workdir/trackers.json keeps each backend's run id (W&B, MLflow) and the last step it
-was sent. A resumed run (restored from a checkpoint) continues the same W&B and MLflow runs and
-sends only rows of later steps: the rows that a resume drops from metrics.jsonl and recomputes
-(after the checkpoint, up to the kill) keep the values the tracker got before the kill, and the
-validation a resume runs under the restored step (verl) reaches the trackers only when they had
-not yet got that step. A fresh run (no checkpoint) starts new runs.
+was sent. A resumed run (restored from a checkpoint) continues the same W&B and MLflow runs,
+first sends what metrics.jsonl holds up to the restored step and a backend missed
+(`Trackers.catch_up`: a kill between a row's line and its sending, or a backend new in this
+run), then only rows of later steps: the rows that a resume drops from metrics.jsonl and
+recomputes (after the checkpoint, up to the kill) keep the values the tracker got before the
+kill, and the validation a resume runs under the restored step (verl) reaches the trackers only
+when they had not yet got that step. A fresh run (no checkpoint) starts new runs.
 
 Failures never cost the run: a backend that cannot start, or raises while logging, is reported
 once (logging.warning) and turned off; the run goes on. A backend whose package is missing is a
@@ -239,8 +241,8 @@ class MLflow:
 class Trackers:
     """The run's backends, each guarded: the first exception a backend raises is logged as a
     warning and turns it off. A backend other than the console gets only the steps after
-    `state[name]["last_step"]` (what it was sent before a resume); the state (run ids and last
-    steps) is kept in workdir/trackers.json as rows go out."""
+    `state[name]["last_step"]` (what it was sent before a resume), and none behind a step it
+    got; the state (run ids and last steps) is kept in workdir/trackers.json as rows go out."""
 
     def __init__(self, backends: Iterable[Tracker] = (), *, workdir: str | None = None,
                  state: Mapping[str, Mapping] | None = None):  # fmt: skip
@@ -264,6 +266,23 @@ class Trackers:
         if samples:
             self._each("log_generations", step, lambda t: t.log_generations(step, samples))
 
+    def catch_up(self, rows: Sequence[Mapping[str, Any]],
+                 generations: Mapping[int, Sequence[Mapping[str, Any]]]) -> None:
+        """On a resume: sends what metrics.jsonl (`rows`, {"step": ..., ...}) and
+        val_generations.jsonl (`generations`, {step: samples}) hold and a backend missed, in step
+        order: a kill between a row's line and its sending, or a backend new in this run. The
+        console, which shows this process's rows only, gets none of them."""
+        console = [t for t in self._on if t.name == "console"]
+        self._on = [t for t in self._on if t.name != "console"]
+        try:
+            for step in sorted({r["step"] for r in rows} | set(generations)):
+                self.log_generations(step, generations.get(step, ()))
+                for row in rows:
+                    if row["step"] == step:
+                        self.log(step, {k: v for k, v in row.items() if k != "step"})
+        finally:
+            self._on = console + self._on
+
     def close(self) -> None:
         for tracker in list(self._on):
             self._guard(tracker, "close", tracker.close)
@@ -273,8 +292,9 @@ class Trackers:
         changed = False
         for tracker in list(self._on):
             stateless = tracker.name == "console"  # the terminal: every row this process writes
-            if not stateless and step <= self._floors.get(tracker.name, -1):
-                continue  # sent before the resume
+            last = self._state.get(tracker.name, {}).get("last_step", -1)
+            if not stateless and (step <= self._floors.get(tracker.name, -1) or step < last):
+                continue  # sent before the resume, or behind a step sent (W&B drops those)
             sent = self._guard(tracker, what, lambda tracker=tracker: call(tracker))
             if sent and not stateless:
                 entry = self._state.setdefault(tracker.name, {})
