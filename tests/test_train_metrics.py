@@ -8,11 +8,11 @@ import sys
 import numpy as np
 import pytest
 
-from grpo_jax.trainer import metrics, plot
+from grpo_jax.trainer import metrics, plot, trackers
 
 
 def test_writer_truncate_and_torn_line(tmp_path):
-    w = metrics.Writer(str(tmp_path), tensorboard=False)
+    w = metrics.Writer(str(tmp_path))
     for step in range(4):
         w.write(step, {"critic/score/mean": step / 4, "actor/kl_loss": float("nan")})
     # A kill mid-write leaves a torn last line; readers stop there.
@@ -26,7 +26,7 @@ def test_writer_truncate_and_torn_line(tmp_path):
     assert [r["step"] for r in metrics.read(str(tmp_path))] == [0, 1, 2]
     w.write(3, {"critic/score/mean": 0.9})
     assert metrics.read(str(tmp_path))[-1] == {"step": 3, "critic/score/mean": 0.9}
-    disabled = metrics.Writer(str(tmp_path / "other"), tensorboard=False, enabled=False)
+    disabled = metrics.Writer(str(tmp_path / "other"), enabled=False)
     disabled.write(0, {"x": 1.0})
     assert not os.path.exists(tmp_path / "other" / metrics.METRICS_FILE)
 
@@ -82,7 +82,9 @@ def _event_tags(logdir) -> set[str]:
 def test_tensorboard_gets_legal_tags_and_metrics_jsonl_verls_keys(tmp_path, caplog):
     # verl's validation keys carry "@", which TensorBoard rejects (it logged a warning per key
     # at every validation and renamed them itself).
-    w = metrics.Writer(str(tmp_path), tensorboard=True)
+    tracked = trackers.start(("tensorboard",), workdir=str(tmp_path), project="p",
+                             experiment="e", params={}, resume=False)  # fmt: skip
+    w = metrics.Writer(str(tmp_path), trackers=tracked)
     with caplog.at_level("INFO", logger="tensorboardX"):
         w.write(2, {"val-core/openai/gsm8k/acc/mean@1": 0.5, "actor/pg_loss": -0.1})
     w.close()

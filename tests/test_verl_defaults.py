@@ -70,8 +70,12 @@ DEVIATIONS = {
     "reward.num_workers": "scorer processes; verl's 8 are Ray reward-loop workers, 2 fits the "
     "2-core machines grpo_jax is tested on (0 scores in the trainer)",
     "algorithm.adv_estimator": "verl's default gae needs a critic; grpo_jax is a GRPO trainer",
-    "trainer.default_local_dir": "verl's interpolates project and experiment names, which "
-    "grpo_jax does not have",
+    "trainer.default_local_dir": "verl's interpolates trainer.project_name and "
+    "experiment_name; grpo_jax's stays fixed, so naming a tracker run never moves the workdir "
+    "and the checkpoints a resume looks for",
+    "trainer.logger": "verl's ['console', 'wandb'] needs the wandb package and a W&B login; "
+    "grpo_jax's ('console', 'tensorboard') is what it logged before trainer.logger existed, "
+    "with nothing to install (wandb and mlflow are the extras grpo_jax[wandb] / [mlflow])",
     "trainer.balance_batch": "verl's mini-batches are cut from the data-parallel ranks' "
     "balanced parts, so they change with the mesh; grpo_jax's default keeps whole groups in "
     "data order, the same on any mesh (identical on one data-parallel device)",

@@ -27,6 +27,9 @@
             step trains; never across a checkpoint, so resume stays exact;
   outputs   (verl's trainer.rollout_data_dir / validation_data_dir) every step's and every
             validation's samples as <dir>/<step>.jsonl (trainer/dumps.py);
+  trackers  (verl's trainer.logger: console, TensorBoard, W&B, MLflow; trainer/trackers.py) each
+            metrics row after its metrics.jsonl line, and the logged validation samples; a
+            resumed run continues the same tracker runs, a failing tracker is turned off;
   val_only  (trainer.val_only) the validation before training, of the restored policy when
             there is a checkpoint, and no step;
   result    the final state and the metrics history.
@@ -75,6 +78,9 @@ from grpo_jax.trainer import (
 from grpo_jax.trainer import (
     batch as batch_lib,
 )
+from grpo_jax.trainer import (
+    trackers as trackers_lib,
+)
 
 Callback = Callable[[int, dict], None]
 
@@ -122,6 +128,7 @@ def train(
     callbacks: Sequence[Callback] = (),
     tools: Sequence[Any] | None = None,
     donate_params: bool = False,
+    trackers: Sequence[trackers_lib.Tracker] = (),
 ) -> Result:
     """Runs GRPO (see the module docstring) and returns the final state and metrics.
 
@@ -144,18 +151,21 @@ def train(
         a reference (no KL loss, no KL in the reward) the train state takes over their buffers
         instead of copying them, and they are deleted; one copy of the weights fewer for the
         whole run (0.54 GB for SmolLM2-135M in float32). Otherwise no effect.
+      trackers: experiment trackers of the caller's own (trackers.Tracker: `name`, `log(step,
+        row)`, `log_generations(step, samples)`, `close()`), fed like run.trainer.logger's: a
+        tracker that raises is reported once and turned off, and the run goes on.
     """
     if mesh is None:
         mesh, rules = setup.train_mesh(run), sharding.rules_from_config(run.mesh.rules)
     rules = sharding.rules_from_config(None) if rules is None else rules
     with sharding.use_mesh(mesh, rules):
         return _train(run, model_config, params, tokenizer, train_data, val_data, reward_fn, mesh,
-                      rules, callbacks, tools, donate_params)  # fmt: skip
+                      rules, callbacks, tools, donate_params, trackers)  # fmt: skip
 
 
 def _train(
     run, model_config, params, tokenizer, train_data, val_data, reward_fn, mesh, rules, callbacks,
-    tools=None, donate_params=False,
+    tools=None, donate_params=False, trackers=(),
 ) -> Result:
     if reward_fn is None:
         reward_fn = loading.reward_fn(run.reward, run.custom_reward_function)
@@ -223,7 +233,6 @@ def _train(
     mngr = checkpoint.manager(
         os.path.join(workdir, "checkpoints"), max_to_keep=run.checkpoint.max_to_keep
     )
-    writer = metrics.Writer(workdir, tensorboard=run.trainer.tensorboard, enabled=is_main)
     loop = _LoopState(
         state, ref_params, root_key, prompts.Position(), 0, run.algorithm.kl_ctrl.kl_coef,
         base=base, lora_base=setup.lora_pointer(run, model_config),
@@ -238,6 +247,15 @@ def _train(
     # verl validates at the start of fit() whenever trainer.val_before_train, after a resume
     # too, logging under the resumed step: a row of its own, after that step's training row.
     revalidate = run.trainer.val_before_train and val_set is not None
+    # Only the main process logs; a resumed run continues its W&B / MLflow runs (trackers.py).
+    tracked = None
+    if is_main:
+        tracked = trackers_lib.start(
+            run.trainer.backends, workdir=workdir, project=run.trainer.project_name,
+            experiment=run.trainer.experiment_name, resume=restored is not None, extra=trackers,
+            params=trackers_lib.flatten(config_lib.to_dict(run)),
+        )  # fmt: skip
+    writer = metrics.Writer(workdir, trackers=tracked, enabled=is_main)
     if restored is not None:
         start_step, tree, meta = restored
         loop = loop.restored(tree, meta, with_ref=ref_in_ckpt)
@@ -245,6 +263,8 @@ def _train(
         writer.truncate_after(start_step, drop=lambda r: _is_resume_validation(r, start_step))
         if is_main:
             validation.truncate_generations(workdir, start_step - 1 if revalidate else start_step)
+        if is_main:  # what a tracker missed before the kill, or all of it for a new one
+            writer.catch_up(validation.read_generations(workdir))
         if start_step not in [r["step"] for r in metrics.read(workdir)]:
             writer.write(start_step, meta["metrics"])  # killed between the save and the row
         logging.info(
@@ -315,6 +335,7 @@ def _train(
         )
         if result.generations and is_main:
             validation.write_generations(workdir, step_done, result.generations)
+            writer.log_generations(step_done, result.generations)
         if run.trainer.validation_data_dir and is_main:
             dumps.write_validation(
                 run.trainer.validation_data_dir, step_done, tokenizer, val_set,

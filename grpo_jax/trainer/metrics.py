@@ -1,5 +1,5 @@
 """A step's metrics: computed (verl's names and definitions) and written, one JSON line per step
-in workdir/metrics.jsonl, mirrored to TensorBoard.
+in workdir/metrics.jsonl, then sent to the run's trackers (trackers.py: TensorBoard, W&B, ...).
 
 Keys are verl's (`critic/score/mean`, `actor/pg_loss`, `timing_s/gen`, `val/gsm8k/acc`, ...);
 values are Python floats. Only the main process writes. On resume, lines of steps after the
@@ -9,13 +9,13 @@ restored checkpoint are dropped first, so a resumed run's file equals an uninter
 import json
 import math
 import os
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax.rewards import functions as reward_fns
+from grpo_jax.trainer import trackers as trackers_lib
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -192,23 +192,16 @@ def read(workdir: str) -> list[dict]:
     return records
 
 
-def tensorboard_tag(key: str) -> str:
-    """A metric key as a legal TensorBoard tag ([-/\\w.] only): verl's "val-core/.../mean@4"
-    becomes "val-core/.../mean_at_4"; metrics.jsonl keeps the key itself."""
-    return re.sub(r"[^-/\w.]", "_", key.replace("@", "_at_"))
-
-
 class Writer:
-    """Appends metric records; `enabled=False` (non-main processes) makes it a no-op by design."""
+    """Appends metric records, then hands each to the run's experiment trackers (trackers.py:
+    TensorBoard, W&B, MLflow, the console); `enabled=False` (non-main processes) makes it a
+    no-op by design."""
 
-    def __init__(self, workdir: str, *, tensorboard: bool, enabled: bool = True):
+    def __init__(self, workdir: str, *, trackers: trackers_lib.Trackers | None = None,
+                 enabled: bool = True):  # fmt: skip
         self.enabled = enabled
         self.path = os.path.join(workdir, METRICS_FILE)
-        self._tb = None
-        if enabled and tensorboard:
-            import tensorboardX
-
-            self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, "tensorboard"))
+        self.trackers = trackers if enabled and trackers is not None else trackers_lib.Trackers()
 
     def truncate_after(self, step: int, *, drop=None) -> None:
         """Keeps only records with step <= `step`, less those for which `drop(record)` is true
@@ -238,11 +231,18 @@ class Writer:
             f.write(json.dumps(record) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        if self._tb is not None:
-            for k, v in values.items():
-                self._tb.add_scalar(tensorboard_tag(k), float(v), int(step))
-            self._tb.flush()
+        self.trackers.log(int(step), values)  # after the file: it is the source of truth
+
+    def log_generations(self, step: int, samples) -> None:
+        """Hands one validation's logged samples (input, output, score) to the trackers."""
+        if self.enabled:
+            self.trackers.log_generations(int(step), samples)
+
+    def catch_up(self, generations: dict) -> None:
+        """On a resume, after `truncate_after`: hands the trackers what metrics.jsonl and the
+        logged validation samples (`generations`, {step: samples}) hold that they missed."""
+        if self.enabled:
+            self.trackers.catch_up(read(os.path.dirname(self.path)), generations)
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+        self.trackers.close()

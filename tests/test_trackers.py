@@ -1,0 +1,396 @@
+"""Experiment tracking (trainer.logger, grpo_jax/trainer/trackers.py): verl's names on the
+command line, what W&B and MLflow receive, resume into the same runs, and failures that never
+cost the run.
+
+W&B runs offline (WANDB_MODE=offline, files in the workdir) and MLflow on a local SQLite store;
+both are read back after real `train.py --config=configs/demo.py:tiny` runs. The resume is a
+kill's aftermath without the kill: a run of steps 0..2 (a checkpoint after each step), its
+step-2 checkpoint deleted, then the command again with 3 steps: it resumes from step 1, redoes
+step 2 and adds step 3, as after a kill between step 2's metrics row and its checkpoint.
+W&B and MLflow are test dependencies (scripts/test.sh installs them): under CI=true a missing
+one fails these tests instead of skipping them (tests/reference.py).
+"""
+
+import glob
+import json
+import logging
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+import jax
+import pytest
+import reference
+
+from grpo_jax import config, errors, loading, sharding
+from grpo_jax.data import demo_task
+from grpo_jax.trainer import loop, metrics, trackers, validation
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = (
+    "--config=configs/demo.py:tiny",
+    "--config.warmup.steps=0",
+    "--config.data.arithmetic.num_val=4",
+    "--config.data.val_batch_size=4",
+    "--config.data.train_batch_size=4",
+    "--config.actor.ppo_mini_batch_size=4",
+    "--config.actor.ppo_micro_batch_size_per_gpu=16",
+    "--config.rollout.n=4",
+    "--config.trainer.test_freq=1",  # a validation (and its samples) at every step
+    "--config.trainer.save_freq=1",
+    "--config.checkpoint.max_to_keep=3",
+    "--config.trainer.log_val_generations=3",
+    "--config.trainer.progress_bar=False",
+    "--config.model.tiny.hidden_size=32",
+    "--config.model.tiny.intermediate_size=64",
+    "--config.checkpoint.export_hf=False",
+    "--config.trainer.logger=console,wandb,mlflow",  # the comma-separated form
+    "--config.trainer.project_name=grpo_jax_tests",
+    "--config.trainer.experiment_name=tiny",
+)
+HINT = "scripts/test.sh installs it (requirements.txt)"
+# The tests that run W&B and MLflow themselves (conftest.py counts them in its summary).
+WITH_TRACKERS = pytest.mark.reference("trackers")
+
+
+# ---------------------------------------------------------------------------------------------
+# Config: verl's names and list forms, the default, the missing package
+
+
+def _cli(*overrides):
+    """The checked RunConfig train.py builds from these overrides (in-process)."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    sys.path.insert(0, ROOT)
+    import train
+
+    argv = ["train.py", "--config=configs/gsm8k.py:smoke", *overrides]
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "", flag_values=fv, lock_config=True,
+                                    sys_argv=argv)  # fmt: skip
+    fv(argv)
+    return train.check_config(fv.config)
+
+
+def test_logger_takes_verls_list_forms_from_the_command_line():
+    assert _cli().trainer.logger == ("console", "tensorboard")
+    for form in ("console,mlflow", "['console','mlflow']", "[console,mlflow]", "[console, mlflow]"):
+        assert _cli(f"--config.trainer.logger={form}").trainer.logger == ("console", "mlflow")
+    run = _cli("--config.trainer.project_name=p", "--config.trainer.experiment_name=e")
+    assert (run.trainer.project_name, run.trainer.experiment_name) == ("p", "e")
+
+
+def test_default_needs_no_tracker_package_and_tensorboard_false_still_turns_it_off():
+    t = config.TrainerConfig()
+    assert t.logger == ("console", "tensorboard") and t.backends == t.logger
+    assert config.TrainerConfig(tensorboard=False).backends == ("console",)
+    assert config.TrainerConfig(logger=("wandb",), tensorboard=False).backends == ("wandb",)
+    with pytest.raises(config.ConfigError, match=r"'swanlab', not one of \['console'"):
+        config.TrainerConfig(logger="console,swanlab")
+
+
+@pytest.mark.parametrize("backend", ["wandb", "mlflow"])
+def test_a_missing_tracker_package_is_a_config_error_naming_it(monkeypatch, tmp_path, backend):
+    monkeypatch.setitem(sys.modules, backend, None)  # `import wandb` raises ImportError
+    with pytest.raises(config.ConfigError, match=f"needs the {backend} package .*pip install "
+                       f"{backend} \\(or grpo_jax\\[{backend}\\]\\)"):  # fmt: skip
+        config.TrainerConfig(logger=("console", backend))
+    with pytest.raises(errors.InputError, match=f"pip install {backend}"):
+        trackers.start((backend,), workdir=str(tmp_path), project="p", experiment="e",
+                       params={}, resume=False)  # fmt: skip
+
+
+def test_keys_mapped_for_mlflow_and_tensorboard():
+    # verl's MLflow mapping: "@" -> "_at_", repeated slashes one, other illegal characters "_"
+    key = "val-core/openai/gsm8k/acc/mean@1"
+    assert trackers.mlflow_key(key) == "val-core/openai/gsm8k/acc/mean_at_1"
+    assert trackers.tensorboard_tag(key) == "val-core/openai/gsm8k/acc/mean_at_1"
+    assert trackers.mlflow_key("a//b c:d+e") == "a/b c:d_e"
+    assert trackers.flatten({"a": {"b": 1, "c": (1, 2)}, "d": {}}) == {
+        "a.b": 1, "a.c": [1, 2], "d": {}}  # fmt: skip
+
+
+class _Recorder:
+    """A tracker that records what it gets."""
+
+    def __init__(self, name):
+        self.name, self.rows, self.samples = name, [], []
+
+    def log(self, step, row):
+        self.rows.append((step, row))
+
+    def log_generations(self, step, samples):
+        self.samples.append((step, list(samples)))
+
+    def close(self):
+        pass
+
+
+def test_a_resume_sends_what_a_tracker_missed_and_no_step_twice(tmp_path):
+    # "old" was sent steps 0..1 before a kill; "new" joins in the resumed run.
+    workdir = str(tmp_path)
+    trackers.write_state(workdir, {"old": {"last_step": 1}})
+    old, new = _Recorder("old"), _Recorder("new")
+    tracked = trackers.start((), workdir=workdir, project="p", experiment="e", params={},
+                             resume=True, extra=[old, new])  # fmt: skip
+    rows = [{"step": s, "x": s} for s in range(3)] + [{"step": 2, "val": 1}]
+    tracked.catch_up(rows, {0: [{"input": "a"}], 2: [{"input": "b"}]})
+    assert old.rows == [(2, {"x": 2.0}), (2, {"val": 1.0})]
+    assert old.samples == [(2, [{"input": "b"}])]
+    assert [s for s, _ in new.rows] == [0, 1, 2, 2] and [s for s, _ in new.samples] == [0, 2]
+    tracked.log(1, {"x": 9})  # a redone step: "old" has it already
+    tracked.log(3, {"x": 3})
+    assert [s for s, _ in old.rows] == [2, 2, 3] and [s for s, _ in new.rows] == [0, 1, 2, 2, 3]
+    assert trackers.read_state(workdir) == {"old": {"last_step": 3}, "new": {"last_step": 3}}
+    # a fresh run (no checkpoint) forgets the old runs and steps
+    trackers.start((), workdir=workdir, project="p", experiment="e", params={}, resume=False)
+    assert trackers.read_state(workdir) == {}
+
+
+# ---------------------------------------------------------------------------------------------
+# W&B offline and MLflow, read back after real runs
+
+
+def _wandb_records(path):
+    """The protobuf records of a W&B .wandb file: a 7-byte header (":W&B", magic, version),
+    then LevelDB log blocks of 32 KiB, each record a 7-byte header (crc32c, u16 length, type:
+    1 full, 2 first, 3 middle, 4 last) and its bytes."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B"
+    pos, buf, block = 7, b"", 32768
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # a block's tail too short for a header is padding
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0:  # zero padding to the block's end
+            pos += left
+            continue
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        buf = chunk if kind in (1, 2) else buf + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(buf)
+            yield record
+
+
+def _wandb_run(path):
+    """(run id, config, {step: {key: value}}) of one offline run file."""
+    run_id, params, history = None, {}, {}
+    for r in _wandb_records(path):
+        kind = r.WhichOneof("record_type")
+        if kind == "run":
+            run_id = r.run.run_id
+            params = {i.key: json.loads(i.value_json) for i in r.run.config.update}
+        elif kind == "history":
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                     for i in r.history.item}  # fmt: skip
+            history[r.history.step.num] = {k: v for k, v in items.items()
+                                           if not k.startswith("_")}  # fmt: skip
+    return run_id, params, history
+
+
+def _train(workdir, env, *extra):
+    cmd = [sys.executable, "train.py", *TINY, f"--config.trainer.default_local_dir={workdir}",
+           *extra]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def tracked(tmp_path_factory):
+    """Steps 0..2 logged to W&B (offline) and MLflow (SQLite), then the resume (module
+    docstring): (tmp, metrics rows of the first run and of the resumed one, both runs' output,
+    the MLflow client)."""
+    wandb = reference.import_or_require("wandb", "trackers", HINT)
+    mlflow = reference.import_or_require("mlflow", "trackers", HINT)
+    reference.VERSIONS["trackers"] = f"wandb {wandb.__version__}, mlflow {mlflow.__version__}"
+    from mlflow.tracking import MlflowClient
+
+    tmp = tmp_path_factory.mktemp("trackers")
+    uri = f"sqlite:///{tmp}/mlflow.db"
+    client = MlflowClient(uri)  # artifacts in tmp, not the working directory's ./mlruns
+    client.create_experiment("grpo_jax_tests", artifact_location=str(tmp / "artifacts"))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "WANDB_MODE": "offline",
+           "MLFLOW_TRACKING_URI": uri, "WANDB_SILENT": "true"}  # fmt: skip
+    env.pop("MLFLOW_RUN_ID", None)
+    workdir = tmp / "run"
+    first = _train(workdir, env, "--config.trainer.total_training_steps=2")
+    first_rows = metrics.read(str(workdir))
+    shutil.rmtree(workdir / "checkpoints" / "2")
+    second = _train(workdir, env, "--config.trainer.total_training_steps=3")
+    return tmp, first_rows, metrics.read(str(workdir)), (first, second), client
+
+
+def _training_rows(rows):
+    """{step: row} of the rows the trackers get: a step's first row (a resume's validation
+    under an earlier step is metrics.jsonl's only)."""
+    out = {}
+    for r in rows:
+        out.setdefault(r["step"], {k: v for k, v in r.items() if k != "step"})
+    return out
+
+
+@WITH_TRACKERS
+def test_resume_keeps_metrics_jsonl_whole(tracked):
+    _, first, second, _, _ = tracked
+    assert [r["step"] for r in first] == [0, 1, 2]
+    # the resume from step 1 validates under step 1 (verl) and redoes step 2
+    assert [r["step"] for r in second] == [0, 1, 1, 2, 3]
+
+
+@WITH_TRACKERS
+def test_wandb_gets_every_step_once_in_one_run(tracked):
+    tmp, first, second, _, _ = tracked
+    state = trackers.read_state(str(tmp / "run"))
+    files = sorted(glob.glob(str(tmp / "run" / "wandb" / "offline-run-*" / "*.wandb")))
+    assert len(files) == 2  # one per launch, both of the same run
+    runs = [_wandb_run(f) for f in files]
+    assert [r[0] for r in runs] == [state["wandb"]["run_id"]] * 2
+    assert [sorted(r[2]) for r in runs] == [[0, 1, 2], [3]]  # no step sent twice
+    rows = _training_rows(first) | {3: _training_rows(second)[3]}
+    for _, _, history in runs:
+        for step, logged in history.items():
+            table = {k: logged.pop(k) for k in list(logged) if k.startswith("val/generations")}
+            assert logged == rows[step]  # verl's keys ("mean@1" too) and values
+            assert table["val/generations/_type"] == "table-file"
+            assert table["val/generations/nrows"] == 3 and table["val/generations/ncols"] == 4
+    params = runs[0][1]
+    assert params["trainer.logger"] == ["console", "wandb", "mlflow"]
+    assert params["trainer.total_training_steps"] == 2 and params["rollout.n"] == 4
+    assert runs[1][1]["trainer.total_training_steps"] == 3  # W&B takes the resume's config
+
+
+@WITH_TRACKERS
+def test_wandb_generations_tables_are_the_logged_samples(tmp_path, tracked):
+    tmp, *_ = tracked
+    samples = validation.read_generations(str(tmp / "run"))
+    tables = {}
+    for path in glob.glob(str(tmp / "run" / "wandb" / "*" / "files" / "media" / "table" / "val"
+                               / "generations_*.table.json")):  # fmt: skip
+        table = json.load(open(path))
+        assert table["columns"] == ["step", "input", "output", "score"]
+        tables[table["data"][0][0]] = table["data"]
+    assert sorted(tables) == [0, 1, 2, 3]
+    # steps 0, 1 and 2 from the first run; the resumed run redid step 2's validation, whose
+    # samples val_generations.jsonl now holds (the same policy and seed: the same samples)
+    for step, data in tables.items():
+        assert data == [[step, s["input"], s["output"], s["score"]] for s in samples[step]]
+
+
+@WITH_TRACKERS
+def test_mlflow_gets_every_step_once_with_mapped_keys(tracked):
+    tmp, first, second, (run1, run2), client = tracked
+    state = trackers.read_state(str(tmp / "run"))
+    experiment = client.get_experiment_by_name("grpo_jax_tests")
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.run_id == state["mlflow"]["run_id"] and run.info.run_name == "tiny"
+    assert run.info.status == "FINISHED"
+    rows = _training_rows(first) | {3: _training_rows(second)[3]}
+    keys = {k for row in rows.values() for k in row}
+    assert set(run.data.metrics) == {trackers.mlflow_key(k) for k in keys}
+    assert "val-core/arithmetic/acc/mean_at_1" in run.data.metrics
+    for key in ("val-core/arithmetic/acc/mean@1", "actor/pg_loss", "critic/score/mean"):
+        history = client.get_metric_history(run.info.run_id, trackers.mlflow_key(key))
+        got = sorted((m.step, m.value) for m in history)
+        assert got == sorted((s, r[key]) for s, r in rows.items() if key in r)  # once a step
+    assert run.data.params["trainer.logger"] == "['console', 'wandb', 'mlflow']"
+    assert run.data.params["trainer.total_training_steps"] == "2"  # MLflow keeps the first
+    assert "keeps the first values of the parameters ['trainer.total_training_steps']" in (
+        run2.stderr)
+    for out in (run1, run2):  # the keys needed no renaming by MLflow or TensorBoard
+        assert "sanitized" not in out.stderr and "illegal" not in out.stderr.lower()
+
+
+@WITH_TRACKERS
+def test_mlflow_generations_tables_are_the_logged_samples(tmp_path, tracked):
+    tmp, _, _, _, client = tracked
+    samples = validation.read_generations(str(tmp / "run"))
+    run_id = trackers.read_state(str(tmp / "run"))["mlflow"]["run_id"]
+    names = sorted(a.path for a in client.list_artifacts(run_id, "val_generations"))
+    assert names == [f"val_generations/step_{s}.json" for s in range(4)]
+    for step in range(4):
+        path = client.download_artifacts(run_id, f"val_generations/step_{step}.json",
+                                         str(tmp_path))  # fmt: skip
+        table = json.load(open(path))
+        assert table["columns"] == ["step", "input", "output", "score"]
+        assert table["data"] == [[step, s["input"], s["output"], s["score"]]
+                                 for s in samples[step]]  # fmt: skip
+
+
+@WITH_TRACKERS
+def test_console_prints_verls_lines(tracked):
+    _, first, _, (run1, _), _ = tracked
+    lines = [ln for ln in run1.stdout.splitlines() if ln.startswith("step:")]
+    assert [ln.split(" - ")[0] for ln in lines] == ["step:0", "step:1", "step:2"]
+    assert f"critic/score/mean:{first[1]['critic/score/mean']!r}" in lines[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Failures never cost the run
+
+
+class _Flaky:
+    """A tracker that raises at its `fail_at` step."""
+
+    name = "flaky"
+
+    def __init__(self, fail_at):
+        self.fail_at, self.steps, self.closed = fail_at, [], 0
+
+    def log(self, step, row):
+        if step == self.fail_at:
+            raise ConnectionError("connection lost")
+        self.steps.append(step)
+
+    def log_generations(self, step, samples):
+        pass
+
+    def close(self):
+        self.closed += 1
+
+
+@WITH_TRACKERS
+def test_a_tracker_that_fails_is_reported_once_and_the_run_goes_on(tmp_path, monkeypatch,
+                                                                     caplog):  # fmt: skip
+    # MLflow cannot start (nothing listens on the port) and a tracker raises at step 2 of 3.
+    reference.import_or_require("mlflow", "trackers", HINT)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    tok = loading.tokenizer(config.ModelSpec(source="random", tokenizer="char", path=None))
+    mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    run = config.RunConfig(
+        data=config.DataConfig(train_batch_size=2, max_prompt_length=16, max_response_length=4,
+                               val_batch_size=2),
+        actor=config.ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=4),
+        rollout=config.RolloutConfig(n=2, log_prob_micro_batch_size_per_gpu=4),
+        reward=config.RewardConfig(num_workers=0),
+        trainer=config.TrainerConfig(total_training_steps=3, progress_bar=False,
+                                     default_local_dir=str(tmp_path), logger=("mlflow",)),
+        checkpoint=config.CheckpointConfig(save_last=False, export_hf=False),
+    )  # fmt: skip
+    flaky = _Flaky(fail_at=2)
+    train_rows, val_rows = demo_task.arithmetic_rows(8, 2, max_operand=9, seed=0)
+    with sharding.use_mesh(mesh), caplog.at_level(logging.WARNING):
+        model_config, params = loading.model(config.ModelSpec(source="random", tokenizer="char",
+                                             path=None), tok, mesh, sharding.LOGICAL_RULES,
+                                             max_positions=32)  # fmt: skip
+        result = loop.train(run, model_config=model_config, params=params, tokenizer=tok,
+                            train_data=train_rows, val_data=val_rows, mesh=mesh,
+                            reward_fn=lambda solution_str, ground_truth: 0.0,
+                            trackers=[flaky])  # fmt: skip
+    assert [r["step"] for r in result.history] == [0, 1, 2, 3]
+    assert [r["step"] for r in metrics.read(str(tmp_path))] == [0, 1, 2, 3]
+    assert flaky.steps == [0, 1] and flaky.closed == 1  # off after step 2's failure
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert sum(w.startswith("mlflow: could not start") for w in warnings) == 1
+    assert sum(w.startswith("flaky: log failed (ConnectionError: connection lost)")
+               for w in warnings) == 1  # fmt: skip
