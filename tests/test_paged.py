@@ -276,7 +276,7 @@ def test_each_data_shard_holds_its_own_pool_and_slots(tiny, mesh_shape):
                              sharding.BATCH_AXES)  # fmt: skip
         pool = paged._programs()["pool"](st, shards, stats["num_pages"], 4)
     K, H = config.num_kv_heads, config.head_dim
-    for x in pool.k_NKHP:
+    for x in pool.k:
         assert x.shape == (shards, stats["num_pages"], K, H, 4)
         assert x.sharding.shard_shape(x.shape) == (1, stats["num_pages"],
                                                    K // mesh.shape["tensor"], H, 4)

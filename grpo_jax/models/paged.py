@@ -12,9 +12,12 @@ that `key_valid_BTS` admits. It is the decode step (T = 1) and a chunk of a prom
 (T = chunk) alike, in the per-layer, feature-major form of ``decode._decode_layers``
 (``DecodeParams``, one buffer per layer so a decode loop updates the pool in place).
 
-On every platform the attention gathers the sequence's pages (an XLA gather) and runs one
-softmax over them in float32. TPU's Pallas ragged paged attention is the kernel for this layout
-(`rollout/paged.py` says why it is not wired yet).
+The attention (`attention=`): "xla" gathers the sequence's pages (an XLA gather) and runs one
+softmax over them in float32, on every platform and for any mask. "pallas" (decode steps, T = 1)
+is JAX's Pallas TPU paged-attention kernel (`paged_kernel`): it reads only the pages below
+each row's two runs of slots (`paged_kernel.Spans`, the shared prompt and the row's own) and
+needs the pool in its layout, `init_pool(layout="pallas")`; prefill chunks run "xla" on either
+layout. `rollout/paged.py` picks one per platform (`paged_kernel.resolve`).
 """
 
 from __future__ import annotations
@@ -26,9 +29,12 @@ import jax
 import jax.numpy as jnp
 
 from grpo_jax.models import config as config_lib
-from grpo_jax.models import decode, transformer
+from grpo_jax.models import decode, paged_kernel, transformer
 
 TRASH_PAGE = 0  # written by idle slots and padding, never read
+
+
+LAYOUTS = ("xla", "pallas")  # KVPool.layout
 
 
 @flax.struct.dataclass
@@ -36,42 +42,51 @@ class KVPool:
     """Keys and values of every layer in pages (a pytree; donate it to the programs).
 
     Attributes:
-      k_NKHP: L arrays [num_pages, K, H, page_size], rotary-embedded keys, head dim before the
-        slots (as ``KVCache``: a query's scores read each page with the slots contiguous).
-      v_NKPH: L arrays [num_pages, K, page_size, H].
+      k, v: L arrays each, rotary-embedded keys and values, in `layout`:
+        "xla": k [num_pages, K, H, page_size], v [num_pages, K, page_size, H], head dim before
+          the slots for the keys (as ``KVCache``: a query's scores read each gathered page
+          with the slots contiguous);
+        "pallas": k and v [K, num_pages, page_size, H], the Pallas paged-attention kernel's
+          (`paged_kernel`: it copies pages of one kv head from HBM).
+      layout: static, one of LAYOUTS.
     """
 
-    k_NKHP: tuple[jax.Array, ...]
-    v_NKPH: tuple[jax.Array, ...]
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    layout: str = flax.struct.field(pytree_node=False, default="xla")
 
     @property
     def num_pages(self) -> int:
-        return self.k_NKHP[0].shape[-4]
+        return self.k[0].shape[-4] if self.layout == "xla" else self.k[0].shape[-3]
 
     @property
     def page_size(self) -> int:
-        return self.k_NKHP[0].shape[-1]
+        return self.k[0].shape[-1] if self.layout == "xla" else self.k[0].shape[-2]
 
 
 def init_pool(
-    config: config_lib.ModelConfig, num_pages: int, page_size: int, *, dtype=None
-) -> KVPool:
+    config: config_lib.ModelConfig, num_pages: int, page_size: int, *, dtype=None,
+    layout: str = "xla",
+) -> KVPool:  # fmt: skip
     """An empty pool (zeros) of `num_pages` pages of `page_size` slots, in `dtype` (default:
-    the compute dtype, as ``decode.init_cache``)."""
+    the compute dtype, as ``decode.init_cache``) and `layout` (`KVPool`)."""
     if num_pages < 2 or page_size < 1:
         raise ValueError(
             f"a KV pool needs num_pages >= 2 (page {TRASH_PAGE} is the trash page) and "
             f"page_size >= 1; got {num_pages} and {page_size}"
         )
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: expected one of {LAYOUTS}")
     dtype = config.dtype if dtype is None else dtype
-    K, H = config.num_kv_heads, config.head_dim
+    K, H, L = config.num_kv_heads, config.head_dim, config.num_layers
+    if layout == "pallas":
+        k_shape = v_shape = (K, num_pages, page_size, H)
+    else:
+        k_shape, v_shape = (num_pages, K, H, page_size), (num_pages, K, page_size, H)
     return KVPool(
-        k_NKHP=tuple(
-            jnp.zeros((num_pages, K, H, page_size), dtype) for _ in range(config.num_layers)
-        ),
-        v_NKPH=tuple(
-            jnp.zeros((num_pages, K, page_size, H), dtype) for _ in range(config.num_layers)
-        ),
+        k=tuple(jnp.zeros(k_shape, dtype) for _ in range(L)),
+        v=tuple(jnp.zeros(v_shape, dtype) for _ in range(L)),
+        layout=layout,
     )
 
 
@@ -91,8 +106,12 @@ def paged_forward(
     write_page_BT,
     write_column_BT,
     page_table_BM,
-    key_valid_BTS,
+    key_valid_BTS=None,
     pages_used=None,
+    *,
+    spans: paged_kernel.Spans | None = None,
+    attention: str = "xla",
+    interpret: bool | None = None,
 ):
     """T tokens of each of B sequences through the model over the paged cache.
 
@@ -107,10 +126,15 @@ def paged_forward(
       page_table_BM: int32 [B, M], the pages each sequence attends over, in logical order: key
         slot s of the gathered sequence is page s // page_size, column s % page_size.
       key_valid_BTS: bool [B, T, S], S = M * page_size: which slots token t attends to (its
-        own, written first, included).
+        own, written first, included). None for a decode step given `spans`.
       pages_used: optional int32 scalar, how many leading pages of the tables any token
-        attends to: the attention then reads only the first `page_buckets(M)` bucket of pages
-        that covers them (a `lax.switch`), not all M.
+        attends to: the XLA attention then reads only the first `page_buckets(M)` bucket of
+        pages that covers them (a `lax.switch`), not all M. (The kernel reads only the pages
+        of each row's spans.)
+      spans: a decode step's (T = 1) slots as `paged_kernel.Spans`, instead of key_valid_BTS;
+        "pallas" needs them.
+      attention: "xla" or "pallas" (T = 1 only; a `layout="pallas"` pool), see the module doc.
+      interpret: the kernel's Pallas interpret mode (`paged_kernel.attend`).
 
     Returns:
       (x_DX, pool): the final residual stream feature-major, [D, B * T] (row-major over (B, T);
@@ -124,6 +148,18 @@ def paged_forward(
     R = N // K
     P = pool.page_size
     S = M * P
+    if attention not in ("xla", "pallas"):
+        raise ValueError(f"attention={attention!r}: expected 'xla' or 'pallas'")
+    if attention == "pallas" and (T != 1 or spans is None or pool.layout != "pallas"):
+        raise ValueError(
+            "the Pallas kernel runs decode steps (T = 1) given spans over a layout='pallas' "
+            f"pool; got T={T}, spans={'given' if spans is not None else None}, "
+            f"layout={pool.layout!r}"
+        )
+    if key_valid_BTS is None:
+        if spans is None or T != 1:
+            raise ValueError("key_valid_BTS is needed unless spans give a decode step's slots")
+        key_valid_BTS = spans.mask(S, P)[:, None]
     if key_valid_BTS.shape != (B, T, S):
         raise ValueError(f"key_valid_BTS {key_valid_BTS.shape} must be {(B, T, S)}")
     X = B * T
@@ -136,21 +172,40 @@ def paged_forward(
     new_k, new_v = [], []
     for layer, w in enumerate(params.layers):
         q_NHX, k_KHX, v_KHX = decode.qkv_fm(c, w, x_DX, cos_HX, sin_HX)
-        k_pool = pool.k_NKHP[layer].at[page_X, :, :, column_X].set(
-            k_KHX.transpose(2, 0, 1).astype(pool.k_NKHP[layer].dtype)
-        )
-        v_pool = pool.v_NKPH[layer].at[page_X, :, column_X, :].set(
-            v_KHX.transpose(2, 0, 1).astype(pool.v_NKPH[layer].dtype)
-        )
+        k_pool, v_pool = pool.k[layer], pool.v[layer]
+        if pool.layout == "pallas":  # [K, pages, P, H]
+            k_pool = k_pool.at[:, page_X, column_X, :].set(
+                k_KHX.transpose(0, 2, 1).astype(k_pool.dtype)
+            )
+            v_pool = v_pool.at[:, page_X, column_X, :].set(
+                v_KHX.transpose(0, 2, 1).astype(v_pool.dtype)
+            )
+        else:
+            k_pool = k_pool.at[page_X, :, :, column_X].set(
+                k_KHX.transpose(2, 0, 1).astype(k_pool.dtype)
+            )
+            v_pool = v_pool.at[page_X, :, column_X, :].set(
+                v_KHX.transpose(2, 0, 1).astype(v_pool.dtype)
+            )
         new_k.append(k_pool)
         new_v.append(v_pool)
+        if attention == "pallas":
+            # Queries [N, H, B] -> [B, N, H]; the kernel's output [B, N, H] -> [N * H, B].
+            o_BNH = paged_kernel.attend(
+                q_NHX.transpose(2, 0, 1), k_pool, v_pool, page_table_BM, spans,
+                interpret=interpret,
+            )  # fmt: skip
+            o_XX = o_BNH.transpose(1, 2, 0).reshape(N * H, X)
+            x_DX = decode.out_mlp_fm(c, w, x_DX, o_XX)
+            continue
         # Queries [N, H, B*T] -> [B, K, T*R, H] (head n = k * R + r, as the model's GQA).
         q_BKQH = q_NHX.reshape(K, R, H, B, T).transpose(3, 0, 4, 1, 2).reshape(B, K, T * R, H)
+        attend = functools.partial(_attend_first, pool.layout, P, dt)
         if pages_used is None:
-            o_BKTRH = _attend_pages(q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS, dt)
+            o_BKTRH = attend(M, q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS)
         else:  # only the first pages any sequence uses: a branch per bucket of page counts
             buckets = page_buckets(M)
-            branches = [functools.partial(_attend_first, m, dt) for m in buckets]
+            branches = [functools.partial(attend, m) for m in buckets]
             o_BKTRH = jax.lax.switch(
                 jnp.searchsorted(jnp.asarray(buckets, jnp.int32), pages_used), branches,
                 q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS,
@@ -158,7 +213,7 @@ def paged_forward(
         # [B, K, T, R, H] -> [N * H, B * T]
         o_XX = o_BKTRH.transpose(1, 3, 4, 0, 2).reshape(N * H, X)
         x_DX = decode.out_mlp_fm(c, w, x_DX, o_XX)
-    return x_DX, KVPool(k_NKHP=tuple(new_k), v_NKPH=tuple(new_v))
+    return x_DX, KVPool(k=tuple(new_k), v=tuple(new_v), layout=pool.layout)
 
 
 PAGE_BUCKETS = 8  # branches of a decode step's attention (`page_buckets`)
@@ -171,23 +226,26 @@ def page_buckets(num_pages: int) -> tuple[int, ...]:
     return tuple(sorted({-(-num_pages * i // PAGE_BUCKETS) for i in range(1, PAGE_BUCKETS + 1)}))
 
 
-def _attend_first(m: int, dt, q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS):
-    P = k_pool.shape[3]
+def _attend_first(layout: str, P: int, dt, m: int, q_BKQH, k_pool, v_pool, page_table_BM,
+                  key_valid_BTS):  # fmt: skip
+    """`_attend_pages` over the first m pages (of P slots) of the tables."""
     return _attend_pages(
-        q_BKQH, k_pool, v_pool, page_table_BM[:, :m], key_valid_BTS[..., : m * P], dt
+        layout, q_BKQH, k_pool, v_pool, page_table_BM[:, :m], key_valid_BTS[..., : m * P], dt
     )
 
 
-def _attend_pages(q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS, dt):
-    """Softmax attention of q [B, K, T*R, H] over the pages of each sequence's table (gathered),
-    where `key_valid_BTS` admits; float32 [B, K, T, R, H]."""
+def _attend_pages(layout: str, q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS, dt):
+    """Softmax attention of q [B, K, T*R, H] over the pages of each sequence's table (gathered
+    from a pool in `layout`), where `key_valid_BTS` admits; float32 [B, K, T, R, H]."""
     B, K, Q, H = q_BKQH.shape
-    M, P = page_table_BM.shape[1], k_pool.shape[3]
-    T = key_valid_BTS.shape[1]
-    S = M * P
-    # The sequences' pages, gathered: [B, M, K, H, P] -> [B, K, H, S].
-    k_BKHS = k_pool[page_table_BM].transpose(0, 2, 3, 1, 4).reshape(B, K, H, S).astype(dt)
-    v_BKSH = v_pool[page_table_BM].transpose(0, 2, 1, 3, 4).reshape(B, K, S, H).astype(dt)
+    T, S = key_valid_BTS.shape[1], key_valid_BTS.shape[2]
+    # The sequences' pages, gathered, as [B, K, H, S] keys and [B, K, S, H] values.
+    if layout == "pallas":  # [K, B, M, P, H]
+        k_BKHS = k_pool[:, page_table_BM].transpose(1, 0, 4, 2, 3).reshape(B, K, H, S).astype(dt)
+        v_BKSH = v_pool[:, page_table_BM].transpose(1, 0, 2, 3, 4).reshape(B, K, S, H).astype(dt)
+    else:  # [B, M, K, H, P], [B, M, K, P, H]
+        k_BKHS = k_pool[page_table_BM].transpose(0, 2, 3, 1, 4).reshape(B, K, H, S).astype(dt)
+        v_BKSH = v_pool[page_table_BM].transpose(0, 2, 1, 3, 4).reshape(B, K, S, H).astype(dt)
     s_BKQS = jnp.einsum(
         "bkqh,bkhs->bkqs", q_BKQH, k_BKHS, preferred_element_type=jnp.float32
     ) * (H**-0.5)

@@ -42,10 +42,19 @@ sizes and admission order never enter. The logits equal `sampler.sample`'s up to
 rounding (the attention is one softmax over gathered pages here, two merged by log-sum-exp
 there), so the tokens are the same except where two candidates tie within that rounding.
 
-Kernels. The attention gathers each row's pages and runs XLA's softmax attention on every
-platform. TPU's Pallas `ragged_paged_attention` in jax 0.10.2 does not run in interpret mode
-on the CPU (`AttributeError: 'ReshapeTransform' object has no attribute 'indices'`), so it
-cannot be tested here and is not wired.
+Kernels (`attention`, `models.paged_kernel.resolve`). On a TPU with a bfloat16 model and one
+data shard (a Pallas call is not partitioned by XLA: no `shard_map` around it yet) a decode
+step's attention is JAX's Pallas TPU paged-attention kernel (`models.paged_kernel`): it reads
+only each row's pages, over a pool in the kernel's layout ([K, pages, page_size, H] a layer,
+so no transpose on the hot path). A row's keys are two runs of its table (the shared prompt
+slots, whose last page is partly filled, then its own), so the kernel runs once per run and
+the two merge by log-sum-exp. Prefill chunks, GPUs, CPUs and float32 pools take the XLA
+attention, which gathers each row's pages. The kernel is tested on the CPU in Pallas interpret
+mode (tests/test_paged_kernel.py): its decode attention equals the XLA one over the pool
+rounded to bfloat16 (the kernel reads K and V as bfloat16) within float32 rounding, and a
+greedy `sample_paged` call gives the XLA path's tokens. TPU's `ragged_paged_attention`
+(prefill and decode in one kernel) fails in interpret mode on the CPU in jax 0.10.2
+(`AttributeError: 'ReshapeTransform' object has no attribute 'indices'`), so it is not used.
 """
 
 from __future__ import annotations
@@ -66,7 +75,7 @@ import numpy as np
 
 from grpo_jax import model as model_lib
 from grpo_jax import sampler
-from grpo_jax.models import decode, paged
+from grpo_jax.models import decode, paged, paged_kernel
 
 # verl 0.9.1's rollout.max_num_seqs / max_num_batched_tokens defaults (vLLM's names).
 MAX_NUM_SEQS = 256
@@ -90,6 +99,9 @@ class _Settings:
     # The mesh axes the shards (the leading D axis of the pool and the state) are split over:
     # the prompts' batch axes; None on one device or with replicated prompts (D = 1).
     shard_axes: tuple[str, ...] | None = None
+    # A decode step's attention, resolved (`paged_kernel.resolve`): "xla" or "pallas" (the
+    # pool then has the kernel's layout).
+    attention: str = "xla"
 
 
 @flax.struct.dataclass
@@ -157,23 +169,27 @@ def _step(st: _Settings, dparams, pages_used, pool, s: PagedState):
     """One decode step of one shard's slots (fields without the D axis). Returns (pool, s,
     the rows that finished)."""
     P = pool.page_size
-    M = s.page_table_DSM.shape[1]
     B, R = s.ids_DBR.shape
     eos = jnp.asarray(st.eos_token_ids, jnp.int32)
-    slots = jnp.arange(M * P, dtype=jnp.int32)
     shared_S = s.prompt_pages_DS * P
     w_S = shared_S + s.plen_DS  # the fed token's logical slot
     page_S = jnp.where(
         s.active_DS, jnp.take_along_axis(s.page_table_DSM, (w_S // P)[:, None], 1)[:, 0],
         paged.TRASH_PAGE,
     )  # fmt: skip
-    valid_SS = s.active_DS[:, None] & (
-        (slots[None] < s.prompt_len_DS[:, None])
-        | ((slots[None] >= shared_S[:, None]) & (slots[None] <= w_S[:, None]))
+    # The slots the row attends to: its group's shared prompt slots [0, prompt_len) and its
+    # own slots up to the fed token's; not a prefix of the table (the last shared page is
+    # filled only up to prompt_len), so two runs (`paged_kernel.Spans`).
+    zero = jnp.zeros_like(s.plen_DS)
+    spans = paged_kernel.Spans(
+        shared_len_B=jnp.where(s.active_DS, s.prompt_len_DS, zero),
+        own_start_B=s.prompt_pages_DS,
+        own_len_B=jnp.where(s.active_DS, s.plen_DS + 1, zero),
     )
     x_DS, pool = paged.paged_forward(
         st.config, dparams, pool, s.tok_DS[:, None], s.pos_DS[:, None], page_S[:, None],
-        (w_S % P)[:, None], s.page_table_DSM, valid_SS[:, None], pages_used,
+        (w_S % P)[:, None], s.page_table_DSM, None, pages_used, spans=spans,
+        attention=st.attention,
     )  # fmt: skip
     logits_SV = decode.head_logits_fm(st.config, dparams, x_DS)
     step_keys_S = jax.vmap(jax.random.fold_in)(s.keys_DS, s.t_DS)
@@ -306,10 +322,11 @@ def _init_state(st: _Settings, rng, *, shards: int, num_slots: int, num_pages_ro
 def _init_pool(st: _Settings, shards: int, num_pages: int, page_size: int) -> paged.KVPool:
     """D empty pools, one per shard, each split over the mesh's tensor axis by KV head."""
 
-    pool = _over_shards(st, lambda _: paged.init_pool(st.config, num_pages, page_size))(
-        jnp.arange(shards)
-    )
-    if st.shard_axes is None:
+    layout = "pallas" if st.attention == "pallas" else "xla"
+    pool = _over_shards(
+        st, lambda _: paged.init_pool(st.config, num_pages, page_size, layout=layout)
+    )(jnp.arange(shards))
+    if st.shard_axes is None:  # (always so for the kernel's layout: `paged_kernel.resolve`)
         return pool
     kv_heads = nn.logical_to_mesh_axes(("act_kv_heads",))[0]  # the rules' tensor axis, if any
     spec = jax.sharding.PartitionSpec(st.shard_axes, None, kv_heads, None, None)
@@ -447,6 +464,7 @@ def sample_paged(
     page_size: int = PAGE_SIZE,
     num_pages: int | None = None,
     segment_steps: int = SEGMENT_STEPS,
+    attention: str = "auto",
     stats: dict | None = None,
 ) -> sampler.Rollout:
     """`sampler.sample` with continuous batching over a paged KV pool (see the module doc).
@@ -456,6 +474,9 @@ def sample_paged(
       max_num_batched_tokens: prompt tokens per prefill call.
       page_size / num_pages: the pool (default: `plan_pool`'s).
       segment_steps: decode steps between prefill chunks while a prefill is pending.
+      attention: a decode step's attention, "auto", "xla" or "pallas" (`paged_kernel.resolve`:
+        "auto" is the Pallas kernel on a TPU with a bfloat16 model and one data shard, else
+        XLA; "pallas" on the CPU runs the kernel in interpret mode, for tests).
       stats: if given, filled with the call's schedule: the `PoolPlan` fields, counts
         (decode calls and steps, prefill calls and tokens, admissions, the peak pages in use
         and rows in flight) and `trace`, the calls in order.
@@ -492,8 +513,9 @@ def sample_paged(
         max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
         num_pages=num_pages,
     )  # fmt: skip
+    attention = paged_kernel.resolve(attention, kv_dtype=config.dtype, shards=shards)
     st = _Settings(config, max_new_tokens, float(temperature), float(top_p), int(top_k),
-                   eos_token_ids, int(pad_token_id), logprobs_mode, axes)  # fmt: skip
+                   eos_token_ids, int(pad_token_id), logprobs_mode, axes, attention)  # fmt: skip
     run = _Schedule(st, plan, prompts, n, segment_steps, shards, mesh)
     programs = _programs()
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
