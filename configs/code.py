@@ -70,12 +70,7 @@ def _tiny(c):
     c.model.tokenizer = "char"
     c.model.path = None
     c.model.enable_gradient_checkpointing = False
-    c.model.tiny.hidden_size = 64
-    c.model.tiny.intermediate_size = 256
-    c.model.tiny.num_layers = 2
-    c.model.tiny.num_heads = 4
-    c.model.tiny.num_kv_heads = 2
-    c.model.tiny.head_dim = 16
+    common.two_layer_model(c)
     c.data.max_prompt_length = 96
     c.data.prompt_length_bucket = 16
     c.data.max_response_length = 48  # the longest reference program is 37 characters
