@@ -202,6 +202,10 @@ def _cases():
         problem, program = _perturbed_outputs(rng, 10)
         cases.append((f"perturbed_{k}", program, json.dumps(problem)))
     cases.append(("bad_ground_truth", ADD_PROGRAMS["correct"], "not json"))
+    short = {"inputs": ADD["inputs"], "outputs": ADD["outputs"][:2]}
+    cases.append(("short_outputs", ADD_PROGRAMS["correct"], json.dumps(short)))
+    long = {"inputs": ADD["inputs"][:2], "outputs": ADD["outputs"]}
+    cases.append(("long_outputs", ADD_PROGRAMS["wrong"], json.dumps(long)))
     return cases
 
 

@@ -38,8 +38,9 @@ verl's rules, reproduced here:
     call-based test then runs as a stdin program, which prints nothing, so a call-based
     completion scores 1.0 (all tests pass the first pass) or, nearly always, 0.0.
   * `continuous=False` with any failing test raises, as verl's does (UnboundLocalError there).
-  * a ground truth that is not JSON of a dict with "inputs" and "outputs" scores
-    `(False, None)`, as verl does (it prints the exception and moves on).
+  * a ground truth that is not JSON of a dict with "inputs" and "outputs", or (unless every
+    test passes) has fewer outputs than inputs, scores `(False, None)`, as verl does (it prints
+    the exception and moves on).
 
 Deliberate differences from verl (docs/data-and-rewards.md):
   * verl runs the code in a forked child of its reward worker under `reliability_guard` (which
@@ -292,6 +293,8 @@ def parse_problem(test_cases) -> Problem | None:
 
 def _well_formed(problem: Problem, i: int) -> bool:
     """Whether verl gets past its bookkeeping of test i (else its whole run raises, lost)."""
+    if i >= len(problem.outputs):
+        return False
     text, want = problem.inputs[i], problem.outputs[i]
     if not (isinstance(text, str) and isinstance(want, str)):
         return False
@@ -439,6 +442,10 @@ def compute_score(
             "verl 0.9.1 raises UnboundLocalError there; its default_compute_score passes "
             "continuous=True"
         )
+    if len(problem.outputs) < len(problem.inputs):
+        # verl builds the per-test cases from outputs[i] for every input: IndexError, caught.
+        _log.warning("code reward: fewer outputs than inputs in the ground truth; scored False")
+        return False, None
     count = min(len(problem.inputs), CONTINUOUS_TESTS)
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(count, 1)) as pool:
         runs = list(
