@@ -89,6 +89,16 @@ def use_builtin_task(c: ml_collections.ConfigDict) -> None:
     c.reward.fn = "grpo_jax.rewards.functions:gsm8k_score"  # verl's strict "####" scorer
 
 
+def two_layer_model(c: ml_collections.ConfigDict) -> None:
+    """The random model of the CPU demos (demo.py:tiny, code.py:tiny): 2 layers of width 64."""
+    c.model.tiny.hidden_size = 64
+    c.model.tiny.intermediate_size = 256
+    c.model.tiny.num_layers = 2
+    c.model.tiny.num_heads = 4
+    c.model.tiny.num_kv_heads = 2
+    c.model.tiny.head_dim = 16
+
+
 def make_smoke(c: ml_collections.ConfigDict) -> None:
     """The `:smoke` variant: same code path, tiny random model, synthetic prompts, 2 steps."""
     use_builtin_task(c)

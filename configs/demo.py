@@ -99,12 +99,7 @@ def _tiny(arg):
     c.data.max_prompt_length = 16
     c.data.prompt_length_bucket = 8
     c.data.max_response_length = 8  # "#### 7" + EOS, room for 1 more
-    c.model.tiny.hidden_size = 64
-    c.model.tiny.intermediate_size = 256
-    c.model.tiny.num_layers = 2
-    c.model.tiny.num_heads = 4
-    c.model.tiny.num_kv_heads = 2
-    c.model.tiny.head_dim = 16
+    common.two_layer_model(c)
     c.model.tiny.seed = arg.seed
     c.rollout.n = 8
     c.actor.ppo_mini_batch_size = 16

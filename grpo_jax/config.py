@@ -876,6 +876,36 @@ class OverlongBufferConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SandboxFusionConfig:
+    """Section `reward.sandbox_fusion` (verl's, same names): run code rewards on SandboxFusion.
+
+    With `url` set, `scorers.default_compute_score` sends the code sources ("codecontests",
+    "apps", "codeforces", "taco") to that service (rewards/sandbox_fusion.py) instead of
+    grpo_jax's local sandbox (rewards/code.py), as verl does. reward.fn must then include
+    default_compute_score (and custom_reward_function.path be unset), or the run refuses to
+    start: verl would silently not use the URL. verl's semaphore bounds the requests of all its
+    reward workers together; here each of the reward.num_workers processes may have
+    max_concurrent / num_workers (rounded up) in flight. An unreachable service stops the run
+    with an error naming the URL (verl scores its tests -1).
+    """
+
+    url: str | None = None  # the full run_code endpoint, e.g. "http://host:8080/run_code"
+    max_concurrent: int = 64  # requests in flight, all reward workers together
+    memory_limit_mb: int = 1024  # sent with each request: the run's memory limit
+
+    def __post_init__(self):
+        c = _Checks("reward.sandbox_fusion")
+        _positive(c, self, "max_concurrent")
+        _positive(c, self, "memory_limit_mb")
+        if self.url is not None:
+            c.need(
+                self.url.startswith(("http://", "https://")), "url", self.url,
+                "must be an http(s) URL of the run_code endpoint",
+            )  # fmt: skip
+        c.done()
+
+
+@dataclasses.dataclass(frozen=True)
 class RewardConfig:
     """Section `reward`: the reward functions, how they are combined and run
     (grpo_jax/rewards/functions.py).
@@ -890,8 +920,11 @@ class RewardConfig:
     weights: str = ""  # comma-separated weights, "" = all 1.0
     on_error: str = "raise"  # "raise" (stop, naming function + sample) | "zero" (score 0, counted)
     num_workers: int = 2  # scorer processes; 0 = score in the trainer (no timeout)
-    timeout_s: float = 30.0  # per call of a function (one sample, or one batch for TRL-style)
+    # per call of a function (one sample, or one batch for TRL-style); a code reward takes up to
+    # ~20 s locally (verl's 5 s first pass and 10 s tests, rewards/code.py)
+    timeout_s: float = 30.0
     overlong_buffer: OverlongBufferConfig = OverlongBufferConfig()
+    sandbox_fusion: SandboxFusionConfig = SandboxFusionConfig()
 
     def __post_init__(self):
         c = _Checks("reward")

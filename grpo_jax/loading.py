@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import re
 
@@ -24,6 +25,7 @@ from grpo_jax import sharding
 from grpo_jax.data import demo_task, prompts, readers
 from grpo_jax.errors import InputError
 from grpo_jax.rewards import functions as reward_fns
+from grpo_jax.rewards import sandbox_fusion, scorers
 
 
 def looks_like_hub_id(path: str) -> bool:
@@ -181,7 +183,38 @@ def reward_fn(
     cfg: config_lib.RewardConfig,
     custom: config_lib.CustomRewardFunction = config_lib.CustomRewardFunction(),
 ) -> reward_fns.RewardFn:
-    """The run's reward: verl's custom_reward_function when its path is set, else reward.fn."""
+    """The run's reward: verl's custom_reward_function when its path is set, else reward.fn.
+
+    With reward.sandbox_fusion.url set, `scorers.default_compute_score` in reward.fn gets
+    verl's keywords (sandbox_fusion_url, concurrent_semaphore, memory_limit_mb), as verl binds
+    them to its default scorer; a custom function does not (verl's neither).
+    """
+    sf = cfg.sandbox_fusion
     if custom.path:
+        if sf.url is not None:
+            raise ValueError(
+                f"reward.sandbox_fusion.url={sf.url!r} only reaches "
+                "grpo_jax.rewards.scorers:default_compute_score, not custom_reward_function "
+                f"{custom.path}:{custom.name}; unset one of them"
+            )
         return reward_fns.from_file(custom.path, custom.name, on_error=cfg.on_error)
-    return reward_fns.make_reward_fn(cfg.fn, cfg.weights, on_error=cfg.on_error)
+    reward = reward_fns.make_reward_fn(cfg.fn, cfg.weights, on_error=cfg.on_error)
+    if sf.url is None:
+        return reward
+    if scorers.default_compute_score not in reward.fns:
+        raise ValueError(
+            f"reward.sandbox_fusion.url={sf.url!r} only reaches "
+            f"grpo_jax.rewards.scorers:default_compute_score, which reward.fn={cfg.fn!r} does "
+            "not include"
+        )
+    # verl's semaphore is shared by all its reward workers; each of ours takes its share.
+    workers = max(cfg.num_workers, 1)
+    limit = sandbox_fusion.RequestLimit(-(-sf.max_concurrent // workers))
+    bound = functools.partial(
+        scorers.default_compute_score,
+        sandbox_fusion_url=sf.url,
+        concurrent_semaphore=limit,
+        memory_limit_mb=sf.memory_limit_mb,
+    )
+    fns = tuple(bound if fn is scorers.default_compute_score else fn for fn in reward.fns)
+    return dataclasses.replace(reward, fns=fns)

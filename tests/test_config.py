@@ -11,6 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import train  # noqa: E402
+from configs import code as code_config  # noqa: E402
 from configs import common, demo, gsm8k, gsm8k_dapo, gsm8k_drgrpo, gsm8k_lora  # noqa: E402
 from configs import math as math_config  # noqa: E402
 from grpo_jax import config, loss  # noqa: E402
@@ -105,6 +106,8 @@ def test_parse_arg_big_vision_semantics():
         demo.get_config,
         lambda: demo.get_config("tiny"),
         math_config.get_config,
+        code_config.get_config,
+        lambda: code_config.get_config("tiny"),
     ],
 )
 def test_shipped_configs_validate(get):

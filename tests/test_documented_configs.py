@@ -35,6 +35,8 @@ ELSEWHERE = {
     "run_reads_the_cache",
     # the fault tests' runs (BASE_OVERRIDES: fewer prompts, the same model, warm-up and loop)
     "configs/demo.py:tiny": "test_faults.py, test_bad_input.py",
+    # on scripts/prepare_code_data.py's parquets (data/code by default), samples re-scored
+    "configs/code.py:tiny": "test_code_train.py::test_code_tiny_trains_on_code_rewards",
 }
 
 

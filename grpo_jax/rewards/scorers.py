@@ -58,16 +58,21 @@ No scorer has a timeout of its own: the caller runs scorers in worker processes 
 * `default_compute_score` is verl's dispatch by `data_source` (`verl.utils.reward_score.
   default_compute_score`) for the sources above and for those scored in their own modules:
   PRIME math (the numina_* sources, prime_math.py, with the PRM800K grader in prm800k.py),
-  Geometry3K (geo3k.py) and Search-R1 exact match (the searchR1_* sources, qa_em.py); with
-  verl's return conversion (a dict is returned as is, a number or bool as a float, a tuple as the
-  float of its first entry). verl's code sources (PRIME code, sandbox fusion) are not ported and
-  raise NotImplementedError, as does any unknown source.
+  Geometry3K (geo3k.py), Search-R1 exact match (the searchR1_* sources, qa_em.py) and the code
+  sources "codecontests", "apps", "codeforces" and "taco" (rewards/code.py: verl's prime_code,
+  run in grpo_jax's sandbox; with sandbox_fusion_url, rewards/sandbox_fusion.py); with verl's
+  return conversion (a dict is returned as is, a number or bool as a float, a tuple, e.g. a
+  (score, metadata) pair, as the float of its first entry). Any other source raises
+  NotImplementedError.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+
+from grpo_jax.rewards import code as code_reward
+from grpo_jax.rewards import sandbox_fusion
 
 _log = logging.getLogger(__name__)
 
@@ -580,30 +585,21 @@ SEARCH_R1_SOURCES = (
     "searchR1_musique",
     "searchR1_bamboogle",
 )
-# verl 0.9.1 sources that grpo_jax does not port, with the verl module that scores them.
-_VERL_ONLY_SOURCES = {
-    **dict.fromkeys(("codecontests", "apps", "codeforces", "taco"), "sandbox_fusion/prime_code"),
-}
 
 
 def _unsupported_source_message(data_source) -> str:
-    supported = ", ".join(
-        repr(s)
-        for s in GSM8K_SOURCES
+    sources = (
+        GSM8K_SOURCES
         + MATH_SOURCES
         + DAPO_SOURCES
         + PRIME_MATH_SOURCES
         + GEO3K_SOURCES
         + SEARCH_R1_SOURCES
+        + code_reward.SOURCES
     )
-    verl_module = _VERL_ONLY_SOURCES.get(data_source)
-    verl_note = (
-        f" verl scores it with verl.utils.reward_score.{verl_module}, which grpo_jax does not port."
-        if verl_module
-        else ""
-    )
+    supported = ", ".join(repr(s) for s in sources)
     return (
-        f"no rule-based reward for data_source={data_source!r}.{verl_note} "
+        f"no rule-based reward for data_source={data_source!r} (nor has verl 0.9.1). "
         f"grpo_jax.reward_score.default_compute_score supports {supported} and any data_source "
         f"starting with {DAPO_SOURCE_PREFIX!r}. For another data source, plug in a custom reward: "
         "set custom_reward_function.path (a Python file) and custom_reward_function.name (the "
@@ -612,29 +608,54 @@ def _unsupported_source_message(data_source) -> str:
 
 
 def default_compute_score(
-    data_source: str, solution_str: str, ground_truth: str, extra_info=None, **kwargs
+    data_source: str,
+    solution_str: str,
+    ground_truth: str,
+    extra_info=None,
+    sandbox_fusion_url: str | None = None,
+    concurrent_semaphore=None,
+    memory_limit_mb: int | None = None,
+    **kwargs,
 ) -> float | dict:
-    """verl 0.9.1's default_compute_score for its math, geometry and QA data sources.
+    """verl 0.9.1's default_compute_score for its math, geometry, QA and code data sources.
 
     Args:
       data_source: the dataset's data_source field, e.g. "openai/gsm8k".
       solution_str: the decoded completion.
-      ground_truth: the reference answer.
+      ground_truth: the reference answer (for code: JSON of the tests).
       extra_info: unused, as in verl for these sources.
-      **kwargs: verl's reward managers also pass sandbox_fusion_url, concurrent_semaphore and
-        memory_limit_mb; verl ignores them for these sources, and so does this function.
+      sandbox_fusion_url: code sources only: a SandboxFusion `/run_code` URL to run the tests
+        on (verl's reward.sandbox_fusion.url); None runs them in grpo_jax's sandbox.
+      concurrent_semaphore: with sandbox_fusion_url, bounds the requests in flight.
+      memory_limit_mb: with sandbox_fusion_url, each run's memory limit (verl sends None as
+        is when it is None).
+      **kwargs: ignored, as verl ignores what its reward managers add.
 
     Returns:
       A float (GSM8K: strict `gsm8k_score`; MATH: `math_score`; numina_*: the first entry of
       `prime_math.prime_math_score`; hiyouga/geometry3k: `geo3k.geo3k_score`; searchR1_*:
-      `qa_em.qa_em_score`, which reads ground_truth["target"]) or the dict of
-      `math_dapo_score` ("math_dapo", "math", "math_dapo_reasoning", "aime*").
+      `qa_em.qa_em_score`, which reads ground_truth["target"]; code: the pass rate of
+      `code.compute_score` or `sandbox_fusion.compute_score`) or the dict of `math_dapo_score`
+      ("math_dapo", "math", "math_dapo_reasoning", "aime*").
 
     Raises:
       NotImplementedError: for any other data_source, naming it, the supported ones and how to
         plug in a custom reward.
     """
     del extra_info, kwargs  # verl's signature; no supported scorer reads them
+    if data_source in code_reward.SOURCES:
+        if sandbox_fusion_url:
+            result = sandbox_fusion.compute_score(
+                sandbox_fusion_url,
+                concurrent_semaphore,
+                memory_limit_mb,
+                solution_str,
+                ground_truth,
+                continuous=True,
+            )
+        else:
+            result = code_reward.compute_score(solution_str, ground_truth, continuous=True)
+        return float(result[0])  # verl's conversion of a (score, metadata) pair
     if data_source in GSM8K_SOURCES:
         result = gsm8k_score(solution_str, ground_truth)
     elif data_source in MATH_SOURCES:
