@@ -45,7 +45,7 @@ import math
 import re
 import tokenize
 
-from grpo_jax.rewards import prm800k, scorers
+from grpo_jax.rewards import math_reward, prm800k
 
 _ANSWER_AFTER = ("answer:", "answer is", "answers are")
 _ANSWER_BEFORE = ("is answer", "is the answer", "are answers", "are the answers")
@@ -70,14 +70,14 @@ def _last_boxed_content(text: str) -> str | None:
     """prime_math's _last_boxed_only_string: the stripped content of the last box, or None.
 
     The box is the last `\\boxed` (or, without one, the last `\\fbox`); its content runs from the
-    first "{" after it to the brace that closes it (`scorers._closing_brace`'s depth rule).
+    first "{" after it to the brace that closes it (`math_reward.closing_brace`'s depth rule).
     """
     start = text.rfind("\\boxed")
     if start < 0:
         start = text.rfind("\\fbox")
         if start < 0:
             return None
-    end = scorers._closing_brace(text, start)
+    end = math_reward.closing_brace(text, start)
     if end is None:
         return None
     return text[text.index("{", start) + 1 : end].strip()

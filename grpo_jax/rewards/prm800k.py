@@ -7,7 +7,7 @@ that differ in small ways, selected here by `variant`:
 
 * "prime_math": `verl/utils/reward_score/prime_math/grader.py` + `math_normalize.py` (the
   numina_* sources, `grpo_jax.rewards.prime_math`). Its mathd normalisation is exactly
-  `scorers.strip_math_string` (the same lm-evaluation-harness code as verl's math_reward);
+  `math_reward.strip_math_string` (the same lm-evaluation-harness code as verl's math_reward);
   its unit list includes "liter"; spaces and braces survive the PRM800K normalisation; the sympy
   check runs in a forked process with a 10 s timeout (a timeout scores False).
 * "mathruler": mathruler 0.1.0's `mathruler/grader.py` + `math_normalize.py` (geometry3k,
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import re
 
-from grpo_jax.rewards import scorers
+from grpo_jax.rewards import math_reward
 
 VARIANTS = ("prime_math", "mathruler")
 
@@ -72,9 +72,9 @@ def _check_variant(variant: str) -> None:
 
 
 def _strip_mathruler(s: str) -> str:
-    """mathruler's _strip_string: `scorers.strip_math_string` except for the percent step.
+    """mathruler's _strip_string: `math_reward.strip_math_string` except for the percent step.
 
-    The steps are lm-evaluation-harness's, in its order (see `scorers.strip_math_string`); the
+    The steps are lm-evaluation-harness's, in its order (see `math_reward.strip_math_string`); the
     fixers are that module's, shared rather than copied.
     """
     s = s.replace("\n", "").replace("\\!", "")
@@ -83,7 +83,7 @@ def _strip_mathruler(s: str) -> str:
     s = s.replace("\\left", "").replace("\\right", "")
     s = s.replace("^{\\circ}", "").replace("^\\circ", "")
     s = s.replace("\\$", "")
-    s = scorers._remove_right_units(s)
+    s = math_reward.remove_right_units(s)
     s = s.replace("\\%", "").replace("%", "")  # prime_math: "\\\\%" then "\\%"
     s = s.replace(" .", " 0.").replace("{.", "{0.")
     if not s:
@@ -93,18 +93,18 @@ def _strip_mathruler(s: str) -> str:
     sides = s.split("=")
     if len(sides) == 2 and len(sides[0]) <= 2:
         s = sides[1]
-    s = scorers._fix_sqrt(s)
+    s = math_reward.fix_sqrt(s)
     s = s.replace(" ", "")
-    s = scorers._fix_fracs(s)
+    s = math_reward.fix_fracs(s)
     if s == "0.5":
         s = "\\frac{1}{2}"
-    return scorers._fix_a_slash_b(s)
+    return math_reward.fix_a_slash_b(s)
 
 
 def mathd_normalize(answer: str | None, *, variant: str) -> str | None:
     """math_normalize.normalize_answer: strip, unwrap a whole `\\text{...}`, MATH normalisation.
 
-    When the normalisation raises (see `scorers.strip_math_string`) the stripped, unwrapped
+    When the normalisation raises (see `math_reward.strip_math_string`) the stripped, unwrapped
     answer is returned as is.
     """
     _check_variant(variant)
@@ -116,7 +116,7 @@ def mathd_normalize(answer: str | None, *, variant: str) -> str | None:
         if m is not None:
             answer = m.group("text").strip()
         if variant == "prime_math":
-            return scorers.strip_math_string(answer)
+            return math_reward.strip_math_string(answer)
         return _strip_mathruler(answer)
     except Exception:  # noqa: BLE001 - verl returns the answer on any failure
         return answer
