@@ -76,7 +76,7 @@ _REFERENCE_TITLES = {
     "verl": "verl parity",
     "hf": "HF transformers parity",
     "vllm": "vLLM",
-    "tpu": "TPU compiler (plan.py --tpu_topology)",
+    "tpu": "TPU compiler (ahead of time, no TPU)",
     "trackers": "experiment trackers",
 }
 

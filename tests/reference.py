@@ -77,6 +77,28 @@ def hf():
     return torch, transformers
 
 
+def tpu_compile(code: str) -> str:
+    """Runs `code` (Python source) with libtpu's TPU compiler, on no TPU: in the venv of
+    scripts/build_tpu_venv.sh (``GRPO_JAX_TPU_PYTHON``), under JAX_PLATFORMS=cpu with the
+    repository importable; returns its stdout (reference "tpu": required under CI)."""
+    import subprocess
+
+    python = os.environ.get("GRPO_JAX_TPU_PYTHON", "")
+    if not python:
+        require("tpu", "no libtpu venv (GRPO_JAX_TPU_PYTHON); scripts/test.sh builds it with "
+                       "scripts/build_tpu_venv.sh")  # fmt: skip
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "",
+           "PYTHONPATH": os.pathsep.join([root, os.path.join(root, "tests")])}  # fmt: skip
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=900,
+                         env=env, cwd=root)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    version = subprocess.run([python, "-c", "import importlib.metadata as m; "
+                              "print(m.version('libtpu'))"], capture_output=True, text=True)
+    VERSIONS["tpu"] = f"libtpu {version.stdout.strip()} (the compiler only, no TPU)"
+    return out.stdout
+
+
 # ---------------------------------------------------------------------------------------------
 # Expressions evaluated in the worker.
 
