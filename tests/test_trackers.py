@@ -6,7 +6,11 @@ W&B runs offline (WANDB_MODE=offline, files in the workdir) and MLflow on a loca
 both are read back after real `train.py --config=configs/demo.py:tiny` runs. The resume is a
 kill's aftermath without the kill: a run of steps 0..2 (a checkpoint after each step), its
 step-2 checkpoint deleted, then the command again with 3 steps: it resumes from step 1, redoes
-step 2 and adds step 3, as after a kill between step 2's metrics row and its checkpoint.
+step 2 and adds step 3, as after a kill between step 2's metrics row and its checkpoint. A
+real kill too: train.py SIGKILLed as soon as step 3's row appears (a checkpoint after step 2),
+then the same command: one W&B and one MLflow run, every step once, the redone step 3 as the
+trackers got it before the kill (metrics.jsonl has the redone row: equal but for timings). W&B
+loses the killed launch's last steps (its file is written in blocks): an xfail names the loss.
 W&B and MLflow are test dependencies (scripts/test.sh installs them): under CI=true a missing
 one fails these tests instead of skipping them (tests/reference.py).
 """
@@ -16,13 +20,16 @@ import json
 import logging
 import os
 import shutil
+import signal
 import struct
 import subprocess
 import sys
+import time
 
 import jax
 import pytest
 import reference
+from test_faults import TIMING_KEYS, TIMING_PREFIX
 
 from grpo_jax import config, errors, loading, sharding
 from grpo_jax.data import demo_task
@@ -144,7 +151,17 @@ def test_a_resume_sends_what_a_tracker_missed_and_no_step_twice(tmp_path):
     tracked.log(1, {"x": 9})  # a redone step: "old" has it already
     tracked.log(3, {"x": 3})
     assert [s for s, _ in old.rows] == [2, 2, 3] and [s for s, _ in new.rows] == [0, 1, 2, 2, 3]
-    assert trackers.read_state(workdir) == {"old": {"last_step": 3}, "new": {"last_step": 3}}
+    assert trackers.read_state(workdir) == {
+        "old": {"last_step": 3, "last_generations_step": 2},
+        "new": {"last_step": 3, "last_generations_step": 2}}  # fmt: skip
+    # killed after step 4's samples went out, before its row did: the resume sends the row
+    trackers.write_state(workdir, {"old": {"last_step": 3, "last_generations_step": 4}})
+    old = _Recorder("old")
+    tracked = trackers.start((), workdir=workdir, project="p", experiment="e", params={},
+                             resume=True, extra=[old])  # fmt: skip
+    tracked.log_generations(4, [{"input": "c"}])
+    tracked.log(4, {"x": 4})
+    assert old.rows == [(4, {"x": 4.0})] and old.samples == []
     # a fresh run (no checkpoint) forgets the old runs and steps
     trackers.start((), workdir=workdir, project="p", experiment="e", params={}, resume=False)
     assert trackers.read_state(workdir) == {}
@@ -204,23 +221,70 @@ def _train(workdir, env, *extra):
     return out
 
 
-@pytest.fixture(scope="module")
-def tracked(tmp_path_factory):
-    """Steps 0..2 logged to W&B (offline) and MLflow (SQLite), then the resume (module
-    docstring): (tmp, metrics rows of the first run and of the resumed one, both runs' output,
-    the MLflow client)."""
+def _stores(tmp):
+    """(the environment of train.py runs logging to W&B offline and to MLflow's SQLite store
+    in `tmp`, an MlflowClient of that store)."""
     wandb = reference.import_or_require("wandb", "trackers", HINT)
     mlflow = reference.import_or_require("mlflow", "trackers", HINT)
     reference.VERSIONS["trackers"] = f"wandb {wandb.__version__}, mlflow {mlflow.__version__}"
     from mlflow.tracking import MlflowClient
 
-    tmp = tmp_path_factory.mktemp("trackers")
     uri = f"sqlite:///{tmp}/mlflow.db"
     client = MlflowClient(uri)  # artifacts in tmp, not the working directory's ./mlruns
     client.create_experiment("grpo_jax_tests", artifact_location=str(tmp / "artifacts"))
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "WANDB_MODE": "offline",
            "MLFLOW_TRACKING_URI": uri, "WANDB_SILENT": "true"}  # fmt: skip
     env.pop("MLFLOW_RUN_ID", None)
+    return env, client
+
+
+def _wandb_runs(workdir):
+    """_wandb_run of each launch's offline run file, oldest first."""
+    return [_wandb_run(f) for f in sorted(glob.glob(str(workdir / "wandb" / "offline-run-*"
+                                                         / "*.wandb")))]  # fmt: skip
+
+
+def _wandb_tables(workdir):
+    """{step: rows} of the val/generations tables W&B wrote in `workdir`."""
+    tables = {}
+    for path in glob.glob(str(workdir / "wandb" / "offline-run-*" / "files" / "media" / "table"
+                               / "val" / "generations_*.table.json")):  # fmt: skip
+        table = json.load(open(path))
+        assert table["columns"] == ["step", "input", "output", "score"]
+        step = table["data"][0][0]
+        assert step not in tables, f"two tables of step {step}"
+        tables[step] = table["data"]
+    return tables
+
+
+def _mlflow_tables(client, run_id, dest):
+    """{step: rows} of the val_generations/step_<step>.json artifacts of an MLflow run."""
+    tables = {}
+    for artifact in client.list_artifacts(run_id, "val_generations"):
+        table = json.load(open(client.download_artifacts(run_id, artifact.path, str(dest))))
+        assert table["columns"] == ["step", "input", "output", "score"]
+        tables[int(artifact.path.rsplit("_", 1)[1].removesuffix(".json"))] = table["data"]
+    return tables
+
+
+def _mlflow_history(client, run_id, key):
+    """[(step, value)] of a metric (verl's key) in an MLflow run, by step."""
+    return sorted((m.step, m.value) for m in client.get_metric_history(
+        run_id, trackers.mlflow_key(key)))  # fmt: skip
+
+
+def _table(step, samples):
+    """The generations table rows of one validation's samples (val_generations.jsonl)."""
+    return [[step, s["input"], s["output"], s["score"]] for s in samples]
+
+
+@pytest.fixture(scope="module")
+def tracked(tmp_path_factory):
+    """Steps 0..2 logged to W&B (offline) and MLflow (SQLite), then the resume (module
+    docstring): (tmp, metrics rows of the first run and of the resumed one, both runs' output,
+    the MLflow client)."""
+    tmp = tmp_path_factory.mktemp("trackers")
+    env, client = _stores(tmp)
     workdir = tmp / "run"
     first = _train(workdir, env, "--config.trainer.total_training_steps=2")
     first_rows = metrics.read(str(workdir))
@@ -250,9 +314,8 @@ def test_resume_keeps_metrics_jsonl_whole(tracked):
 def test_wandb_gets_every_step_once_in_one_run(tracked):
     tmp, first, second, _, _ = tracked
     state = trackers.read_state(str(tmp / "run"))
-    files = sorted(glob.glob(str(tmp / "run" / "wandb" / "offline-run-*" / "*.wandb")))
-    assert len(files) == 2  # one per launch, both of the same run
-    runs = [_wandb_run(f) for f in files]
+    runs = _wandb_runs(tmp / "run")
+    assert len(runs) == 2  # one per launch, both of the same run
     assert [r[0] for r in runs] == [state["wandb"]["run_id"]] * 2
     assert [sorted(r[2]) for r in runs] == [[0, 1, 2], [3]]  # no step sent twice
     rows = _training_rows(first) | {3: _training_rows(second)[3]}
@@ -272,17 +335,12 @@ def test_wandb_gets_every_step_once_in_one_run(tracked):
 def test_wandb_generations_tables_are_the_logged_samples(tmp_path, tracked):
     tmp, *_ = tracked
     samples = validation.read_generations(str(tmp / "run"))
-    tables = {}
-    for path in glob.glob(str(tmp / "run" / "wandb" / "*" / "files" / "media" / "table" / "val"
-                               / "generations_*.table.json")):  # fmt: skip
-        table = json.load(open(path))
-        assert table["columns"] == ["step", "input", "output", "score"]
-        tables[table["data"][0][0]] = table["data"]
+    tables = _wandb_tables(tmp / "run")
     assert sorted(tables) == [0, 1, 2, 3]
     # steps 0, 1 and 2 from the first run; the resumed run redid step 2's validation, whose
     # samples val_generations.jsonl now holds (the same policy and seed: the same samples)
     for step, data in tables.items():
-        assert data == [[step, s["input"], s["output"], s["score"]] for s in samples[step]]
+        assert data == _table(step, samples[step])
 
 
 @WITH_TRACKERS
@@ -298,8 +356,7 @@ def test_mlflow_gets_every_step_once_with_mapped_keys(tracked):
     assert set(run.data.metrics) == {trackers.mlflow_key(k) for k in keys}
     assert "val-core/arithmetic/acc/mean_at_1" in run.data.metrics
     for key in ("val-core/arithmetic/acc/mean@1", "actor/pg_loss", "critic/score/mean"):
-        history = client.get_metric_history(run.info.run_id, trackers.mlflow_key(key))
-        got = sorted((m.step, m.value) for m in history)
+        got = _mlflow_history(client, run.info.run_id, key)
         assert got == sorted((s, r[key]) for s, r in rows.items() if key in r)  # once a step
     assert run.data.params["trainer.logger"] == "['console', 'wandb', 'mlflow']"
     assert run.data.params["trainer.total_training_steps"] == "2"  # MLflow keeps the first
@@ -314,15 +371,10 @@ def test_mlflow_generations_tables_are_the_logged_samples(tmp_path, tracked):
     tmp, _, _, _, client = tracked
     samples = validation.read_generations(str(tmp / "run"))
     run_id = trackers.read_state(str(tmp / "run"))["mlflow"]["run_id"]
-    names = sorted(a.path for a in client.list_artifacts(run_id, "val_generations"))
-    assert names == [f"val_generations/step_{s}.json" for s in range(4)]
-    for step in range(4):
-        path = client.download_artifacts(run_id, f"val_generations/step_{step}.json",
-                                         str(tmp_path))  # fmt: skip
-        table = json.load(open(path))
-        assert table["columns"] == ["step", "input", "output", "score"]
-        assert table["data"] == [[step, s["input"], s["output"], s["score"]]
-                                 for s in samples[step]]  # fmt: skip
+    tables = _mlflow_tables(client, run_id, tmp_path)
+    assert sorted(tables) == [0, 1, 2, 3]
+    for step, data in tables.items():
+        assert data == _table(step, samples[step])
 
 
 @WITH_TRACKERS
@@ -331,6 +383,137 @@ def test_console_prints_verls_lines(tracked):
     lines = [ln for ln in run1.stdout.splitlines() if ln.startswith("step:")]
     assert [ln.split(" - ")[0] for ln in lines] == ["step:0", "step:1", "step:2"]
     assert f"critic/score/mean:{first[1]['critic/score/mean']!r}" in lines[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# A real kill: SIGKILL mid-run, the same command again
+
+KILLED = ("--config.trainer.total_training_steps=4", "--config.trainer.save_freq=2")
+KILL_AFTER = 3  # SIGKILL as soon as step 3's row is in metrics.jsonl: after the step-2 save
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """train.py (steps 0..4, a checkpoint after steps 2 and 4) SIGKILLed as soon as step 3's
+    metrics row appears, then the same command again: it resumes from step 2, validates under
+    step 2 (verl), redoes step 3, whose row and samples W&B and MLflow got before the kill, and
+    adds step 4. (tmp, metrics rows at the kill and at the end, trackers.json at the kill, the
+    resumed run's output, the MLflow client)."""
+    tmp = tmp_path_factory.mktemp("killed")
+    env, client = _stores(tmp)
+    workdir = tmp / "run"
+    cmd = [sys.executable, "train.py", *TINY, f"--config.trainer.default_local_dir={workdir}",
+           *KILLED]  # fmt: skip
+    with open(tmp / "killed.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 600
+            while proc.poll() is None and time.monotonic() < deadline:
+                if any(r["step"] >= KILL_AFTER for r in metrics.read(str(workdir))):
+                    proc.send_signal(signal.SIGKILL)
+                    break
+                time.sleep(0.005)
+            rc = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert rc == -signal.SIGKILL, f"ended (rc {rc}) before the kill: " + open(
+        tmp / "killed.log").read()[-4000:]  # fmt: skip
+    at_kill, state = metrics.read(str(workdir)), trackers.read_state(str(workdir))
+    assert [r["step"] for r in at_kill] == [0, 1, 2, 3], "the kill landed late: step 4 done"
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["2"]  # saves 2 done, 4 not begun
+    resumed = _train(workdir, env, *KILLED)
+    assert "resumed from step 2" in resumed.stderr
+    return tmp, at_kill, metrics.read(str(workdir)), state, resumed, client
+
+
+def _measured(key):
+    """A key that measures the machine and the process (tests/test_faults.py), not the run."""
+    return key.startswith(TIMING_PREFIX) or key in TIMING_KEYS
+
+
+@WITH_TRACKERS
+def test_a_killed_run_resumes_into_the_same_tracker_runs(killed):
+    tmp, at_kill, final, state, _, client = killed
+    # the killed run had sent step 3's samples, and its row unless the kill came between the
+    # row's line and its sending (then the resume sends the redone row)
+    assert {name: v["last_generations_step"] for name, v in state.items()} == {
+        "wandb": 3, "mlflow": 3}  # fmt: skip
+    assert all(v["last_step"] in (2, 3) for v in state.values()), state
+    end = trackers.read_state(str(tmp / "run"))
+    assert {n: v["run_id"] for n, v in end.items()} == {n: v["run_id"] for n, v in state.items()}
+    assert {name: v["last_step"] for name, v in end.items()} == {"wandb": 4, "mlflow": 4}
+    # metrics.jsonl, the source of truth: the resume validated under step 2 and redid step 3
+    assert [r["step"] for r in final] == [0, 1, 2, 2, 3, 4]
+    assert final[:3] == at_kill[:3]
+    redone = {k for k, v in final[4].items() if at_kill[3].get(k) != v}
+    assert final[4].keys() == at_kill[3].keys() and all(map(_measured, redone)), redone
+    wandb_ids = {r[0] for r in _wandb_runs(tmp / "run")}
+    assert wandb_ids == {state["wandb"]["run_id"]}
+    experiment = client.get_experiment_by_name("grpo_jax_tests")
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.run_id == state["mlflow"]["run_id"] and run.info.status == "FINISHED"
+
+
+def _killed_expectation(at_kill, final, last_step):
+    """{step: row} a tracker that had got the rows up to `last_step` at the kill must hold
+    after the resume: metrics.jsonl's rows, but the redone step 3 as the killed run sent it
+    when it did (the steps a resume redoes keep the values the tracker got before the kill):
+    equal to the redone row but for its timings."""
+    return _training_rows(final) | ({3: _training_rows(at_kill)[3]} if last_step >= 3 else {})
+
+
+@WITH_TRACKERS
+@pytest.mark.xfail(strict=True, reason=(
+    "a known loss: W&B's .wandb file of the killed launch lacks the steps sent last (wandb "
+    "writes the file in 32 KiB blocks and commits a step's history only when a later step is "
+    "logged), but trackers.json counts them as sent, so the resume does not send them again; "
+    "with wandb 0.31 the killed launch's file holds steps 0 and 1 only"))  # fmt: skip
+def test_a_killed_run_logs_every_step_once_to_wandb(killed):
+    tmp, at_kill, final, state, _, _ = killed
+    runs = _wandb_runs(tmp / "run")
+    assert len(runs) == 2  # one file per launch, both of the same run
+    want = _killed_expectation(at_kill, final, state["wandb"]["last_step"])
+    steps = [step for _, _, history in runs for step in sorted(history)]
+    assert steps == [0, 1, 2, 3, 4], steps  # the killed launch's steps, then step 4
+    for _, _, history in runs:
+        for step, logged in history.items():
+            table = {k: logged.pop(k) for k in list(logged) if k.startswith("val/generations")}
+            assert logged == want[step], step
+            assert table["val/generations/nrows"] == 3
+    assert [r[1]["trainer.total_training_steps"] for r in runs] == [4, 4]
+    assert [r[1]["trainer.save_freq"] for r in runs] == [2, 2]
+
+
+@WITH_TRACKERS
+def test_a_killed_run_logs_every_generations_table_once_to_wandb(killed):
+    tmp, *_ = killed
+    samples = validation.read_generations(str(tmp / "run"))
+    tables = _wandb_tables(tmp / "run")
+    assert sorted(tables) == [0, 1, 2, 3, 4]
+    for step, data in tables.items():  # step 3's killed samples equal the redone ones
+        assert data == _table(step, samples[step]), step
+
+
+@WITH_TRACKERS
+def test_a_killed_run_logs_every_step_once_to_mlflow(tmp_path, killed):
+    tmp, at_kill, final, state, resumed, client = killed
+    run_id = state["mlflow"]["run_id"]
+    want = _killed_expectation(at_kill, final, state["mlflow"]["last_step"])
+    run = client.get_run(run_id)
+    assert set(run.data.metrics) == {trackers.mlflow_key(k) for r in want.values() for k in r}
+    keys = {k for r in want.values() for k in r}
+    for key in sorted(keys):
+        got = _mlflow_history(client, run_id, key)
+        assert got == [(s, r[key]) for s, r in sorted(want.items()) if key in r], key
+    assert run.data.params["trainer.total_training_steps"] == "4"
+    assert "keeps the first values" not in resumed.stderr  # the same command: the same config
+    samples = validation.read_generations(str(tmp / "run"))
+    tables = _mlflow_tables(client, run_id, tmp_path)
+    assert sorted(tables) == [0, 1, 2, 3, 4]
+    for step, data in tables.items():
+        assert data == _table(step, samples[step]), step
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,14 +14,15 @@ Backends (verl 0.9.1's names, verl/utils/tracking.py):
                val_generations/step_<step>.json.
 W&B and MLflow get the run's config as parameters (flattened dotted keys, `flatten`).
 
-Resume: workdir/trackers.json keeps each backend's run id (W&B, MLflow) and the last step it
-was sent. A resumed run (restored from a checkpoint) continues the same W&B and MLflow runs,
-first sends what metrics.jsonl holds up to the restored step and a backend missed
-(`Trackers.catch_up`: a kill between a row's line and its sending, or a backend new in this
-run), then only rows of later steps: the rows that a resume drops from metrics.jsonl and
-recomputes (after the checkpoint, up to the kill) keep the values the tracker got before the
-kill, and the validation a resume runs under the restored step (verl) reaches the trackers only
-when they had not yet got that step. A fresh run (no checkpoint) starts new runs.
+Resume: workdir/trackers.json keeps each backend's run id (W&B, MLflow) and the last step whose
+row, and whose validation samples, it was sent (the samples of a step go out before its row). A
+resumed run (restored from a checkpoint) continues the same W&B and MLflow runs, first sends what
+metrics.jsonl holds up to the restored step and a backend missed (`Trackers.catch_up`: a kill
+between a row's line and its sending, or a backend new in this run), then only rows of later steps:
+the rows that a resume drops from metrics.jsonl and recomputes (after the checkpoint, up to the
+kill) keep the values the tracker got before the kill, and the validation a resume runs under the
+restored step (verl) reaches the trackers only when they had not yet got that step. A fresh run (no
+checkpoint) starts new runs.
 
 Failures never cost the run: a backend that cannot start, or raises while logging, is reported
 once (logging.warning) and turned off; the run goes on. A backend whose package is missing is a
@@ -249,7 +250,12 @@ class Trackers:
         self._on = list(backends)
         self._workdir = workdir
         self._state = {name: dict(v) for name, v in (state or {}).items()}
-        self._floors = {name: v.get("last_step", -1) for name, v in self._state.items()}
+        self._floors = {
+            name: {"last_step": v.get("last_step", -1),
+                   "last_generations_step": v.get("last_generations_step",
+                                                  v.get("last_step", -1))}
+            for name, v in self._state.items()
+        }  # fmt: skip
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -289,17 +295,22 @@ class Trackers:
         self._on = []
 
     def _each(self, what: str, step: int, call) -> None:
+        # rows and samples have floors of their own: a step's samples go out before its row, and
+        # a kill between the two must not count the row as sent
+        key = "last_step" if what == "log" else "last_generations_step"
         changed = False
         for tracker in list(self._on):
             stateless = tracker.name == "console"  # the terminal: every row this process writes
-            last = self._state.get(tracker.name, {}).get("last_step", -1)
-            if not stateless and (step <= self._floors.get(tracker.name, -1) or step < last):
+            entry = self._state.get(tracker.name, {})
+            last = max(entry.get("last_step", -1), entry.get("last_generations_step", -1))
+            floor = self._floors.get(tracker.name, {}).get(key, -1)
+            if not stateless and (step <= floor or step < last):
                 continue  # sent before the resume, or behind a step sent (W&B drops those)
             sent = self._guard(tracker, what, lambda tracker=tracker: call(tracker))
             if sent and not stateless:
                 entry = self._state.setdefault(tracker.name, {})
-                if entry.get("last_step", -1) < step:
-                    entry["last_step"], changed = step, True
+                if entry.get(key, -1) < step:
+                    entry[key], changed = step, True
         if changed and self._workdir is not None:
             write_state(self._workdir, self._state)
 
@@ -321,7 +332,9 @@ class Trackers:
 
 
 def read_state(workdir: str) -> dict:
-    """workdir/trackers.json: {backend: {"run_id": ..., "last_step": ...}} ({} when none)."""
+    """workdir/trackers.json: {backend: {"run_id": ..., "last_step": ...,
+    "last_generations_step": ...}} (the last step whose row, and whose samples, the backend
+    was sent; {} when none)."""
     path = os.path.join(workdir, STATE_FILE)
     if not os.path.exists(path):
         return {}
