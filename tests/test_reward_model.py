@@ -10,8 +10,12 @@ import pytest
 import reference
 import test_model
 
-from grpo_jax import model, sharding
+from grpo_jax import config, loading, model, sharding
+from grpo_jax.data import demo_task
+from grpo_jax.errors import InputError
 from grpo_jax.models import reward_head
+from grpo_jax.rewards import reward_model as reward_model_lib
+from grpo_jax.trainer import loop
 
 _COMMON = test_model._HF_COMMON | {"pad_token_id": 0}
 PAD = 0
@@ -128,3 +132,70 @@ def test_bad_checkpoint_kind_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
     with pytest.raises(ValueError, match="not one of"):
         model.load_hf_sequence_classifier(tmp_path)
+
+
+def _rule(solution_str, ground_truth):
+    return float(len(solution_str) % 3)
+
+
+@pytest.mark.reference("hf")
+def test_loop_adds_weighted_model_score_to_rule_reward(tmp_path, monkeypatch):
+    torch, _ = reference.hf()
+    tok = demo_task.char_tokenizer()
+    hf = save_hf_classifier("qwen2", tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    calls = []
+    real = reward_model_lib.score_rows
+
+    def spy(rm, rows):
+        out = real(rm, rows)
+        calls.append((rows, out))
+        return out
+
+    monkeypatch.setattr(reward_model_lib, "score_rows", spy)
+    mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    run = config.RunConfig(
+        data=config.DataConfig(train_batch_size=2, max_prompt_length=96, max_response_length=4),
+        actor=config.ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=4),
+        rollout=config.RolloutConfig(n=2, log_prob_micro_batch_size_per_gpu=4),
+        reward=config.RewardConfig(num_workers=0, fn="reward_model,test_reward_model:_rule",
+                                   weights="0.5,1.0"),
+        reward_model=config.RewardModelConfig(
+            enable=True, model=config.RewardModelPath(str(tmp_path / "rm")),
+            micro_batch_size_per_gpu=2),
+        trainer=config.TrainerConfig(total_training_steps=1, progress_bar=False,
+                                     tensorboard=False, default_local_dir=str(tmp_path / "run"),
+                                     rollout_data_dir=str(tmp_path / "rollouts")),
+        checkpoint=config.CheckpointConfig(save_last=False),
+    )  # fmt: skip
+    spec = config.ModelSpec(source="random", tokenizer="char", path=None)
+    train_rows, _ = demo_task.arithmetic_rows(4, 2, max_operand=9, seed=0)
+    with sharding.use_mesh(mesh):
+        model_config, params = loading.model(spec, tok, mesh, sharding.LOGICAL_RULES,
+                                             max_positions=128)  # fmt: skip
+        result = loop.train(run, model_config=model_config, params=params, tokenizer=tok,
+                            train_data=train_rows, mesh=mesh, reward_fn=_rule)  # fmt: skip
+    (rows, rm_scores), = calls
+    assert len(rows) == 4
+    # The model's scores, recomputed by transformers on the same ids one row at a time.
+    with torch.no_grad():
+        ref = [hf(input_ids=torch.tensor([r])).logits[0, -1].item() for r in rows]
+    np.testing.assert_allclose(rm_scores, ref, atol=1e-4, rtol=1e-4)
+    dumped = [json.loads(line) for line in open(tmp_path / "rollouts" / "1.jsonl")]
+    for row, ids, rm in zip(dumped, rows, rm_scores, strict=True):
+        assert tok.decode(ids, skip_special_tokens=True).endswith(row["output"])
+        np.testing.assert_allclose(row["score"], 0.5 * rm + _rule(row["output"], None), rtol=1e-5)
+    metrics = result.history[-1]
+    assert metrics["timing_s/reward"] > 0
+    np.testing.assert_allclose(metrics["reward/reward_model/mean"], np.mean(rm_scores), rtol=1e-5)
+
+
+def test_bad_reward_model_path_names_the_field(tmp_path):
+    run = config.RunConfig(reward_model=config.RewardModelConfig(
+        enable=True, model=config.RewardModelPath(str(tmp_path / "missing"))))  # fmt: skip
+    with pytest.raises(InputError, match=r"reward_model\.model\.path="):
+        loading.reward_model(run, demo_task.char_tokenizer(), None, None)
+    with pytest.raises(config.ConfigError, match=r"reward_model\.model\.path"):
+        config.RunConfig(reward_model=config.RewardModelConfig(enable=True))
+    with pytest.raises(config.ConfigError, match="needs reward_model.enable"):
+        config.RunConfig(reward=config.RewardConfig(fn="reward_model"))
