@@ -905,6 +905,10 @@ class SandboxFusionConfig:
         c.done()
 
 
+# The name in reward.fn that stands for the reward model's score (reward_model section).
+REWARD_MODEL_SPEC = "reward_model"
+
+
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
     """Section `reward`: the reward functions, how they are combined and run
@@ -965,6 +969,46 @@ class CustomRewardFunction:
 
     path: str | None = None  # a .py file; None = use reward.fn
     name: str = "compute_score"  # the function in that file
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardModelPath:
+    """Section `reward_model.model` (verl's legacy names)."""
+
+    # a local HF *ForSequenceClassification checkpoint dir (or hub id); its tokenizer and chat
+    # template build the reward model's input (verl 0.9.1: reward.reward_model.model_path)
+    path: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardModelConfig:
+    """Section `reward_model`: a discriminative reward model (grpo_jax/rewards/reward_model.py).
+
+    verl 0.9.1 semantics (experimental/reward_loop/reward_loop.py): each rollout is re-written as
+    the prompt's chat plus the decoded response (EOS removed) in the reward model's own chat
+    template, scored by the classifier at its last token (the last label's raw logit), and
+    without a custom reward function that score *is* the sequence reward. Here "reward_model"
+    may also be listed in reward.fn, with a weight in reward.weights, to add it to rule rewards.
+    """
+
+    enable: bool = False
+    model: RewardModelPath = RewardModelPath()
+    # rows per device of one scoring pass (verl <= 0.5's reward_model.micro_batch_size_per_gpu;
+    # 0.9.1 batches inside vLLM)
+    micro_batch_size_per_gpu: int = 8
+    # tokens of a reward-model input, longer ones cut on the right (verl <= 0.5's max_length,
+    # truncation "right"); None = no limit (rows padded to the batch's longest)
+    max_length: int | None = None
+
+    def __post_init__(self):
+        c = _Checks("reward_model")
+        if self.enable:
+            c.need(bool(self.model.path), "model.path", self.model.path,
+                   "must name a *ForSequenceClassification checkpoint (enable=True)")  # fmt: skip
+        _positive(c, self, "micro_batch_size_per_gpu")
+        c.need(self.max_length is None or self.max_length >= 1, "max_length", self.max_length,
+               "must be >= 1 or None")  # fmt: skip
+        c.done()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1150,6 +1194,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = AlgorithmConfig()
     reward: RewardConfig = RewardConfig()
     custom_reward_function: CustomRewardFunction = CustomRewardFunction()
+    reward_model: RewardModelConfig = RewardModelConfig()
     warmup: WarmupConfig = WarmupConfig()
     trainer: TrainerConfig = TrainerConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -1173,6 +1218,18 @@ class RunConfig:
                 c.need(getattr(d, name) % sp == 0, f"data.{name}", getattr(d, name),
                        f"must be a multiple of actor.ulysses_sequence_parallel_size={sp} (each "
                        "padded row's tokens split evenly; or pack: actor.use_dynamic_bsz=True)")
+        rm, in_fn = self.reward_model, REWARD_MODEL_SPEC in self.reward.specs
+        c.need(rm.enable or not in_fn, "reward.fn", self.reward.fn,
+               f"lists {REWARD_MODEL_SPEC!r}: it needs reward_model.enable=True")  # fmt: skip
+        if rm.enable:
+            c.need(not self.custom_reward_function.path, "custom_reward_function.path",
+                   self.custom_reward_function.path,
+                   "with reward_model.enable: a custom function cannot query the reward model "
+                   "here (verl's can, over HTTP); list 'reward_model' in reward.fn instead")
+            c.need(self.algorithm.adv_estimator not in ("gdpo", "remax"),
+                   "algorithm.adv_estimator", self.algorithm.adv_estimator,
+                   "does not take reward_model.enable yet (its extra reward passes score rule "
+                   "rewards only)")  # fmt: skip
         ob = self.reward.overlong_buffer
         if ob.enable:
             c.need(ob.len <= d.max_response_length, "reward.overlong_buffer.len", ob.len,

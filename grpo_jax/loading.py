@@ -24,7 +24,9 @@ from grpo_jax import model as model_lib
 from grpo_jax import sharding
 from grpo_jax.data import demo_task, prompts, readers
 from grpo_jax.errors import InputError
+from grpo_jax.models import hf as hf_lib
 from grpo_jax.rewards import functions as reward_fns
+from grpo_jax.rewards import reward_model as reward_model_lib
 from grpo_jax.rewards import sandbox_fusion, scorers
 
 
@@ -198,7 +200,11 @@ def reward_fn(
                 f"{custom.path}:{custom.name}; unset one of them"
             )
         return reward_fns.from_file(custom.path, custom.name, on_error=cfg.on_error)
-    reward = reward_fns.make_reward_fn(cfg.fn, cfg.weights, on_error=cfg.on_error)
+    specs, weights = rule_specs(cfg)
+    if not specs:  # reward.fn lists only the reward model
+        return reward_fns.RewardFn.of(reward_model_lib.no_rules, on_error=cfg.on_error)
+    reward = reward_fns.make_reward_fn(",".join(specs), ",".join(map(str, weights)),
+                                       on_error=cfg.on_error)  # fmt: skip
     if sf.url is None:
         return reward
     if scorers.default_compute_score not in reward.fns:
@@ -218,3 +224,53 @@ def reward_fn(
     )
     fns = tuple(bound if fn is scorers.default_compute_score else fn for fn in reward.fns)
     return dataclasses.replace(reward, fns=fns)
+
+
+def rule_specs(cfg: config_lib.RewardConfig) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """reward.fn's functions and weights without the reward model's entry."""
+    pairs = [(s, w) for s, w in zip(cfg.specs, cfg.weight_values, strict=True)
+             if s != config_lib.REWARD_MODEL_SPEC]  # fmt: skip
+    return tuple(s for s, _ in pairs), tuple(w for _, w in pairs)
+
+
+def reward_model(
+    run: config_lib.RunConfig, policy_tokenizer, mesh, rules
+) -> reward_model_lib.RewardModel | None:
+    """The reward_model section loaded on the trainer's mesh (None unless enabled): the
+    classifier placed in its shardings, its tokenizer, and its place in the sequence reward."""
+    cfg = run.reward_model
+    if not cfg.enable:
+        return None
+    path = cfg.model.path
+    if not os.path.isdir(path) and not looks_like_hub_id(path):
+        raise InputError(
+            f"reward_model.model.path={path!r} does not exist: give a local HF "
+            "*ForSequenceClassification checkpoint directory (or a hub id, fetched)"
+        )
+    import transformers
+
+    try:
+        rm_config, params, score_DL = hf_lib.load_hf_sequence_classifier(
+            path, dtype=jnp.dtype(run.model.param_dtype), shardings=sharding.shard_fn(mesh, rules)
+        )
+        tok = transformers.AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise InputError(f"reward_model.model.path={path!r}: {e}") from e
+    rm_config = dataclasses.replace(rm_config, dtype=jnp.dtype(run.model.dtype))
+    specs = run.reward.specs
+    in_fn = config_lib.REWARD_MODEL_SPEC in specs
+    weight = run.reward.weight_values[specs.index(config_lib.REWARD_MODEL_SPEC)] if in_fn else 1.0
+    dp = mesh.shape["data"] * mesh.shape["fsdp"]  # the batch axes (sharding.BATCH_AXES)
+    return reward_model_lib.RewardModel(
+        config=rm_config,
+        params=params,
+        score_DL=jax.device_put(score_DL, sharding.replicated(mesh)),
+        tokenizer=tok,
+        same_ids=tok.get_vocab() == policy_tokenizer.get_vocab(),
+        weight=weight,
+        with_rules=in_fn and bool(rule_specs(run.reward)[0]),
+        mesh=mesh,
+        rules=rules,
+        micro_rows=cfg.micro_batch_size_per_gpu * dp,
+        max_length=cfg.max_length,
+    )

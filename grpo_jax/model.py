@@ -10,7 +10,9 @@ grpo_jax/models/:
   attention    grouped-query softmax attention (``CAUSAL_BLOCK``: its causal block size)
   decode       KV caches (``KVCache``, ``GroupKVCache``, ``DecodeParams``), ``prefill``,
                ``decode_step``
-  hf           HF safetensors: ``load_hf_checkpoint``, ``save_hf_checkpoint``,
+  reward_head  the sequence-classification (reward model) head: ``scores``
+  hf           HF safetensors: ``load_hf_checkpoint``, ``load_hf_sequence_classifier``,
+               ``save_hf_checkpoint``,
                ``to_hf_state_dict``, ``HF_TO_JAX`` (the name and layout table)
   gguf         llama.cpp GGUF files: ``load_gguf``
   lora         LoRA adapters (configure, init, attach, merge)
@@ -53,6 +55,7 @@ from grpo_jax.models.decode import (  # noqa: F401
 from grpo_jax.models.hf import (  # noqa: F401
     HF_TO_JAX,
     load_hf_checkpoint,
+    load_hf_sequence_classifier,
     place,
     to_hf_state_dict,
 )

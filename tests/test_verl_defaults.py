@@ -17,6 +17,9 @@ RENAMED = {
     "checkpoint.max_to_keep": "trainer.max_actor_ckpt_to_keep",
     "custom_reward_function.path": "reward.custom_reward_function.path",
     "custom_reward_function.name": "reward.custom_reward_function.name",
+    # verl 0.9.1 moves its legacy reward_model.* under reward.reward_model (migrate_legacy_...)
+    "reward_model.enable": "reward.reward_model.enable",
+    "reward_model.model.path": "reward.reward_model.model_path",
     "rollout.vllm.gpu_memory_utilization": "actor_rollout_ref.rollout.gpu_memory_utilization",
     "rollout.vllm.dtype": "actor_rollout_ref.rollout.dtype",
     "rollout.vllm.max_model_len": "actor_rollout_ref.rollout.max_model_len",
@@ -99,6 +102,8 @@ OWN = (
     "algorithm.gdpo_reward_keys", "algorithm.gdpo_reward_weights",
     # the DAPO reward manager's reward_kwargs.overlong_buffer_cfg, not in the YAML
     "reward.fn", "reward.weights", "reward.on_error", "reward.timeout_s", "reward.overlong_buffer.",
+    # verl <= 0.5's reward-model batching (0.9.1 serves the model with vLLM)
+    "reward_model.micro_batch_size_per_gpu", "reward_model.max_length",
     "warmup.", "trainer.seed", "trainer.max_consecutive_nonfinite", "trainer.progress_bar",
     "trainer.tensorboard", "trainer.device_peak_tflops", "trainer.async_rollout",
     "trainer.max_staleness", "trainer.compilation_cache_dir",

@@ -25,6 +25,14 @@ ARCHITECTURES = {
 
 ARCH_TO_HF = {arch: hf for hf, arch in ARCHITECTURES.items()}
 
+# Reward models (grpo_jax/models/reward_head.py): the same decoder with a score head instead of
+# the LM head; hf.load_hf_sequence_classifier reads them.
+SEQUENCE_CLASSIFIERS = {
+    "Qwen2ForSequenceClassification": "qwen2",
+    "Qwen3ForSequenceClassification": "qwen3",
+    "LlamaForSequenceClassification": "llama",
+}
+
 
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -222,12 +230,13 @@ class ModelConfig:
         archs = list(getattr(hf, "architectures", None) or [])
         if not archs:  # Our arch names are HF model_type names.
             archs = [ARCH_TO_HF.get(hf.model_type, f"<model_type {hf.model_type!r}>")]
-        if archs[0] not in ARCHITECTURES:
+        known = ARCHITECTURES | SEQUENCE_CLASSIFIERS
+        if archs[0] not in known:
             raise ValueError(
                 f"Unsupported architecture {archs[0]!r}; grpo_jax.model supports "
-                f"{sorted(ARCHITECTURES)}"
+                f"{sorted(known)}"
             )
-        arch = ARCHITECTURES[archs[0]]
+        arch = known[archs[0]]
         if getattr(hf, "use_sliding_window", False):
             raise ValueError(
                 f"{archs[0]}: sliding-window attention (use_sliding_window) is unsupported"

@@ -188,11 +188,76 @@ def load_hf_checkpoint(
     Raises:
       ValueError: unsupported architecture, a missing or unexpected tensor, or a shape mismatch.
     """
-    from safetensors import safe_open  # Deferred: only checkpoint IO needs it.
-
     ckpt_dir = _resolve_checkpoint_dir(path)
     config = config_lib.ModelConfig.from_hf(ckpt_dir)
+    if _hf_architecture(ckpt_dir) in config_lib.SEQUENCE_CLASSIFIERS:
+        raise ValueError(
+            f"{ckpt_dir!r} is a {_hf_architecture(ckpt_dir)} (a reward model, no LM head); "
+            "load it with load_hf_sequence_classifier"
+        )
     config = dataclasses.replace(config, dtype=dtype, param_dtype=dtype)
+    params, _ = _read_params(ckpt_dir, config, shardings)
+    return config, params
+
+
+def load_hf_sequence_classifier(
+    path: str | os.PathLike,
+    *,
+    dtype=jnp.float32,
+    shardings: Callable[[config_lib.ModelConfig, Any], Any] | None = None,
+) -> tuple[config_lib.ModelConfig, dict, jax.Array]:
+    """Reads a HF Qwen2/Qwen3/Llama ``*ForSequenceClassification`` checkpoint: the backbone
+    (``model.*``, the table of ``load_hf_checkpoint``) and its score head (``score.weight``
+    [num_labels, D], no bias), for grpo_jax/models/reward_head.py.
+
+    The returned config has ``tie_word_embeddings=True``: the checkpoint has no LM head, and a
+    tied config is the backbone without one (the head is never used to score).
+
+    Returns:
+      (config, params, score_DL): score_DL is ``score.weight`` transposed, float32 ``dtype``,
+      replicated (it is tiny).
+
+    Raises:
+      ValueError: not a sequence classifier, or a missing, unexpected or mis-shaped tensor.
+    """
+    ckpt_dir = _resolve_checkpoint_dir(path)
+    hf_arch = _hf_architecture(ckpt_dir)
+    if hf_arch not in config_lib.SEQUENCE_CLASSIFIERS:
+        raise ValueError(
+            f"{ckpt_dir!r} is a {hf_arch}, not one of "
+            f"{sorted(config_lib.SEQUENCE_CLASSIFIERS)} (config.json 'architectures')"
+        )
+    config = config_lib.ModelConfig.from_hf(ckpt_dir)
+    config = dataclasses.replace(config, dtype=dtype, param_dtype=dtype, tie_word_embeddings=True)
+    params, extra = _read_params(ckpt_dir, config, shardings, extra=(_SCORE,))
+    score_LD = extra[_SCORE]
+    if score_LD.ndim != 2 or score_LD.shape[1] != config.hidden_size:
+        raise ValueError(
+            f"{hf_arch} tensor {_SCORE!r} has shape {tuple(score_LD.shape)}, expected "
+            f"[num_labels, {config.hidden_size}]"
+        )
+    return config, params, jnp.asarray(score_LD.T.astype(dtype))
+
+
+_SCORE = "score.weight"  # *ForSequenceClassification's head: Linear(D, num_labels, bias=False)
+
+
+def _hf_architecture(ckpt_dir: str) -> str:
+    with open(os.path.join(ckpt_dir, "config.json")) as f:
+        archs = json.load(f).get("architectures") or ["<no architectures>"]
+    return archs[0]
+
+
+def _read_params(
+    ckpt_dir: str,
+    config: config_lib.ModelConfig,
+    shardings: Callable[[config_lib.ModelConfig, Any], Any] | None,
+    *,
+    extra: Sequence[str] = (),
+) -> tuple[dict, dict[str, np.ndarray]]:
+    """(params placed in their shardings, the host arrays of the `extra` tensor names)."""
+    from safetensors import safe_open  # Deferred: only checkpoint IO needs it.
+
     abstract = transformer.abstract_params(config)
     flat_abstract = dict(transformer.flatten_params(abstract))
     flat_shardings = (
@@ -217,7 +282,7 @@ def load_hf_checkpoint(
                     break
             else:
                 tied_head = key == "lm_head.weight" and config.tie_word_embeddings
-                if not (tied_head or _IGNORED_HF.match(key)):
+                if not (tied_head or key in extra or _IGNORED_HF.match(key)):
                     unexpected.append(key)
         if unexpected:
             raise ValueError(
@@ -251,7 +316,11 @@ def load_hf_checkpoint(
                 np.stack(parts) if layered else parts[0], flat_shardings.get(jax_name)
             )
             del parts
-    return config, transformer.unflatten_params(flat)
+        missing = [key for key in extra if key not in where]
+        if missing:
+            raise ValueError(f"{hf_arch} checkpoint {ckpt_dir!r} is missing tensor {missing[0]!r}")
+        extras = {key: where[key].get_tensor(key) for key in extra}
+    return transformer.unflatten_params(flat), extras
 
 
 def place(value: np.ndarray, sharding=None) -> jax.Array:

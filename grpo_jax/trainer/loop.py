@@ -305,7 +305,9 @@ def _train(
         else None
     )
     agent = setup.make_agent(run, tool_set, tokenizer, eos_ids=eos_ids, pad_id=pad_id, dp=dp)
-    ctx = programs.StepContext(run, progs, engine, tokenizer, reward_fn, mesh, pool, base, agent)
+    rm = loading.reward_model(run, tokenizer, mesh, rules)
+    ctx = programs.StepContext(run, progs, engine, tokenizer, reward_fn, mesh, pool, base, agent,
+                               rm)  # fmt: skip
     val_sampling = engines.SamplingParams(
         run.rollout.val_kwargs.n,
         run.data.max_response_length,

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax.rewards import functions as reward_fns
+from grpo_jax.rewards import reward_model
 from grpo_jax.trainer import trackers as trackers_lib
 
 METRICS_FILE = "metrics.jsonl"
@@ -64,7 +65,7 @@ def reward_metrics(result: reward_fns.RewardResult, *, response_length_B) -> dic
     critic/score/* skip aborted samples (`response_length_B` 0), as verl's compute_data_metrics.
     """
     out = non_aborted_stats("critic/score", result.scores_B, response_length_B)
-    if len(result.per_fn) > 1:
+    if len(result.per_fn) > 1 or reward_model.NAME in result.per_fn:
         out |= {f"reward/{name}/mean": float(np.mean(v)) for name, v in result.per_fn.items()}
     for key, values in result.extras.items():
         numeric = [float(v) for v in values if isinstance(v, (int, float, bool, np.number))]

@@ -26,6 +26,7 @@ from grpo_jax import distributed, registry, sharding
 from grpo_jax.data import prompts as prompts_lib
 from grpo_jax.rewards import functions as reward_fns
 from grpo_jax.rewards import pool as reward_pool_lib
+from grpo_jax.rewards import reward_model as reward_model_lib
 from grpo_jax.rollout import engines
 from grpo_jax.trainer import batch as batch_lib
 from grpo_jax.trainer import perf, programs
@@ -129,6 +130,40 @@ def score(
     return texts, result
 
 
+def score_with_model(
+    reward_fn: reward_fns.RewardFn,
+    tokenizer,
+    response_ids_BT: np.ndarray,
+    response_mask_BT: np.ndarray,
+    prompts: prompts_lib.PromptBatch,
+    *,
+    n: int,
+    rm: reward_model_lib.RewardModel,
+    host: batch_lib.HostRollout,
+    pool: reward_pool_lib.Pool | None = None,
+    examples: Sequence[prompts_lib.Example] | None = None,
+) -> tuple[list[str | None], reward_fns.RewardResult]:
+    """`score` with the reward model (reward_model.enable): the rule functions when reward.fn
+    lists any besides it, and the model's score of every row (all processes run the scoring
+    program on the whole batch), combined by reward_model.combine."""
+    if examples is None:
+        examples = [ex for ex in prompts.examples for _ in range(n)]
+    if rm.with_rules:
+        texts, result = score(reward_fn, tokenizer, response_ids_BT, response_mask_BT, prompts,
+                              n=n, pool=pool, examples=examples)  # fmt: skip
+    else:  # verl: the reward model's score replaces the rule reward
+        start, stop = (0, len(prompts.examples)) if prompts.rows is None else prompts.rows
+        ids, mask = response_ids_BT[start * n : stop * n], response_mask_BT[start * n : stop * n]
+        texts = [None] * (start * n) + decode(tokenizer, ids, mask)
+        texts += [None] * (len(response_ids_BT) - stop * n)
+        result = None
+    rows = reward_model_lib.input_rows(
+        rm, tokenizer, host.prompt_ids_BP, host.prompt_mask_BP, response_ids_BT,
+        response_mask_BT, examples,
+    )  # fmt: skip
+    return texts, reward_model_lib.combine(result, reward_model_lib.score_rows(rm, rows), rm.weight)
+
+
 def rollout_sampling(run: config_lib.RunConfig) -> engines.SamplingParams:
     """The training rollout's sampling settings (rollout.*)."""
     r = run.rollout
@@ -217,7 +252,7 @@ def sample_and_score(
     texts, result = perf.timed(
         timing,
         "reward",
-        score,
+        score_with_model if ctx.reward_model is not None else score,
         ctx.reward_fn,
         ctx.tokenizer,
         host.response_ids_BT,
@@ -227,6 +262,7 @@ def sample_and_score(
         pool=ctx.pool,
         add=True,
         examples=examples,
+        **({} if ctx.reward_model is None else {"rm": ctx.reward_model, "host": host}),
     )
     result = with_overlong_penalty(
         result,
