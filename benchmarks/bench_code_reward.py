@@ -391,9 +391,11 @@ def main():
     from grpo_jax import config as config_lib
 
     default_workers = config_lib.RewardConfig().num_workers
-    counts = sorted({default_workers, *[int(w) for w in args.workers.split(",") if w]})
+    counts = [
+        default_workers,
+        *sorted({int(w) for w in args.workers.split(",") if w} - {default_workers}),
+    ]
     rows = workload()
-    batch = len(rows)
 
     grpo = {w: {"times": []} for w in counts}
     verl: dict[str, dict] = {}
@@ -415,7 +417,11 @@ def main():
                 verl.setdefault(key, {"times": []})["times"].append(res["time"])
                 verl[key]["scores"] = res["scores"]
                 print(f"round {r}: verl {key} {res['time']:.2f} s", flush=True)
+            _report(args, rows, counts, grpo, verl)  # after every round: a partial run counts
 
+
+def _report(args, rows, counts, grpo, verl) -> None:
+    batch, default_workers = len(rows), counts[0]
     reference = verl["sequential"]["scores"] if "sequential" in verl else None
     kinds = {}
     for row in rows:
