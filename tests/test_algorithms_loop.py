@@ -157,6 +157,7 @@ def _dynamic_sample(monkeypatch, outputs, *, n, train_batch_size, lengths=None,
     )
     ctx = types.SimpleNamespace(
         run=run, engine=None, tokenizer=_DigitsTokenizer(), mesh=mesh, pool=None, agent=None,
+        reward_model=None,
         reward_fn=reward_fns.RewardFn.of(reward), programs=types.SimpleNamespace(dp=1),
     )  # fmt: skip
     monkeypatch.setattr(rollout_stage, "generate", fake_generate)
