@@ -21,11 +21,9 @@ sums scored higher, lower and the same, with two examples of each.
 Measured (`/usr/bin/time -v python scripts/check_demo.py --config.trainer.seed=1` on this
 repository's 2-core CPU, float32, 2026-12-04, empty compilation cache): greedy accuracy on the 48
 held-out sums 0.06 before training -> 0.42 (step 3) -> **0.62 after 6 steps**; the "####" format
-0.00 -> 1.00; 236 s wall for the whole run, compilation (all in step 1) and the three
-validations included (seed 0: 0.06 -> 0.29 -> 0.75, 231 s;
-benchmarks/results/demo_smollm2_2026-12-04b.json); peak RSS 5.50 GB (seed 0: 5.52 GB) since
-train.py hands its loaded weights to the train state (benchmarks/results/
-demo_smollm2_2026-12-04c.json). Until 2026-12-04 the demo ran 12 steps at lr
+0.00 -> 1.00; 194 s wall for the whole run, compilation (all in step 1) and the three
+validations included, peak RSS 5.55 GB (seed 0: 0.06 -> 0.29 -> 0.75, 210 s, 5.58 GB;
+benchmarks/results/demo_smollm2_2026-12-04c.json). Until 2026-12-04 the demo ran 12 steps at lr
 1e-5 (0.71 at step 12, 508 s on the same machine type); twice the rate reaches the same accuracy
 in half the steps. What it learns: to write the sum and a "####"
 line, e.g. '17+11' -> 'The final answer is 17 + 11 = 22.' before, '#### 17 + 11 = 28' after. The
