@@ -546,7 +546,7 @@ class Planner:
     def native(self) -> bool:
         """The programs compile for the planned backend itself (TPU devices of a
         `tpu_topology`), not on CPU devices standing in for it."""
-        return self.backend is not None and self.mesh.devices.flat[0].platform == self.backend
+        return compiles_natively(self.mesh, self.backend)
 
     def compiler_options(self) -> dict:
         """XLA options of the planner's compiles (on CPU devices) for an accelerator's plan.
@@ -1289,6 +1289,12 @@ def _attention_note(p: Planner) -> str:
     return ""
 
 
+def compiles_natively(mesh, backend: str | None) -> bool:
+    """The mesh's devices are of the planned backend itself (a `tpu_topology`'s TPUs), not CPU
+    devices standing in for it."""
+    return backend is not None and mesh.devices.flat[0].platform == backend
+
+
 def tpu_topology(name: str) -> list:
     """The devices of TPU slice `name` (e.g. "v5p:2x2x2", a v5p-16: 8 chips), for compiling
     ahead of time with the TPU compiler on a machine without TPUs (libtpu's own compiler; no
@@ -1357,7 +1363,7 @@ def from_run(
             devices=devices,
             sequence=run.actor.ulysses_sequence_parallel_size,
         )
-    native = backend is not None and mesh.devices.flat[0].platform == backend
+    native = compiles_natively(mesh, backend)
     # cuDNN's and splash's kernels do not compile on CPU devices (splash only in interpret
     # mode, whose memory is not the TPU's): there the blockwise kernel (linear memory too)
     # stands in for them, and the report says so. The TPU compiler compiles splash itself.

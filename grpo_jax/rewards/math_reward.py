@@ -155,11 +155,12 @@ def fix_sqrt(s: str) -> str:
     return "".join(out)
 
 
-def strip_math_string(s: str) -> str:
+def strip_math_string(s: str, *, percents: tuple[str, ...] = ("\\\\%", "\\%")) -> str:
     """Hendrycks MATH answer normalisation, step for step as verl's math_reward.strip_string.
 
     The order matters (e.g. spaces are removed only after "\\sqrt x" became "\\sqrt{x}"), so the
-    steps below are verl's, in verl's order.
+    steps below are verl's, in verl's order. `percents`: the percent markers removed, in order
+    (mathruler's copy of these steps removes "\\%" then a bare "%": prm800k.py).
 
     Raises:
       ValueError: where verl's strip_string raises (two "\\text{ " units, or a bare trailing or
@@ -172,7 +173,8 @@ def strip_math_string(s: str) -> str:
     s = s.replace("^{\\circ}", "").replace("^\\circ", "")  # degrees
     s = s.replace("\\$", "")
     s = remove_right_units(s)
-    s = s.replace("\\\\%", "").replace("\\%", "")
+    for mark in percents:
+        s = s.replace(mark, "")
     # " .5" and "{.5" read as " 0.5" and "{0.5"; a leading "." gets its 0 below.
     s = s.replace(" .", " 0.").replace("{.", "{0.")
     if not s:

@@ -72,33 +72,9 @@ def _check_variant(variant: str) -> None:
 
 
 def _strip_mathruler(s: str) -> str:
-    """mathruler's _strip_string: `math_reward.strip_math_string` except for the percent step.
-
-    The steps are lm-evaluation-harness's, in its order (see `math_reward.strip_math_string`); the
-    fixers are that module's, shared rather than copied.
-    """
-    s = s.replace("\n", "").replace("\\!", "")
-    s = s.replace("\\\\", "\\")
-    s = s.replace("tfrac", "frac").replace("dfrac", "frac")
-    s = s.replace("\\left", "").replace("\\right", "")
-    s = s.replace("^{\\circ}", "").replace("^\\circ", "")
-    s = s.replace("\\$", "")
-    s = math_reward.remove_right_units(s)
-    s = s.replace("\\%", "").replace("%", "")  # prime_math: "\\\\%" then "\\%"
-    s = s.replace(" .", " 0.").replace("{.", "{0.")
-    if not s:
-        return s
-    if s[0] == ".":
-        s = "0" + s
-    sides = s.split("=")
-    if len(sides) == 2 and len(sides[0]) <= 2:
-        s = sides[1]
-    s = math_reward.fix_sqrt(s)
-    s = s.replace(" ", "")
-    s = math_reward.fix_fracs(s)
-    if s == "0.5":
-        s = "\\frac{1}{2}"
-    return math_reward.fix_a_slash_b(s)
+    """mathruler's _strip_string: `math_reward.strip_math_string` except for the percent step
+    (prime_math's copy removes "\\\\%" then "\\%", mathruler's "\\%" then "%")."""
+    return math_reward.strip_math_string(s, percents=("\\%", "%"))
 
 
 def mathd_normalize(answer: str | None, *, variant: str) -> str | None:

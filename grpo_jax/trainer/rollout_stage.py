@@ -118,16 +118,20 @@ def score(
     prompts, and only the reward results are exchanged: `texts` holds this process's
     completions and None for the others'.
     """
-    ids, mask = response_ids_BT, response_mask_BT
-    start, stop = (0, len(prompts.examples)) if prompts.rows is None else prompts.rows
-    texts = decode(tokenizer, ids[start * n : stop * n], mask[start * n : stop * n])
+    texts, lo, hi = _own_texts(tokenizer, response_ids_BT, response_mask_BT, prompts, n)
     if examples is None:
         examples = [ex for ex in prompts.examples for _ in range(n)]
-    result = reward_fns.score_batch(reward_fn, texts, examples[start * n : stop * n], pool=pool)
+    result = reward_fns.score_batch(reward_fn, texts, examples[lo:hi], pool=pool)
     if prompts.rows is not None:
         result = reward_fns.RewardResult.concat(distributed.gather_objects([result]))
-        texts = [None] * (start * n) + texts + [None] * (len(ids) - stop * n)
-    return texts, result
+    return [None] * lo + texts + [None] * (len(response_ids_BT) - hi), result
+
+
+def _own_texts(tokenizer, response_ids_BT, response_mask_BT, prompts, n: int):
+    """(texts, lo, hi): this process's completions, rows [lo, hi) of the batch, decoded."""
+    start, stop = (0, len(prompts.examples)) if prompts.rows is None else prompts.rows
+    lo, hi = start * n, stop * n
+    return decode(tokenizer, response_ids_BT[lo:hi], response_mask_BT[lo:hi]), lo, hi
 
 
 def score_with_model(
@@ -152,10 +156,8 @@ def score_with_model(
         texts, result = score(reward_fn, tokenizer, response_ids_BT, response_mask_BT, prompts,
                               n=n, pool=pool, examples=examples)  # fmt: skip
     else:  # verl: the reward model's score replaces the rule reward
-        start, stop = (0, len(prompts.examples)) if prompts.rows is None else prompts.rows
-        ids, mask = response_ids_BT[start * n : stop * n], response_mask_BT[start * n : stop * n]
-        texts = [None] * (start * n) + decode(tokenizer, ids, mask)
-        texts += [None] * (len(response_ids_BT) - stop * n)
+        texts, lo, hi = _own_texts(tokenizer, response_ids_BT, response_mask_BT, prompts, n)
+        texts = [None] * lo + texts + [None] * (len(response_ids_BT) - hi)
         result = None
     rows = reward_model_lib.input_rows(
         rm, tokenizer, host.prompt_ids_BP, host.prompt_mask_BP, response_ids_BT,

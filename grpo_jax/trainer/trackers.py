@@ -53,7 +53,7 @@ GENERATION_COLUMNS = ("step", "input", "output", "score")
 def parse_backends(value: str | Sequence[str]) -> tuple[str, ...]:
     """trainer.logger as a tuple of names, from any of the forms a command line gives.
 
-    `['console','wandb']` (a Python list: ml_collections parses it), `console,wandb` (one
+    `['console','wandb']` (a Python list, as the config parser gives it), `console,wandb` (one
     comma-separated string) and Hydra's `[console,wandb]` (one string, as verl's scripts write
     it) all give ("console", "wandb"). Order is kept and repeats dropped; names are not checked.
     """
