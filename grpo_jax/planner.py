@@ -1191,7 +1191,8 @@ def _sample_lines(p: Planner) -> list[str]:
             f"{plan.num_pages} pages of {plan.page_size} tokens a data shard x {shards} shards",
             f"paged engine: {plan.max_num_seqs} rows in flight a shard (rollout.max_num_seqs) of "
             f"{rows}; at most {waves} x {w.response_len} = {waves * w.response_len} decode steps "
-            f"(fewer as rows finish early); prefill {plan.chunk_rows} x {plan.chunk} tokens a call",
+            f"(fewer as rows finish early); prefill {plan.chunk_rows} x {plan.chunk} tokens a call; "
+            f"decode attention {_PAGED_ATTENTION[p.paged_attention()]}",
             f"logits [slots,V] f32 (sample)    "
             f"{_gb(plan.max_num_seqs * p.cfg.vocab_size * 4)} GiB/device",
         ]
@@ -1295,6 +1296,12 @@ def _attention_note(p: Planner) -> str:
     if p.backend in ("gpu", "tpu") and p.cfg.attention_impl == "blockwise":
         return f" (for {p.backend}: the linear-memory blockwise kernel, compiled here on CPU)"
     return ""
+
+
+_PAGED_ATTENTION = {
+    "pallas": "Pallas TPU paged-attention kernel (per chip, in a shard_map)",
+    "xla": "XLA (gathers each row's pages)",
+}
 
 
 def compiles_natively(mesh, backend: str | None) -> bool:
