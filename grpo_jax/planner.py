@@ -72,7 +72,7 @@ from flax import linen as nn
 from grpo_jax import config as config_lib
 from grpo_jax import errors, sampler, sharding
 from grpo_jax import model as model_lib
-from grpo_jax.models import attention, gguf, lora
+from grpo_jax.models import attention, gguf, lora, paged_kernel
 from grpo_jax.models import paged as paged_model
 from grpo_jax.rollout import paged
 from grpo_jax.trainer import actor as actor_lib
@@ -661,7 +661,7 @@ class Planner:
         fn, inputs = paged.peak_program(
             self.cfg, self.pool_plan(prompts, max_num_seqs), shards=shards,
             shard_axes=self._sample_rows(prompts)[0] if shards > 1 else None,
-            max_new_tokens=self.w.response_len,
+            max_new_tokens=self.w.response_len, attention=self.paged_attention(),
         )  # fmt: skip
 
         def call(p, r, *args):
@@ -679,6 +679,14 @@ class Planner:
         args = [arg(shape, dtype) for shape, dtype in inputs]
         with nn.logical_axis_rules(self._sample_rows(prompts)[1]):
             return self._compile(jax.jit(call).lower(self.params, self._key(), *args))
+
+    def paged_attention(self) -> str:
+        """The paged engine's decode attention as the planned backend resolves "auto"; the
+        Pallas TPU kernel only where the TPU compiler compiles it (`--tpu_topology`): on CPU
+        devices standing in for a TPU it would not compile."""
+        if not compiles_natively(self.mesh, self.backend):
+            return "xla"
+        return paged_kernel.resolve("auto", self.backend, kv_dtype=self.cfg.dtype)
 
     # Analytic sizes, for the report (the compiled temporaries already contain them).
     def kv_cache_bytes(self, prompts: int) -> int:
@@ -1183,7 +1191,8 @@ def _sample_lines(p: Planner) -> list[str]:
             f"{plan.num_pages} pages of {plan.page_size} tokens a data shard x {shards} shards",
             f"paged engine: {plan.max_num_seqs} rows in flight a shard (rollout.max_num_seqs) of "
             f"{rows}; at most {waves} x {w.response_len} = {waves * w.response_len} decode steps "
-            f"(fewer as rows finish early); prefill {plan.chunk_rows} x {plan.chunk} tokens a call",
+            f"(fewer as rows finish early); prefill {plan.chunk_rows} x {plan.chunk} tokens a call; "
+            f"decode attention {_PAGED_ATTENTION[p.paged_attention()]}",
             f"logits [slots,V] f32 (sample)    "
             f"{_gb(plan.max_num_seqs * p.cfg.vocab_size * 4)} GiB/device",
         ]
@@ -1287,6 +1296,12 @@ def _attention_note(p: Planner) -> str:
     if p.backend in ("gpu", "tpu") and p.cfg.attention_impl == "blockwise":
         return f" (for {p.backend}: the linear-memory blockwise kernel, compiled here on CPU)"
     return ""
+
+
+_PAGED_ATTENTION = {
+    "pallas": "Pallas TPU paged-attention kernel (per chip, in a shard_map)",
+    "xla": "XLA (gathers each row's pages)",
+}
 
 
 def compiles_natively(mesh, backend: str | None) -> bool:

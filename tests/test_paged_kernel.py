@@ -155,6 +155,36 @@ def test_a_paged_rollout_with_the_kernel_has_the_xla_paths_tokens():
     np.testing.assert_allclose(out.log_probs, ref.log_probs, rtol=0, atol=1e-2)
 
 
+def test_a_sharded_paged_rollout_with_the_kernel_has_the_xla_paths_tokens():
+    # On a mesh the kernel runs per device in a shard_map (data shards and kv heads split over
+    # the tensor axis): the same tokens as the XLA path on the same mesh, and each device's
+    # pool is its own shard's pages and kv heads.
+    from grpo_jax import sharding
+
+    config = _config(num_kv_heads=2)
+    params = model.init_params(config, jax.random.key(0))
+    rng = np.random.default_rng(5)
+    ids = rng.integers(4, config.vocab_size, size=(8, 6)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[::3, :2] = 0  # left padding on some prompts
+    mesh = sharding.make_mesh((2, 2, 2))  # 4 data shards (data x fsdp), kv heads over tensor
+    kw = dict(n=2, max_new_tokens=5, temperature=0.0, max_num_seqs=1, page_size=P,
+              max_num_batched_tokens=8, segment_steps=2)  # fmt: skip
+    with sharding.use_mesh(mesh, sharding.LOGICAL_RULES):
+        params = jax.device_put(params, sharding.param_shardings(config, mesh,
+                                                                 sharding.LOGICAL_RULES))
+        sids, smask = (jax.device_put(x, sharding.batch_sharding(mesh, 2)) for x in (ids, mask))
+        stats = {}
+        ref = paged_rollout.sample_paged(config, params, sids, smask, jax.random.key(4),
+                                         attention="xla", **kw)  # fmt: skip
+        out = paged_rollout.sample_paged(config, params, sids, smask, jax.random.key(4),
+                                         attention="pallas", stats=stats, **kw)  # fmt: skip
+    assert stats["shards"] == 4
+    np.testing.assert_array_equal(out.response_ids, ref.response_ids)
+    np.testing.assert_array_equal(out.response_mask, ref.response_mask)
+    np.testing.assert_allclose(out.log_probs, ref.log_probs, rtol=0, atol=1e-2)
+
+
 def test_auto_picks_the_kernel_on_tpus_for_one_bfloat16_pool_only():
     assert paged_kernel.resolve("auto", "tpu", kv_dtype=jnp.bfloat16) == "pallas"
     assert paged_kernel.resolve("auto", "tpu", kv_dtype=jnp.float32) == "xla"
@@ -163,10 +193,6 @@ def test_auto_picks_the_kernel_on_tpus_for_one_bfloat16_pool_only():
     assert paged_kernel.resolve("pallas", "cpu", kv_dtype=jnp.float32) == "pallas"  # interpret
     with pytest.raises(ValueError, match="'gpu'"):
         paged_kernel.resolve("pallas", "gpu", kv_dtype=jnp.bfloat16)
-    # Over data shards the kernel's call would gather the pools (no shard_map around it yet).
-    assert paged_kernel.resolve("auto", "tpu", kv_dtype=jnp.bfloat16, shards=2) == "xla"
-    with pytest.raises(ValueError, match="2"):
-        paged_kernel.resolve("pallas", "tpu", kv_dtype=jnp.bfloat16, shards=2)
 
 
 def test_the_kernel_needs_a_decode_step_over_its_layout():
@@ -203,3 +229,62 @@ def test_the_kernel_compiles_for_a_tpu_chip():
     # a v5p chip, on no TPU, with Qwen3-8B's head counts in bfloat16.
     out = reference.tpu_compile(_TPU_COMPILE).split()
     assert out[-1] == "True" and "TPU" in " ".join(out[:-1])
+
+
+# A v5p-16's 8 chips as 4 data shards x tensor 2: the engine's one-shard attention vmapped over
+# the shard axis D (`spmd_axis_name`, as rollout/paged.py runs it), under the logical rules.
+_TPU_COMPILE_SHARDED = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as Ps
+from grpo_jax import planner, sharding
+from grpo_jax.models import paged_kernel
+mesh = sharding.make_mesh((1, 4, 2), devices=planner.tpu_topology("v5p:2x2x2"))
+axes = ("data", "fsdp")
+D, B, N, K, H, NP, P, M = 4, 8, 32, 8, 128, 512, 16, 64
+def spec(shape, dtype, *rest):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, Ps(axes, *rest)))
+pages = spec((D, K, NP, P, H), jnp.bfloat16, "tensor")
+spans = paged_kernel.Spans(*(spec((D, B), jnp.int32) for _ in range(3)))
+args = (spec((D, B, N, H), jnp.bfloat16, None, "tensor"), pages, pages, spec((D, B, M), jnp.int32),
+        spans)
+step = jax.vmap(lambda *a: paged_kernel.attend(*a, interpret=False), spmd_axis_name=axes)
+with sharding.use_mesh(mesh, sharding.LOGICAL_RULES):
+    compiled = jax.jit(step).lower(*args).compile()
+text = compiled.as_text()
+own_pages = 2 * (K // 2) * NP * P * H * 2  # one chip's keys and values: its shard, its heads
+print("tpu_custom_call" in text, any(op in text for op in ("all-gather", "all-reduce", "all-to-all",
+      "collective-permute")), compiled.memory_analysis().argument_size_in_bytes - own_pages)
+
+# The planner's program of a whole engine call (prefill, admission, a decode segment) with the
+# kernel, as plan.py --tpu_topology compiles it: a tiny bfloat16 model, 4 shards x tensor 2.
+from grpo_jax import model
+from grpo_jax.rollout import paged
+config = model.ModelConfig.tiny(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=128,
+                                dtype=jnp.bfloat16)
+plan = paged.plan_pool(num_prompts=2, n=2, prompt_width=64, max_new_tokens=64, page_size=16)
+fn, inputs = paged.peak_program(config, plan, shards=4, shard_axes=axes, max_new_tokens=64,
+                                attention="pallas")
+key = jax.eval_shape(lambda: jax.random.key(0))
+with sharding.use_mesh(mesh, sharding.LOGICAL_RULES):
+    params = jax.eval_shape(lambda k: model.init_params(config, k), key)
+    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
+                          sharding.param_shardings(config, mesh, sharding.LOGICAL_RULES))
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, Ps(axes) if shape
+                                                                      else Ps()))
+            for shape, dtype in inputs]
+    key = jax.ShapeDtypeStruct((), key.dtype, sharding=NamedSharding(mesh, Ps()))
+    program = jax.jit(fn).lower(params, key, *args).compile().as_text()
+print("tpu_custom_call" in program)
+"""
+
+
+@pytest.mark.reference("tpu")
+def test_the_kernel_compiles_per_chip_over_data_shards_and_a_tensor_axis():
+    # XLA cannot partition a Mosaic kernel (libtpu refuses: "Mosaic kernels cannot be
+    # automatically partitioned"), so under a mesh the kernel runs in a shard_map: compiled for
+    # a v5p-16's chips, each chip's arguments are its own pages and kv heads (plus its rows'
+    # queries and tables), and the program moves nothing between chips.
+    kernel, collective, extra, planned = reference.tpu_compile(_TPU_COMPILE_SHARDED).split()[-4:]
+    assert kernel == "True" and collective == "False"
+    assert 0 <= int(extra) < 2**20, extra  # the queries, tables and spans: kilobytes
+    assert planned == "True"  # the planner's engine program compiles with the kernel in it

@@ -29,6 +29,16 @@ the result equals the XLA attention over the pool rounded to bfloat16 within flo
 (tests/test_paged_kernel.py); against a float32 pool the outputs of unit-scale values differ
 by up to about 6e-3, bfloat16's rounding.
 
+Meshes. XLA cannot partition a Mosaic kernel ("Mosaic kernels cannot be automatically
+partitioned"), so under a mesh `attend` runs it inside a `jax.shard_map` over every mesh axis:
+each device runs the kernel on its own block. The engine's shard axis D (the leading axis it
+vmaps its one-shard programs over, `spmd_axis_name`) becomes a manual axis through shard_map's
+batching rule, and the KV heads split over the rules' `act_kv_heads` axis (the query heads
+over the same axis, so a device's query heads read its own kv heads, GQA's n // R). A decode
+step's attention then moves no pool bytes between devices: compiled by libtpu for a v5p-16's
+8 chips (4 shards x tensor 2, Qwen3-8B's heads) its arguments are each device's own pages and
+it has no collective (tests/test_paged_kernel.py).
+
 Platforms: TPUs; the CPU in Pallas TPU interpret mode (tests; far too slow to sample with); not
 GPUs (`resolve`). TPU's `ragged_paged_attention` (prefill and decode in one kernel) would be
 the natural one, but in jax 0.10.2 it fails in interpret mode on the CPU, under
@@ -44,6 +54,7 @@ from __future__ import annotations
 import functools
 
 import flax
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -54,32 +65,25 @@ IMPLEMENTATIONS = ("auto", "xla", "pallas")
 BLOCK_TOKENS = 128  # key slots a compute block reads (pages_per_compute_block = this / P)
 
 
-def resolve(attention: str, backend: str | None = None, *, kv_dtype, shards: int = 1) -> str:
+def resolve(attention: str, backend: str | None = None, *, kv_dtype) -> str:
     """The decode attention `attention` runs on `backend` (default: JAX's) over a pool of
-    `kv_dtype` split into `shards` data shards: "xla" or "pallas".
+    `kv_dtype`: "xla" or "pallas".
 
-    "auto" is "pallas" on a TPU when the pool is bfloat16 and the engine has one shard, else
-    "xla": the kernel reads K and V as bfloat16, so on a float32 pool it would round them (asked
-    for explicitly, it does); and a Pallas call is not partitioned by XLA, so over a pool split
-    across devices it would gather the whole pool each layer (a `shard_map` around it is not
-    written yet; asked for explicitly there, it is an error). "pallas" off the TPU runs in
-    interpret mode on the CPU; on a GPU it is an error.
+    "auto" is "pallas" on a TPU when the pool is bfloat16, else "xla": the kernel reads K and V
+    as bfloat16, so on a float32 pool it would round them (asked for explicitly, it does).
+    Over data shards and a tensor axis the kernel runs per device (`attend`, module doc).
+    "pallas" off the TPU runs in interpret mode on the CPU; on a GPU it is an error.
     """
     if attention not in IMPLEMENTATIONS:
         raise ValueError(f"attention={attention!r}: expected one of {IMPLEMENTATIONS}")
     backend = backend or jax.default_backend()
     if attention == "auto":
         bf16 = jnp.dtype(kv_dtype) == jnp.bfloat16
-        return "pallas" if backend == "tpu" and bf16 and shards == 1 else "xla"
+        return "pallas" if backend == "tpu" and bf16 else "xla"
     if attention == "pallas" and backend == "gpu":
         raise ValueError(
             "attention='pallas' is JAX's Pallas TPU paged-attention kernel (TPUs, and "
             "interpret mode on the CPU), and JAX's backend here is 'gpu'; 'auto' runs 'xla'"
-        )
-    if attention == "pallas" and shards > 1:
-        raise ValueError(
-            f"attention='pallas' runs on one data shard's pool, and this call splits into "
-            f"{shards} (the prompts' batch axes); 'auto' runs 'xla' there"
         )
     return attention
 
@@ -122,6 +126,24 @@ def attend(q_BNH, k_KNPH, v_KNPH, page_table_BM, spans: Spans, *, interpret=None
     """
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
+    local = functools.partial(_attend_local, interpret=interpret)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return local(q_BNH, k_KNPH, v_KNPH, page_table_BM, spans)
+    # Every mesh axis manual (a shard axis D of a caller's vmap joins through shard_map's
+    # batching rule); heads split as the rules split the pool's kv heads.
+    heads = nn.logical_to_mesh_axes(("act_kv_heads",))[0]
+    Ps = jax.sharding.PartitionSpec
+    rows = Ps()
+    per_device = jax.shard_map(
+        local, in_specs=(Ps(None, heads), Ps(heads), Ps(heads), rows, rows),
+        out_specs=Ps(None, heads), check_vma=False,  # the kernel's outputs carry no vma
+    )  # fmt: skip
+    return per_device(q_BNH, k_KNPH, v_KNPH, page_table_BM, spans)
+
+
+def _attend_local(q_BNH, k_KNPH, v_KNPH, page_table_BM, spans: Spans, *, interpret):
+    """`attend` on one device's rows and heads."""
     B, M = page_table_BM.shape
     q_BNH = q_BNH.astype(jnp.float32) * (q_BNH.shape[-1] ** -0.5)  # the kernel does not scale
     # The own run as a table of its own: row b's pages from own_start on (past the end: the

@@ -42,19 +42,21 @@ sizes and admission order never enter. The logits equal `sampler.sample`'s up to
 rounding (the attention is one softmax over gathered pages here, two merged by log-sum-exp
 there), so the tokens are the same except where two candidates tie within that rounding.
 
-Kernels (`attention`, `models.paged_kernel.resolve`). On a TPU with a bfloat16 model and one
-data shard (a Pallas call is not partitioned by XLA: no `shard_map` around it yet) a decode
+Kernels (`attention`, `models.paged_kernel.resolve`). On a TPU with a bfloat16 model a decode
 step's attention is JAX's Pallas TPU paged-attention kernel (`models.paged_kernel`): it reads
 only each row's pages, over a pool in the kernel's layout ([K, pages, page_size, H] a layer,
-so no transpose on the hot path). A row's keys are two runs of its table (the shared prompt
-slots, whose last page is partly filled, then its own), so the kernel runs once per run and
-the two merge by log-sum-exp. Prefill chunks, GPUs, CPUs and float32 pools take the XLA
-attention, which gathers each row's pages. The kernel is tested on the CPU in Pallas interpret
-mode (tests/test_paged_kernel.py): its decode attention equals the XLA one over the pool
-rounded to bfloat16 (the kernel reads K and V as bfloat16) within float32 rounding, and a
-greedy `sample_paged` call gives the XLA path's tokens. TPU's `ragged_paged_attention`
-(prefill and decode in one kernel) fails in interpret mode on the CPU in jax 0.10.2
-(`AttributeError: 'ReshapeTransform' object has no attribute 'indices'`), so it is not used.
+so no transpose on the hot path). XLA cannot partition a Pallas call, so the kernel runs in a
+`shard_map` over the mesh: each device on its own shard's pool and its own kv heads, with no
+collective. A row's keys are two runs of its table (the shared prompt slots, whose last page
+is partly filled, then its own), so the kernel runs once per run and the two merge by
+log-sum-exp. Prefill chunks, GPUs, CPUs and float32 pools take the XLA attention, which
+gathers each row's pages. The kernel is tested on the CPU in Pallas interpret mode
+(tests/test_paged_kernel.py): its decode attention equals the XLA one over the pool rounded to
+bfloat16 (the kernel reads K and V as bfloat16) within float32 rounding, and a greedy
+`sample_paged` call gives the XLA path's tokens, on one device and over data shards and a
+tensor axis. TPU's `ragged_paged_attention` (prefill and decode in one kernel) fails in
+interpret mode on the CPU in jax 0.10.2 (`AttributeError: 'ReshapeTransform' object has no
+attribute 'indices'`), so it is not used.
 """
 
 from __future__ import annotations
@@ -102,6 +104,9 @@ class _Settings:
     # A decode step's attention, resolved (`paged_kernel.resolve`): "xla" or "pallas" (the
     # pool then has the kernel's layout).
     attention: str = "xla"
+    # The kernel's Pallas interpret mode (`paged_kernel.attend`); None: unless JAX's backend
+    # is a TPU. False where a program is compiled for TPUs from another backend (the planner).
+    interpret: bool | None = None
 
 
 @flax.struct.dataclass
@@ -189,7 +194,7 @@ def _step(st: _Settings, dparams, pages_used, pool, s: PagedState):
     x_DS, pool = paged.paged_forward(
         st.config, dparams, pool, s.tok_DS[:, None], s.pos_DS[:, None], page_S[:, None],
         (w_S % P)[:, None], s.page_table_DSM, None, pages_used, spans=spans,
-        attention=st.attention,
+        attention=st.attention, interpret=st.interpret,
     )  # fmt: skip
     logits_SV = decode.head_logits_fm(st.config, dparams, x_DS)
     step_keys_S = jax.vmap(jax.random.fold_in)(s.keys_DS, s.t_DS)
@@ -326,10 +331,14 @@ def _init_pool(st: _Settings, shards: int, num_pages: int, page_size: int) -> pa
     pool = _over_shards(
         st, lambda _: paged.init_pool(st.config, num_pages, page_size, layout=layout)
     )(jnp.arange(shards))
-    if st.shard_axes is None:  # (always so for the kernel's layout: `paged_kernel.resolve`)
+    if st.shard_axes is None:
         return pool
     kv_heads = nn.logical_to_mesh_axes(("act_kv_heads",))[0]  # the rules' tensor axis, if any
-    spec = jax.sharding.PartitionSpec(st.shard_axes, None, kv_heads, None, None)
+    # xla: [D, pages, K, H, page]; pallas: [D, K, pages, page, H]
+    heads_at = 1 if layout == "pallas" else 2
+    spec = jax.sharding.PartitionSpec(
+        st.shard_axes, *(kv_heads if i == heads_at else None for i in range(1, 5))
+    )
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, spec), pool)
 
 
@@ -340,16 +349,18 @@ def _outputs(state: PagedState):
 
 
 def peak_program(config: model_lib.ModelConfig, plan: PoolPlan, *, shards: int,
-                 shard_axes: tuple[str, ...] | None, max_new_tokens: int):  # fmt: skip
+                 shard_axes: tuple[str, ...] | None, max_new_tokens: int,
+                 attention: str = "xla"):  # fmt: skip
     """What a `sample_paged` call holds on the devices at once, as one function for the
     memory planner (planner.py compiles it on abstract inputs): the decode weights, D pools and
-    slot states, one prefill call, one admission and one decode segment.
+    slot states, one prefill call, one admission and one decode segment. `attention` "pallas"
+    plans the TPU kernel (compiled, not interpreted: for a TPU compile from any backend).
 
     Returns (fn, inputs): fn(params, rng, *inputs) and the (shape, dtype) of each input, each
     with the leading shard axis D but the last (a decode segment's step limit, a scalar).
     """
     st = _Settings(config, max_new_tokens, 1.0, 1.0, -1, (0,), 0, "processed_logprobs",
-                   shard_axes)  # fmt: skip
+                   shard_axes, attention, interpret=False if attention == "pallas" else None)
     D, S, G, C = shards, plan.max_num_seqs, plan.chunk_rows, plan.chunk
     Mp, M = plan.prompt_pages, plan.prompt_pages + plan.response_pages
     i32 = np.int32
@@ -475,8 +486,8 @@ def sample_paged(
       page_size / num_pages: the pool (default: `plan_pool`'s).
       segment_steps: decode steps between prefill chunks while a prefill is pending.
       attention: a decode step's attention, "auto", "xla" or "pallas" (`paged_kernel.resolve`:
-        "auto" is the Pallas kernel on a TPU with a bfloat16 model and one data shard, else
-        XLA; "pallas" on the CPU runs the kernel in interpret mode, for tests).
+        "auto" is the Pallas kernel on a TPU with a bfloat16 model, else XLA; "pallas" on the
+        CPU runs the kernel in interpret mode, for tests).
       stats: if given, filled with the call's schedule: the `PoolPlan` fields, counts
         (decode calls and steps, prefill calls and tokens, admissions, the peak pages in use
         and rows in flight) and `trace`, the calls in order.
@@ -513,7 +524,7 @@ def sample_paged(
         max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
         num_pages=num_pages,
     )  # fmt: skip
-    attention = paged_kernel.resolve(attention, kv_dtype=config.dtype, shards=shards)
+    attention = paged_kernel.resolve(attention, kv_dtype=config.dtype)
     st = _Settings(config, max_new_tokens, float(temperature), float(top_p), int(top_k),
                    eos_token_ids, int(pad_token_id), logprobs_mode, axes, attention)  # fmt: skip
     run = _Schedule(st, plan, prompts, n, segment_steps, shards, mesh)
