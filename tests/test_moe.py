@@ -245,3 +245,38 @@ def test_sharded_forward_and_grad_equal_one_device(shape):
             np.asarray(g), np.asarray(r), atol=1e-5 * scale + 1e-7, rtol=0,
             err_msg=jax.tree_util.keystr(path),
         )  # fmt: skip
+
+
+def test_train_step_logs_router_metrics_of_the_rollout_batch():
+    from grpo_jax.trainer import actor
+
+    config = _tiny_moe(vocab_size=64)
+    params = model.init_params(config, jax.random.key(2))
+    rng = np.random.default_rng(0)
+    ids_BS = rng.integers(1, 64, (4, 7)).astype(np.int32)
+    mask_BS = np.ones_like(ids_BS)
+    mask_BS[::2, 0] = 0
+    batch = actor.TrainBatch(
+        input_ids_BS=jnp.asarray(ids_BS),
+        attention_mask_BS=jnp.asarray(mask_BS),
+        response_ids_BT=jnp.asarray(ids_BS[:, 3:]),
+        response_mask_BT=jnp.ones((4, 4), jnp.int32),
+        advantages_BT=jnp.asarray(np.linspace(-1, 1, 16, dtype=np.float32).reshape(4, 4)),
+    )
+    tx = actor.make_optimizer(grad_clip=1.0, betas=(0.9, 0.999), weight_decay=0.0)
+    _, metrics = actor.train_step(
+        actor.init_state(params, tx), batch, jnp.int32(0), jnp.float32(1e-3), rng=None,
+        model_config=config, loss_config=actor.LossConfig(), tx=tx, mini_batch_size=4,
+        micro_batch_size=4,
+    )  # fmt: skip
+    _, stats = transformer.hidden_states_and_routing(config, params, batch.input_ids_BS, mask_BS)
+    assert float(metrics["actor/moe_aux_loss"]) == pytest.approx(
+        float(moe.load_balancing_loss(stats)), rel=1e-5
+    )
+    # Two MoE layers (layer 1 is dense); each share lies in [0, 1] with max >= 1/E >= min.
+    assert sorted(k for k in metrics if k.startswith("actor/moe_load_max/")) == [
+        "actor/moe_load_max/0", "actor/moe_load_max/1"
+    ]  # fmt: skip
+    for layer in range(2):
+        hi, lo = metrics[f"actor/moe_load_max/{layer}"], metrics[f"actor/moe_load_min/{layer}"]
+        assert 1.0 >= float(hi) >= 1 / 8 >= float(lo) >= 0.0
