@@ -1,13 +1,15 @@
-"""Decoder-only transformers (Qwen2/Qwen2.5, Qwen3, Llama 3.x): the face of grpo_jax/models/.
+"""Decoder-only transformers (Qwen2/2.5, Qwen3, Qwen3-MoE, Llama 3.x): the face of grpo_jax/models/.
 
 What users and the rest of grpo_jax call on ``grpo_jax.model``; each name lives in one file of
 grpo_jax/models/:
 
   config       ``ModelConfig`` (hyper-parameters, HF config.json in and out)
   transformer  the Flax NNX modules used functionally: ``forward``, ``hidden_states``,
-               ``hidden_states_packed``, ``unembed``; params (``init_params``,
+               ``hidden_states_packed``, ``hidden_states_and_routing`` (MoE router stats),
+               ``unembed``; params (``init_params``,
                ``abstract_params``, ``logical_axes``, LoRA adapter shapes); the remat policy
   attention    grouped-query softmax attention (``CAUSAL_BLOCK``: its causal block size)
+  moe          Qwen3-MoE's routing, grouped experts and load-balancing loss
   decode       KV caches (``KVCache``, ``GroupKVCache``, ``DecodeParams``), ``prefill``,
                ``decode_step``
   reward_head  the sequence-classification (reward model) head: ``scores``
@@ -66,6 +68,7 @@ from grpo_jax.models.transformer import (  # noqa: F401
     Decoder,
     DecoderLayer,
     LoraParam,
+    MoE,
     RMSNorm,
     abstract_adapters,
     abstract_params,
@@ -74,6 +77,7 @@ from grpo_jax.models.transformer import (  # noqa: F401
     check_params,
     forward,
     hidden_states,
+    hidden_states_and_routing,
     hidden_states_packed,
     init_params,
     logical_axes,

@@ -10,6 +10,14 @@ Parallelism (levanter's parameter-vs-compute split, maxtext's pure-fsdp rules):
   * FSDP (ZeRO-3): every parameter's ``embed`` dimension is split over ``fsdp``; XLA all-gathers
     a weight just before use and reduce-scatters its gradient.
   * Tensor parallelism (Megatron): ``heads``, ``kv_heads``, ``mlp`` and ``vocab`` over ``tensor``.
+  * Expert parallelism (MoE layers): the expert weights [E, D, F] are split by expert over
+    ``fsdp`` (``expert``), their model dimension over ``sequence`` (``expert_embed``, what is
+    left of ``embed``'s split: one mesh axis cannot split two dimensions) and their width over
+    ``tensor`` (``mlp``), so every expert weight is split as finely as a dense one, with whole
+    experts per FSDP device. The same devices hold a share of the batch (verl / Megatron fold
+    expert parallelism into data parallelism the same way), and the 3-entry mesh shape needs
+    no new axis. ``config.mesh.rules`` can map ``expert`` elsewhere (``tensor``; then give
+    ``mlp`` another axis or None).
   * Data parallelism: the leading batch axis of activations is split over ``("data", "fsdp")``, so
     FSDP devices also each see a different slice of the batch.
   * Sequence parallelism (Ulysses, verl's ``ulysses_sequence_parallel_size``): the token axis of
@@ -61,6 +69,10 @@ LOGICAL_RULES: Rules = (
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
     ("head_dim", None),
+    # MoE experts (grpo_jax/models/moe.py): expert parallelism over the FSDP devices; an
+    # expert's model dimension takes the rest of `embed`'s split.
+    ("expert", "fsdp"),
+    ("expert_embed", "sequence"),
     ("layers", None),  # the stacked-layer axis of scanned parameters and of the KV cache
     # Activations and caches: data parallel over every non-tensor device.
     ("batch", BATCH_AXES),

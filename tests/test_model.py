@@ -329,9 +329,15 @@ HF_CASES = {
 
 def _hf_model(case: str, seed: int = 0):
     """A tiny random transformers model with O(1) weights (HF's 0.02 init gives ~flat logits)."""
-    torch, transformers = reference.hf()
+    _, transformers = reference.hf()
     cls_name, overrides = HF_CASES[case]
     hf_config = getattr(transformers, cls_name)(**(_HF_COMMON | overrides))
+    return hf_random_model(hf_config, seed)
+
+
+def hf_random_model(hf_config, seed: int = 0):
+    """A transformers causal LM of `hf_config` with O(1) random weights, eager attention."""
+    torch, transformers = reference.hf()
     torch.manual_seed(seed)
     hf = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager")
     gen = torch.Generator().manual_seed(seed)

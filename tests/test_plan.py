@@ -158,6 +158,26 @@ def test_presets_match_published_parameter_counts():
         planner.preset_config("gpt5", dtype=jnp.float32, param_dtype=jnp.float32, remat=False)
 
 
+def test_qwen3_30b_a3b_preset_is_the_published_moe_model():
+    cfg = planner.preset_config(
+        "qwen3-30b-a3b", dtype=jnp.bfloat16, param_dtype=jnp.float32, remat=True
+    )
+    assert cfg.moe_layers == (True,) * 48 and cfg.norm_topk_prob
+    # Per layer: q, o 2*2048*4096 + k, v 2*2048*512 + q/k norms 2*128 + 2 norms 2*2048 +
+    # router 2048*128 + 128 experts x 3*2048*768; embed + untied head 2*151936*2048; final norm.
+    per_layer = 2 * 2048 * 4096 + 2 * 2048 * 512 + 2 * 128 + 2 * 2048 + 2048 * 128
+    per_layer += 128 * 3 * 2048 * 768
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(model.abstract_params(cfg)))
+    assert total == 48 * per_layer + 2 * 151936 * 2048 + 2048 == 30_532_122_624  # "30.5B"
+
+
+def test_tiny_moe_plan_fits_with_experts_split_over_fsdp():
+    p = planner.from_run(_run(_smoke_config()), model_name="tiny-moe")
+    assert p.cfg.num_experts == 8
+    report = planner.plan(p, hbm_bytes=2**30, search=False)
+    assert "FITS in 1.0 GiB" in report
+
+
 def test_missing_model_is_a_clear_error():
     c = _smoke_config()
     with pytest.raises(ValueError, match="give --model"):

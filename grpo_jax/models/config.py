@@ -1,4 +1,4 @@
-"""The hyper-parameters of one decoder-only transformer (Qwen2/Qwen2.5, Qwen3, Llama 3.x).
+"""The hyper-parameters of one decoder-only transformer (Qwen2/2.5, Qwen3, Qwen3-MoE, Llama 3.x).
 
 `ModelConfig` is frozen and hashable (a valid `jax.jit` static argument); `ModelConfig.from_hf`
 reads a transformers config.json (both its transformers 5 and older layouts) and refuses what
@@ -20,6 +20,7 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 
@@ -66,7 +67,8 @@ class ModelConfig:
     N num_heads, K num_kv_heads, H head_dim.
 
     Attributes:
-      arch: "qwen2" (q/k/v bias), "qwen3" (q/k RMSNorm) or "llama" (Llama 3.x, SmolLM2).
+      arch: "qwen2" (q/k/v bias), "qwen3" (q/k RMSNorm), "qwen3_moe" (Qwen3 with
+        mixture-of-experts layers, grpo_jax/models/moe.py) or "llama" (Llama 3.x, SmolLM2).
       rope_scaling: None, or the HF ``rope_scaling`` dict as a sorted tuple of (key, value) pairs
         (a dict passed here is converted). Supported ``rope_type``: default, linear, llama3.
       dtype: compute dtype (activations, matmul inputs). float32 unless asked otherwise.
@@ -89,6 +91,17 @@ class ModelConfig:
         base model, whatever these fields say.
       lora_alpha: LoRA's alpha (scale alpha / r).
       lora_targets: projection names in LORA_TARGETS (HF names: q_proj, ..., down_proj).
+      num_experts: E, the routed experts of a mixture-of-experts layer (arch "qwen3_moe";
+        0 for dense archs). HF's names from here on (Qwen3MoeConfig).
+      num_experts_per_tok: k, the experts each token is routed to (top-k of the router).
+      moe_intermediate_size: each expert's SwiGLU width (``intermediate_size`` is the dense
+        layers' width).
+      norm_topk_prob: renormalise the top-k router probabilities to sum to 1 (Qwen3-MoE: true).
+      decoder_sparse_step: layer i is a MoE layer when (i + 1) % decoder_sparse_step == 0 and i
+        is not in `mlp_only_layers` (HF's rule); the others are dense.
+      mlp_only_layers: layer indices that stay dense.
+      router_aux_loss_coef: the coefficient of the load-balancing loss (HF's
+        ``load_balancing_loss_func``; grpo_jax/models/moe.py) in the actor loss.
     """
 
     arch: str = "qwen2"
@@ -118,6 +131,13 @@ class ModelConfig:
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self):
         if self.arch not in ARCH_TO_HF:
@@ -180,12 +200,72 @@ class ModelConfig:
                 )
             if not self.lora_alpha > 0:
                 raise ValueError(f"ModelConfig.lora_alpha={self.lora_alpha} must be > 0")
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        self._check_moe()
         rope_type = self.rope_scaling_dict.get("rope_type", "default")
         if rope_type not in _SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"ModelConfig: rope_type={rope_type!r} is not supported for arch={self.arch!r}; "
                 f"expected one of {_SUPPORTED_ROPE_TYPES}"
             )
+
+    def _check_moe(self) -> None:
+        if self.arch != "qwen3_moe":
+            if self.num_experts:
+                raise ValueError(
+                    f"ModelConfig.num_experts={self.num_experts} needs arch='qwen3_moe' "
+                    f"(arch={self.arch!r} is dense); set num_experts=0"
+                )
+            return
+        if self.num_experts <= 0 or self.moe_intermediate_size <= 0:
+            raise ValueError(
+                f"ModelConfig(arch='qwen3_moe'): num_experts={self.num_experts} and "
+                f"moe_intermediate_size={self.moe_intermediate_size} must be positive"
+            )
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"ModelConfig.num_experts_per_tok={self.num_experts_per_tok} must be in "
+                f"[1, num_experts={self.num_experts}]"
+            )
+        if self.decoder_sparse_step < 1:
+            raise ValueError(
+                f"ModelConfig.decoder_sparse_step={self.decoder_sparse_step} must be >= 1"
+            )
+        if any(not 0 <= i < self.num_layers for i in self.mlp_only_layers):
+            raise ValueError(
+                f"ModelConfig.mlp_only_layers={self.mlp_only_layers} must be layer indices in "
+                f"[0, num_layers={self.num_layers})"
+            )
+        if self.router_aux_loss_coef < 0:
+            raise ValueError(
+                f"ModelConfig.router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0"
+            )
+        attention_only = {"q_proj", "k_proj", "v_proj", "o_proj"}
+        if self.lora_rank and not set(self.lora_targets) <= attention_only:
+            raise ValueError(
+                f"ModelConfig.lora_targets={self.lora_targets}: on arch='qwen3_moe' LoRA adapts "
+                f"the attention projections only ({sorted(attention_only)}); drop the MLP ones"
+            )
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether it is a mixture-of-experts layer (HF Qwen3MoeDecoderLayer's rule)."""
+        return tuple(
+            self.num_experts > 0
+            and i not in self.mlp_only_layers
+            and (i + 1) % self.decoder_sparse_step == 0
+            for i in range(self.num_layers)
+        )
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.moe_layers)
+
+    def ffn_row(self, layer: int) -> int:
+        """Layer `layer`'s row in its feed-forward stack: ``layers/moe`` (MoE layers, in order)
+        or ``layers/mlp`` (the dense ones)."""
+        kinds = self.moe_layers
+        return sum(1 for i in range(layer) if kinds[i] == kinds[layer])
 
     @property
     def lora_scale(self) -> float:
@@ -245,6 +325,8 @@ class ModelConfig:
             raise ValueError(f"{archs[0]}: hidden_act={hf.hidden_act!r} is unsupported (only silu)")
         if getattr(hf, "mlp_bias", False):
             raise ValueError(f"{archs[0]}: mlp_bias=True is unsupported")
+        if arch == "qwen3_moe" and getattr(hf, "shared_expert_intermediate_size", 0):
+            raise ValueError(f"{archs[0]}: shared experts are unsupported")
         if arch == "qwen2":
             qkv_bias = True  # Qwen2 always has q/k/v bias and no o_proj bias.
         else:
@@ -260,6 +342,17 @@ class ModelConfig:
         eos = hf.eos_token_id
         eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, (list, tuple)) else (eos,))
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        moe = {}
+        if arch == "qwen3_moe":
+            moe = {
+                "num_experts": hf.num_experts,
+                "num_experts_per_tok": hf.num_experts_per_tok,
+                "moe_intermediate_size": hf.moe_intermediate_size,
+                "norm_topk_prob": bool(hf.norm_topk_prob),
+                "decoder_sparse_step": hf.decoder_sparse_step,
+                "mlp_only_layers": tuple(hf.mlp_only_layers or ()),
+                "router_aux_loss_coef": float(hf.router_aux_loss_coef),
+            }
         return cls(
             arch=arch,
             vocab_size=hf.vocab_size,
@@ -274,12 +367,13 @@ class ModelConfig:
             rms_norm_eps=hf.rms_norm_eps,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             max_position_embeddings=hf.max_position_embeddings,
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=eos_ids,
             pad_token_id=getattr(hf, "pad_token_id", None),
             initializer_range=getattr(hf, "initializer_range", 0.02),
+            **moe,
         )
 
     def to_hf_dict(self, *, untie_embeddings: bool = False) -> dict[str, Any]:
@@ -315,9 +409,20 @@ class ModelConfig:
             "pad_token_id": self.pad_token_id,
             "use_cache": True,
         }
-        if self.arch in ("qwen2", "qwen3"):
+        if self.arch in ("qwen2", "qwen3", "qwen3_moe"):
             out |= {"use_sliding_window": False, "sliding_window": None, "max_window_layers": 0}
-        if self.arch in ("llama", "qwen3"):
+        if self.arch == "qwen3_moe":
+            out |= {
+                "num_experts": self.num_experts,
+                "num_experts_per_tok": self.num_experts_per_tok,
+                "moe_intermediate_size": self.moe_intermediate_size,
+                "norm_topk_prob": self.norm_topk_prob,
+                "decoder_sparse_step": self.decoder_sparse_step,
+                "mlp_only_layers": list(self.mlp_only_layers),
+                "router_aux_loss_coef": self.router_aux_loss_coef,
+                "output_router_logits": False,
+            }
+        if self.arch in ("llama", "qwen3", "qwen3_moe"):
             out["attention_bias"] = False
         if self.arch == "llama":
             out["mlp_bias"] = False

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from grpo_jax.models import attention, transformer
+from grpo_jax.models import attention, moe, transformer
 from grpo_jax.models import config as config_lib
 
 
@@ -271,6 +271,8 @@ class DecodeParams:
         ``q`` [N*H, D], ``k`` / ``v`` [K*H, D], ``o`` [D, N*H], ``gate`` / ``up`` [F, D], ``down``
         [D, F]; optional ``{q,k,v}_bias`` [n*H], ``q_norm`` / ``k_norm`` [H], and the LoRA
         adapters ``{proj}_lora_a`` [r, in] / ``{proj}_lora_b`` [out, r] of targeted projections.
+        A MoE layer has ``moe_router`` [D, E], ``moe_gate_proj`` / ``moe_up_proj`` [E, D, F]
+        and ``moe_down_proj`` [E, F, D] instead of ``gate`` / ``up`` / ``down``.
     """
 
     embed_VD: jax.Array
@@ -289,6 +291,10 @@ _DECODE_PROJ = (
     ("up", "mlp", "up_proj", 1),
     ("down", "mlp", "down_proj", 1),
 )
+
+
+# The kernels of a MoE layer (grpo_jax/models/moe.py), as DecodeParams "moe_<name>".
+_DECODE_MOE = ("router", "gate_proj", "up_proj", "down_proj")
 
 
 def decode_params(config: config_lib.ModelConfig, params) -> DecodeParams:
@@ -319,15 +325,22 @@ def decode_params(config: config_lib.ModelConfig, params) -> DecodeParams:
             "input_norm": lp["input_norm"]["scale"][i],
             "post_attn_norm": lp["post_attn_norm"]["scale"][i],
         }
+        is_moe = c.moe_layers[i]
         for name, group, proj, num_in in _DECODE_PROJ:
+            if group == "mlp" and is_moe:
+                continue
+            row = c.ffn_row(i) if group == "mlp" else i  # a MoE model stacks its dense MLPs
             node = lp[group][proj]
-            layer[name] = out_in(node["kernel"][i], num_in)
+            layer[name] = out_in(node["kernel"][row], num_in)
             if "bias" in node:
-                layer[f"{name}_bias"] = node["bias"][i].reshape(-1).astype(dt)
+                layer[f"{name}_bias"] = node["bias"][row].reshape(-1).astype(dt)
             lora = None if adapters is None else adapters["layers"].get(group, {}).get(proj)
             if lora is not None:
-                layer[f"{name}_lora_a"] = out_in(lora["lora_a"][i], num_in)
-                layer[f"{name}_lora_b"] = out_in(lora["lora_b"][i], 1)
+                layer[f"{name}_lora_a"] = out_in(lora["lora_a"][row], num_in)
+                layer[f"{name}_lora_b"] = out_in(lora["lora_b"][row], 1)
+        if is_moe:  # kept in the params' layout: the grouped matmuls take [E, in, out]
+            for name in _DECODE_MOE:
+                layer[f"moe_{name}"] = lp["moe"][name]["kernel"][c.ffn_row(i)].astype(dt)
         if c.qk_norm:
             layer["q_norm"] = lp["attn"]["q_norm"]["scale"][i]
             layer["k_norm"] = lp["attn"]["k_norm"]["scale"][i]
@@ -440,10 +453,19 @@ def qkv_fm(c: config_lib.ModelConfig, w: dict, x_DB, cos_HB, sin_HB):
 
 def out_mlp_fm(c: config_lib.ModelConfig, w: dict, x_DB, o_XB):
     """The rest of a layer after attention, feature-major: the output projection of the heads'
-    outputs ``o_XB`` ([N*H, B]) added to ``x_DB``, then the SwiGLU MLP block."""
+    outputs ``o_XB`` ([N*H, B]) added to ``x_DB``, then the SwiGLU MLP block (or the MoE
+    block of a MoE layer)."""
     o_DB = project_fm(c, w, "o", o_XB)
     x_DB = x_DB + nn.with_logical_constraint(o_DB, ("act_embed", "batch"))
     h_DB = _rms_norm_fm(x_DB, w["post_attn_norm"], c.rms_norm_eps, c.dtype, axis=0)
+    if "moe_router" in w:  # token-major for the router and the grouped matmuls
+        y_BD, _, _ = moe.sparse_ffn(
+            h_DB.T.astype(c.dtype),
+            *(w[f"moe_{name}"] for name in _DECODE_MOE),
+            num_experts_per_tok=c.num_experts_per_tok,
+            norm_topk_prob=c.norm_topk_prob,
+        )
+        return x_DB + y_BD.T
     a_FB = jax.nn.silu(project_fm(c, w, "gate", h_DB)) * project_fm(c, w, "up", h_DB)
     a_FB = nn.with_logical_constraint(a_FB, ("act_mlp", "batch"))
     return x_DB + project_fm(c, w, "down", a_FB)

@@ -106,6 +106,17 @@ HF_TO_JAX = (
     ("model.layers.{i}.mlp.gate_proj.weight", "layers/mlp/gate_proj/kernel", "linear"),
     ("model.layers.{i}.mlp.up_proj.weight", "layers/mlp/up_proj/kernel", "linear"),
     ("model.layers.{i}.mlp.down_proj.weight", "layers/mlp/down_proj/kernel", "linear_out"),
+    # Qwen3-MoE layers (grpo_jax/models/moe.py): the router, and each expert "{e}" as its own
+    # tensors, the layout of the hub's checkpoints and of transformers 5's save_pretrained
+    # (which fuses them in memory only). Their params are stacked on the MoE layers, then E.
+    ("model.layers.{i}.mlp.gate.weight", "layers/moe/router/kernel", "linear"),
+    ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "layers/moe/gate_proj/kernel", "linear"),
+    ("model.layers.{i}.mlp.experts.{e}.up_proj.weight", "layers/moe/up_proj/kernel", "linear"),
+    (
+        "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
+        "layers/moe/down_proj/kernel",
+        "linear_out",
+    ),
 )
 
 
@@ -114,7 +125,33 @@ _IGNORED_HF = re.compile(r"(.*\.rotary_emb\.inv_freq)$")
 
 
 def _hf_regex(template: str) -> re.Pattern:
-    return re.compile(re.escape(template).replace(r"\{i\}", r"(\d+)") + "$")
+    pattern = re.escape(template).replace(r"\{i\}", r"(\d+)").replace(r"\{e\}", r"(\d+)")
+    return re.compile(pattern + "$")
+
+
+def tensor_indices(
+    config: config_lib.ModelConfig, template: str, param: str
+) -> list[tuple[dict[str, int], tuple[int, ...]]]:
+    """The HF tensors of one ``HF_TO_JAX`` entry: (the template's ``format`` fields, the index
+    into the param's leading axes) of each.
+
+    A layered param is stacked on the layers that have it: every layer for attention and
+    norms; in a MoE model, the dense layers for ``layers/mlp`` and the MoE layers for
+    ``layers/moe`` (row ``config.ffn_row(i)``); an expert template also indexes the expert.
+    """
+    if "{i}" not in template:
+        return [({}, ())]
+    ffn = param.startswith(("layers/mlp/", "layers/moe/"))
+    out = []
+    for i, is_moe in enumerate(config.moe_layers):
+        if ffn and is_moe != param.startswith("layers/moe/"):
+            continue
+        row = config.ffn_row(i) if ffn else i
+        if "{e}" in template:
+            out += [({"i": i, "e": e}, (row, e)) for e in range(config.num_experts)]
+        else:
+            out.append(({"i": i}, (row,)))
+    return out
 
 
 def hf_shape(layout: str, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -272,13 +309,13 @@ def _read_params(
         ]
         where = {key: h for h in handles for key in h.keys()}  # noqa: SIM118 (safe_open handle, not a dict)
         # Which checkpoint tensors feed which param (and layer).
-        sources: dict[str, dict[int, str]] = {}
+        sources: dict[str, dict[tuple[int, ...], str]] = {}
         unexpected = []
         for key in where:
             for template, jax_name, _ in HF_TO_JAX:
                 m = _hf_regex(template).match(key)
                 if m and jax_name in flat_abstract:
-                    sources.setdefault(jax_name, {})[int(m.group(1)) if m.groups() else -1] = key
+                    sources.setdefault(jax_name, {})[tuple(int(g) for g in m.groups())] = key
                     break
             else:
                 tied_head = key == "lm_head.weight" and config.tie_word_embeddings
@@ -294,14 +331,14 @@ def _read_params(
             if jax_name not in flat_abstract:
                 continue
             spec = flat_abstract[jax_name]
-            layered = "{i}" in template
-            indices = range(config.num_layers) if layered else [-1]
-            shape = spec.shape[1:] if layered else spec.shape
+            indices = tensor_indices(config, template, jax_name)
+            depth = len(indices[0][1])  # the stacked axes (layers, experts) each tensor indexes
+            shape = spec.shape[depth:]
             parts = []
-            for i in indices:
-                key = sources.get(jax_name, {}).get(i)
+            for fields, _ in indices:
+                key = sources.get(jax_name, {}).get(tuple(fields.values()))
                 if key is None:
-                    missing = template.format(i=i)
+                    missing = template.format(**fields)
                     raise ValueError(
                         f"{hf_arch} checkpoint {ckpt_dir!r} is missing tensor {missing!r}"
                     )
@@ -312,9 +349,8 @@ def _read_params(
                         f"{hf_shape(layout, shape)} from config.json"
                     )
                 parts.append(from_hf_layout(layout, x, shape).astype(spec.dtype))
-            flat[jax_name] = place(
-                np.stack(parts) if layered else parts[0], flat_shardings.get(jax_name)
-            )
+            stacked = np.stack(parts).reshape(spec.shape) if depth else parts[0]
+            flat[jax_name] = place(stacked, flat_shardings.get(jax_name))
             del parts
         missing = [key for key in extra if key not in where]
         if missing:
@@ -344,11 +380,8 @@ def to_hf_state_dict(
         if jax_name not in flat:
             continue
         host = np.asarray(jax.device_get(flat[jax_name]))
-        if "{i}" in template:
-            for i in range(config.num_layers):
-                out[template.format(i=i)] = np.ascontiguousarray(to_hf_layout(layout, host[i]))
-        else:
-            out[template] = np.ascontiguousarray(to_hf_layout(layout, host))
+        for fields, index in tensor_indices(config, template, jax_name):
+            out[template.format(**fields)] = np.ascontiguousarray(to_hf_layout(layout, host[index]))
     if config.tie_word_embeddings and untie_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"].copy()
     return out
@@ -365,10 +398,12 @@ class HFTensor:
     Attributes:
       name: HF tensor name, e.g. ``model.layers.3.mlp.up_proj.weight``.
       param: flat params path, e.g. ``layers/mlp/up_proj/kernel``.
-      layer: index into the stacked ``L`` axis, or None for an unstacked param.
+      layer: index into the stacked ``L`` axis (a MoE model's feed-forward stacks: the row,
+        ``config.ffn_row``), or None for an unstacked param.
       layout: ``model.HF_TO_JAX`` layout (``same``, ``bias``, ``linear``, ``linear_out``).
       shape: HF (torch) shape.
       dtype: numpy dtype, the param's (the export never casts).
+      expert: index into the expert axis after the layer axis (MoE experts), else None.
     """
 
     name: str
@@ -377,6 +412,12 @@ class HFTensor:
     layout: str
     shape: tuple[int, ...]
     dtype: np.dtype
+    expert: int | None = None
+
+    @property
+    def index(self) -> tuple[int, ...]:
+        """The leading indices of the param that give this tensor."""
+        return tuple(i for i in (self.layer, self.expert) if i is not None)
 
     @property
     def nbytes(self) -> int:
@@ -442,12 +483,13 @@ def hf_tensors(
         if param not in flat:
             continue  # a bias Llama does not have, the head of a tied model
         x = flat[param]
-        layered = "{i}" in template
-        per_layer = jax.ShapeDtypeStruct(x.shape[1:] if layered else x.shape, x.dtype)
-        shape = tuple(jax.eval_shape(functools.partial(to_hf_layout, layout), per_layer).shape)
-        for i in range(config.num_layers) if layered else [None]:
-            name = template.format(i=i) if layered else template
-            out.append(HFTensor(name, param, i, layout, shape, np.dtype(x.dtype)))
+        indices = tensor_indices(config, template, param)
+        per_tensor = jax.ShapeDtypeStruct(x.shape[len(indices[0][1]) :], x.dtype)
+        shape = tuple(jax.eval_shape(functools.partial(to_hf_layout, layout), per_tensor).shape)
+        for fields, index in indices:
+            layer, expert = (*index, None, None)[:2]
+            name = template.format(**fields)
+            out.append(HFTensor(name, param, layer, layout, shape, np.dtype(x.dtype), expert))
     return sorted(out, key=lambda t: natural_key(t.name))
 
 
@@ -523,8 +565,9 @@ def safetensors_header(ordered: Sequence[HFTensor]) -> bytes:
 
 
 def _extract(x, *index, layout: str):
-    y = jax.lax.dynamic_index_in_dim(x, index[0], 0, keepdims=False) if index else x
-    return to_hf_layout(layout, y)
+    for i in index:  # the layer row, then the expert
+        x = jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+    return to_hf_layout(layout, x)
 
 
 @functools.lru_cache(maxsize=256)
@@ -549,7 +592,7 @@ def device_tensor(x, t: HFTensor) -> jax.Array:
       ValueError: ``x`` is not fully addressable and its sharding is not a ``NamedSharding``.
     """
     if isinstance(x, np.ndarray):
-        host = x[t.layer] if t.layer is not None else x
+        host = x[t.index]
         return jax.numpy.asarray(np.ascontiguousarray(to_hf_layout(t.layout, host)))
     sharding = x.sharding
     if isinstance(sharding, NamedSharding):
@@ -561,8 +604,7 @@ def device_tensor(x, t: HFTensor) -> jax.Array:
             f"param {t.param!r} spans processes with a {type(sharding).__name__}; "
             "hf_export needs a NamedSharding to replicate one tensor at a time"
         )
-    index = () if t.layer is None else (np.int32(t.layer),)
-    return _program(t.layout, out_sharding)(x, *index)
+    return _program(t.layout, out_sharding)(x, *(np.int32(i) for i in t.index))
 
 
 def iter_device_tensors(

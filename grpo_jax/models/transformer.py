@@ -55,7 +55,7 @@ import numpy as np
 from flax import linen as nn
 from flax import nnx
 
-from grpo_jax.models import attention
+from grpo_jax.models import attention, moe
 from grpo_jax.models import config as config_lib
 
 
@@ -202,8 +202,58 @@ class MLP(nnx.Module):
         return self.down_proj("BTF,FD->BTD", h_BTF, dt)
 
 
+class MoE(nnx.Module):
+    """Qwen3-MoE's sparse block (grpo_jax/models/moe.py): a router [D, E] and E SwiGLU experts
+    stacked on a leading ``expert`` axis, run as grouped matmuls."""
+
+    def __init__(self, config: config_lib.ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        D, E, F, pdt = c.hidden_size, c.num_experts, c.moe_intermediate_size, c.param_dtype
+        w_init = nnx.initializers.normal(c.initializer_range)
+        # The experts' model dimension is `expert_embed`, not `embed`: `expert` takes the
+        # mesh axis `embed` would (sharding.LOGICAL_RULES), and one axis cannot split two dims.
+        in_axes, out_axes = ("expert", "expert_embed", "mlp"), ("expert", "mlp", "expert_embed")
+        for name, shape, axes in (
+            ("router", (D, E), ("embed", None)),
+            ("gate_proj", (E, D, F), in_axes),
+            ("up_proj", (E, D, F), in_axes),
+            ("down_proj", (E, F, D), out_axes),
+        ):
+            proj = nnx.Module()
+            proj.kernel = _param(rngs, w_init, shape, axes, pdt)
+            setattr(self, name, proj)
+        self.config = config
+
+    def __call__(self, x_BTD, valid_BT, experts_BTA=None):
+        """(y_BTD, (experts_BTA, counts_E, probs_E)): the block's output and its routing.
+
+        Args:
+          valid_BT: 1 for the real tokens (the load statistics count those only).
+          experts_BTA: optional experts to route to (router replay) instead of the top-A.
+        """
+        c, dt = self.config, self.config.dtype
+        B, T, D = x_BTD.shape
+        replay_XA = None if experts_BTA is None else experts_BTA.reshape(B * T, -1)
+        y_XD, probs_XE, experts_XA = moe.sparse_ffn(
+            x_BTD.reshape(B * T, D).astype(dt),
+            *(p.kernel[...].astype(dt) for p in (self.router, self.gate_proj, self.up_proj,
+                                                 self.down_proj)),
+            num_experts_per_tok=c.num_experts_per_tok,
+            norm_topk_prob=c.norm_topk_prob,
+            experts_XA=replay_XA,
+        )  # fmt: skip
+        counts_E, probs_E = moe.layer_stats(probs_XE, experts_XA, valid_BT.reshape(-1))
+        return y_XD.reshape(B, T, D), (experts_XA.reshape(B, T, -1), counts_E, probs_E)
+
+
 class DecoderLayer(nnx.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x)).
+
+    The feed-forward block (``mlp``) is part of the layer in dense models. In MoE models
+    (``config.num_experts``) the layers hold attention and norms only, and ``Decoder`` adds the
+    feed-forward stacks ``layers/mlp`` (the dense layers) and ``layers/moe`` (the MoE layers),
+    each stacked over its own layers (``config.ffn_row``).
+    """
 
     def __init__(self, config: config_lib.ModelConfig, *, rngs: nnx.Rngs):
         c = config
@@ -211,7 +261,31 @@ class DecoderLayer(nnx.Module):
         self.input_norm = RMSNorm(c.hidden_size, "embed", **kw)
         self.attn = Attention(c, rngs=rngs)
         self.post_attn_norm = RMSNorm(c.hidden_size, "embed", **kw)
-        self.mlp = MLP(c, rngs=rngs)
+        if not c.num_experts:
+            self.mlp = MLP(c, rngs=rngs)
+
+
+def _stack(make, num: int, rngs: nnx.Rngs):
+    """`num` modules `make(rngs)` stacked on a leading axis named None (never sharded)."""
+
+    @nnx.split_rngs(splits=num)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+    def stacked(rngs):
+        return make(rngs)
+
+    return stacked(rngs)
+
+
+def layer_runs(config: config_lib.ModelConfig) -> list[tuple[int, int, bool]]:
+    """(start, stop, is_moe) of each run of consecutive layers of one kind, in order: each run is
+    one ``lax.scan`` (a dense model is one run)."""
+    runs: list[tuple[int, int, bool]] = []
+    for i, is_moe in enumerate(config.moe_layers):
+        if runs and runs[-1][2] == is_moe:
+            runs[-1] = (runs[-1][0], i + 1, is_moe)
+        else:
+            runs.append((i, i + 1, is_moe))
+    return runs
 
 
 class Decoder(nnx.Module):
@@ -229,12 +303,13 @@ class Decoder(nnx.Module):
         )
 
         # The stacked layer axis gets the logical name None (replicated, never sharded).
-        @nnx.split_rngs(splits=c.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
-        def make_layers(rngs):
-            return DecoderLayer(c, rngs=rngs)
-
-        self.layers = make_layers(rngs)
+        self.layers = _stack(lambda r: DecoderLayer(c, rngs=r), c.num_layers, rngs)
+        if c.num_experts:
+            num_moe = c.num_moe_layers
+            if num_moe < c.num_layers:
+                self.layers.mlp = _stack(lambda r: MLP(c, rngs=r), c.num_layers - num_moe, rngs)
+            if num_moe:
+                self.layers.moe = _stack(lambda r: MoE(c, rngs=r), num_moe, rngs)
         kw = {"eps": c.rms_norm_eps, "dtype": c.dtype, "param_dtype": c.param_dtype, "rngs": rngs}
         self.final_norm = RMSNorm(c.hidden_size, "embed", **kw)
         if not c.tie_word_embeddings:
@@ -251,6 +326,14 @@ class Decoder(nnx.Module):
     def __call__(self, ids_BT, positions_BT, mask, kv=None, index=None):
         """Final-normed hidden states [B,T,D], and the updated (k_LBKHS, v_LBKSH) with a cache.
 
+        ``run`` with the router statistics of MoE layers dropped (see there for the arguments).
+        """
+        h_BTD, kv, _ = self.run(ids_BT, positions_BT, mask, kv, index)
+        return h_BTD, kv
+
+    def run(self, ids_BT, positions_BT, mask, kv=None, index=None, routing_LmBTA=None):
+        """``__call__`` and what the MoE layers' routers did (``moe.RouterStats``).
+
         Args:
           ids_BT: token ids.
           positions_BT: rotary position of each token.
@@ -262,19 +345,31 @@ class Decoder(nnx.Module):
           kv: optional (k_LBKHS, v_LBKSH) cache; the new keys/values are written at slots
             [index, index + T) before attending.
           index: int32 scalar write slot (with kv).
+          routing_LmBTA: optional experts per MoE layer and token to route to (router replay)
+            instead of the routers' own top-A.
+
+        Returns:
+          (h_BTD, kv, moe.RouterStats); the stats have Lm = 0 layers in a dense model, and
+          count every token as real when ``mask`` is a cache mask.
         """
         c = self.config
         x_BTD = jnp.take(self.embed.embedding[...], ids_BT, axis=0).astype(c.dtype)
         x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "seq", "act_embed"))
         cos_BTH, sin_BTH = rope_tables(c, positions_BT)
-        layer_def, layer_state = nnx.split(self.layers)
+        # Each layer's attention state, and its row of its feed-forward stack (config.ffn_row).
+        layer_def, mlp_state, moe_state, attn_state = nnx.split(
+            self.layers, nnx.PathContains("mlp"), nnx.PathContains("moe"), ...
+        )
         # Self-attention over the T tokens: training, log-probs, and a prefill of a whole cache.
         self_attend = isinstance(mask, attention.Mask)
+        valid_BT = mask.segments_BT > 0 if self_attend else jnp.ones(ids_BT.shape, bool)
 
-        def body(carry, xs):
+        def body(carry, xs, *, is_moe: bool, idle):
             x_BTD, kv = carry
-            state, layer_idx = xs
-            layer = nnx.merge(layer_def, state)
+            state, ffn, layer_idx, replay_BTA = xs
+            # The other feed-forward stack's first row completes the module graph, unused.
+            mlp, moe_ = (idle, ffn) if is_moe else (ffn, idle)
+            layer = nnx.merge(layer_def, mlp, moe_, state)
             q_BTNH, k_BTKH, v_BTKH = layer.attn.qkv(layer.input_norm(x_BTD), cos_BTH, sin_BTH)
             q_BTNH = nn.with_logical_constraint(q_BTNH, ("batch", "seq", "act_heads", None))
             if self_attend:
@@ -304,14 +399,41 @@ class Decoder(nnx.Module):
                 layer.attn.out(o_BTNH), ("batch", "seq", "act_embed")
             )
             x_BTD = x_BTD + o_BTD
-            x_BTD = x_BTD + layer.mlp(layer.post_attn_norm(x_BTD))
-            return (x_BTD, kv), None
+            h_BTD = layer.post_attn_norm(x_BTD)
+            if not is_moe:
+                return (x_BTD + layer.mlp(h_BTD), kv), None
+            y_BTD, routed = layer.moe(h_BTD, valid_BT, replay_BTA)
+            return (x_BTD + y_BTD, kv), routed
 
-        if c.remat:
-            body = jax.checkpoint(body, policy=remat_policy_fn(c))
-        layer_ids = jnp.arange(c.num_layers, dtype=jnp.int32)
-        (x_BTD, kv), _ = jax.lax.scan(body, (x_BTD, kv), (layer_state, layer_ids))
-        return self.final_norm(x_BTD), kv
+        routed = []
+        for start, stop, is_moe in layer_runs(c):
+            row = c.ffn_row(start)
+            stack, other = (moe_state, mlp_state) if is_moe else (mlp_state, moe_state)
+            rows = slice(row, row + stop - start)
+            replay = None if routing_LmBTA is None or not is_moe else routing_LmBTA[rows]
+            xs = (
+                jax.tree.map(lambda a: a[start:stop], attn_state),
+                jax.tree.map(lambda a: a[rows], stack),
+                jnp.arange(start, stop, dtype=jnp.int32),
+                replay,
+            )
+            run_body = functools.partial(
+                body, is_moe=is_moe, idle=jax.tree.map(lambda a: a[0], other)
+            )
+            if c.remat:
+                run_body = jax.checkpoint(run_body, policy=remat_policy_fn(c))
+            (x_BTD, kv), ys = jax.lax.scan(run_body, (x_BTD, kv), xs)
+            if is_moe:
+                routed.append(ys)
+        B, T = ids_BT.shape
+        A, E = c.num_experts_per_tok, c.num_experts
+        if routed:
+            experts, counts, probs = (jnp.concatenate(p) for p in zip(*routed))
+        else:
+            experts = jnp.zeros((0, B, T, A), jnp.int32)
+            counts = probs = jnp.zeros((0, E), jnp.float32)
+        tokens = jnp.sum(valid_BT.astype(jnp.float32))
+        return self.final_norm(x_BTD), kv, moe.RouterStats(experts, counts, probs, tokens)
 
     def unembed(self, h_xD):
         c = self.config
@@ -638,6 +760,26 @@ def hidden_states(config: config_lib.ModelConfig, params, input_ids, attention_m
     mask = attention.Mask.padded(attention_mask)
     h_BTD, _ = decoder(config, params)(input_ids, position_ids(attention_mask), mask)
     return h_BTD
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def hidden_states_and_routing(
+    config: config_lib.ModelConfig, params, input_ids, attention_mask, routing_LmBTA=None
+):
+    """``hidden_states`` and what the MoE layers' routers did (``moe.RouterStats``: the chosen
+    experts, per-expert loads and probabilities over the real tokens; the auxiliary loss is
+    ``moe.load_balancing_loss`` of them).
+
+    Args:
+      routing_LmBTA: optional int experts per MoE layer and token (router replay, e.g. the
+        rollout's ``RouterStats.experts_LmBTA``) to route to instead of the routers' top-A.
+    """
+    check_inputs(input_ids, attention_mask)
+    mask = attention.Mask.padded(attention_mask)
+    h_BTD, _, stats = decoder(config, params).run(
+        input_ids, position_ids(attention_mask), mask, routing_LmBTA=routing_LmBTA
+    )
+    return h_BTD, stats
 
 
 @functools.partial(jax.jit, static_argnums=0)

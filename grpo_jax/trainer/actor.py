@@ -49,6 +49,7 @@ import optax
 from grpo_jax import loss as loss_lib
 from grpo_jax import model as model_lib
 from grpo_jax.models import lora as lora_lib
+from grpo_jax.models import moe as moe_lib
 from grpo_jax.trainer import packing
 
 LR_SCHEDULES = ("constant", "cosine")
@@ -187,6 +188,7 @@ def response_log_probs(
     temperature: float,
     chunk_size: int,
     calculate_entropy: bool,
+    router_stats: bool = False,
 ):
     """Per-token log-probs (and entropy) of the response under `params`.
 
@@ -194,13 +196,19 @@ def response_log_probs(
     [Tp - 1, S - 1) are unembedded chunk by chunk (loss.logprobs_and_entropy_from_hidden).
 
     Returns:
-      (log_probs_BT float32, entropy_BT float32 or None).
+      (log_probs_BT float32, entropy_BT float32 or None), and with `router_stats` the MoE
+      layers' ``moe.RouterStats`` third.
     """
     num_response = response_ids_BT.shape[1]
     prompt_len = input_ids_BS.shape[1] - num_response
-    h_BSD = model_lib.hidden_states(model_config, params, input_ids_BS, attention_mask_BS)
+    if router_stats:
+        h_BSD, stats = model_lib.hidden_states_and_routing(
+            model_config, params, input_ids_BS, attention_mask_BS
+        )
+    else:
+        h_BSD = model_lib.hidden_states(model_config, params, input_ids_BS, attention_mask_BS)
     h_BTD = h_BSD[:, prompt_len - 1 : prompt_len - 1 + num_response]
-    return loss_lib.logprobs_and_entropy_from_hidden(
+    out = loss_lib.logprobs_and_entropy_from_hidden(
         h_BTD,
         functools.partial(model_lib.unembed, model_config, params),
         response_ids_BT,
@@ -208,6 +216,20 @@ def response_log_probs(
         temperature=temperature,
         calculate_entropy=calculate_entropy,
     )
+    return (*out, stats) if router_stats else out
+
+
+def moe_metrics(stats: moe_lib.RouterStats) -> dict:
+    """A MoE model's router metrics of one forward: ``actor/moe_aux_loss`` (HF's
+    load-balancing loss, logged, not added to the loss: see ``train_step``) and, per MoE layer
+    l, ``actor/moe_load_max/l`` and ``actor/moe_load_min/l``, the busiest and idlest expert's
+    share of the assignments (1 / num_experts each when balanced)."""
+    high_Lm, low_Lm = moe_lib.load_shares(stats)
+    out = {"actor/moe_aux_loss": moe_lib.load_balancing_loss(stats)}
+    for layer in range(high_Lm.shape[0]):
+        out[f"actor/moe_load_max/{layer}"] = high_Lm[layer]
+        out[f"actor/moe_load_min/{layer}"] = low_Lm[layer]
+    return out
 
 
 def _micro_batches(tree, num_micro: int):
@@ -467,8 +489,13 @@ def train_step(
     lc = loss_config
     _check_rng(lc, rng)
 
+    # A MoE model's router metrics ride along; the load-balancing loss is not added to the
+    # loss, as in verl's FSDP actor (HF adds it only with output_router_logits, false in the
+    # Qwen3-MoE checkpoints' config.json).
+    is_moe = model_config.num_moe_layers > 0
+
     def loss_fn(params, micro: TrainBatch, key):
-        lp_BT, ent_BT = response_log_probs(
+        lp_BT, ent_BT, *stats = response_log_probs(
             model_config,
             policy_params(base, params),
             micro.input_ids_BS,
@@ -477,8 +504,9 @@ def train_step(
             temperature=lc.temperature,
             chunk_size=lc.chunk_size,
             calculate_entropy=_wants_entropy(lc),
+            router_stats=is_moe,
         )
-        return _objective(
+        value, metrics = _objective(
             lc,
             lp_BT,
             ent_BT,
@@ -488,6 +516,7 @@ def train_step(
             rows=mini_batch_size,
             rng=key,
         )
+        return value, {**metrics, **(moe_metrics(stats[0]) if is_moe else {})}
 
     def body(grads, xs):
         micro, m = xs

@@ -283,14 +283,18 @@ def estimate_flops(config, seqlens) -> float:
 
     Args:
       config: a model.ModelConfig (hidden_size, vocab_size, num_layers, num_heads, num_kv_heads,
-        head_dim, intermediate_size).
+        head_dim, intermediate_size; MoE layers count their active experts, as verl's
+        flops counter does for qwen3_moe).
       seqlens: each sequence's valid tokens (prompt + response).
     """
     c = config
     q = c.num_heads * c.head_dim
     kv = c.num_kv_heads * c.head_dim
-    layer = 3 * c.hidden_size * c.intermediate_size + c.hidden_size * (2 * q + 2 * kv)
-    dense = layer * c.num_layers + 2 * c.vocab_size * c.hidden_size
+    attn = c.hidden_size * (2 * q + 2 * kv)
+    # A MoE layer's active parameters: the router and the k experts a token goes through.
+    moe = c.hidden_size * (c.num_experts + 3 * c.num_experts_per_tok * c.moe_intermediate_size)
+    ffn = sum(moe if is_moe else 3 * c.hidden_size * c.intermediate_size for is_moe in c.moe_layers)
+    dense = attn * c.num_layers + ffn + 2 * c.vocab_size * c.hidden_size
     lengths = np.asarray(seqlens, np.float64)
     attention = 6 * float(np.sum(lengths**2)) * c.head_dim * c.num_heads * c.num_layers
     return 6 * dense * float(np.sum(lengths)) + attention

@@ -1,0 +1,147 @@
+"""Mixture-of-experts feed-forward (Qwen3-MoE): top-k routing, grouped experts, load balancing.
+
+A MoE layer replaces the dense SwiGLU MLP with E SwiGLU experts and a linear router (Shazeer
+et al. 2017; Qwen3 technical report). Each token goes to the A experts of highest router
+probability and gets their outputs weighted by those probabilities, renormalised to sum to 1
+when ``norm_topk_prob`` (HF ``Qwen3MoeTopKRouter``: softmax in float32, ``topk``, then the
+division).
+
+Design:
+  * The experts run as one grouped matmul per projection (``jax.lax.ragged_dot``; megablox's
+    GMM on TPU is the same contraction): the X·A (token, expert) assignments are sorted by
+    expert, so each expert's rows are contiguous and ``group_sizes`` says how many each has.
+    No capacity factor and no dropped tokens: the result equals HF's per-expert loop.
+  * Router replay (verl's ``router_replay``, "R3"): ``route`` takes the experts to use instead
+    of its own top-k, and then weights them by the current router's probabilities, renormalised
+    as above; the routing then follows the rollout while the router still gets gradients.
+  * The auxiliary load-balancing loss is HF's ``load_balancing_loss_func`` (Switch Transformer,
+    Fedus et al. 2021, eqs. 4-6): over the real tokens of all MoE layers together,
+    E * sum_e f_e * P_e with f_e the share of the top-A assignments that chose expert e and P_e
+    the mean router probability of e. The layers' per-expert sums (``RouterStats``) are
+    reduced here, so the trainer never holds the [layers, tokens, E] router logits.
+
+Shapes: X tokens (B·T flattened), D hidden, E experts, A experts per token
+(``num_experts_per_tok``), F an expert's width (``moe_intermediate_size``), Y = X·A
+assignments, Lm MoE layers.
+"""
+
+from __future__ import annotations
+
+import flax
+import jax
+import jax.numpy as jnp
+
+
+def route(logits_XE, num_experts_per_tok: int, *, norm_topk_prob: bool, experts_XA=None):
+    """Top-A routing of HF's Qwen3MoeTopKRouter.
+
+    Args:
+      logits_XE: router logits.
+      num_experts_per_tok: A.
+      norm_topk_prob: divide the A probabilities by their sum (config.norm_topk_prob).
+      experts_XA: optional experts to use (router replay) instead of the top-A.
+
+    Returns:
+      (probs_XE float32 softmax, weights_XA in logits' dtype, experts_XA int32).
+    """
+    probs_XE = jax.nn.softmax(logits_XE.astype(jnp.float32), axis=-1)
+    if experts_XA is None:
+        weights_XA, experts_XA = jax.lax.top_k(probs_XE, num_experts_per_tok)
+    else:
+        weights_XA = jnp.take_along_axis(probs_XE, experts_XA, axis=-1)
+    if norm_topk_prob:
+        weights_XA = weights_XA / jnp.sum(weights_XA, axis=-1, keepdims=True)
+    return probs_XE, weights_XA.astype(logits_XE.dtype), experts_XA.astype(jnp.int32)
+
+
+def grouped_swiglu(x_XD, weights_XA, experts_XA, gate_EDF, up_EDF, down_EFD):
+    """sum_a weights[x, a] * down_e(silu(gate_e(x)) * up_e(x)), e = experts[x, a].
+
+    Every assignment is one row of three grouped matmuls (``ragged_dot``) over the rows sorted
+    by expert; the rows go back to token order before the weighted sum.
+
+    Returns:
+      y_XD in x's dtype.
+    """
+    X, A = experts_XA.shape
+    E = gate_EDF.shape[0]
+    expert_Y = experts_XA.reshape(-1)
+    order_Y = jnp.argsort(expert_Y, stable=True)
+    sizes_E = jnp.bincount(expert_Y, length=E).astype(jnp.int32)
+    x_YD = jnp.take(x_XD, order_Y // A, axis=0)
+    gate_YF = jax.lax.ragged_dot(x_YD, gate_EDF, sizes_E)
+    up_YF = jax.lax.ragged_dot(x_YD, up_EDF, sizes_E)
+    h_YF = jax.nn.silu(gate_YF) * up_YF
+    y_YD = jax.lax.ragged_dot(h_YF, down_EFD, sizes_E)
+    # Back to (token, assignment) order: a gather by the inverse permutation.
+    y_XAD = jnp.take(y_YD, jnp.argsort(order_Y), axis=0).reshape(X, A, -1)
+    return jnp.einsum("XAD,XA->XD", y_XAD, weights_XA.astype(y_XAD.dtype))
+
+
+def sparse_ffn(
+    x_XD, router_DE, gate_EDF, up_EDF, down_EFD, *, num_experts_per_tok: int,
+    norm_topk_prob: bool, experts_XA=None,
+):  # fmt: skip
+    """The whole MoE block (HF Qwen3MoeSparseMoeBlock) on tokens x_XD, all in x's dtype.
+
+    Args:
+      experts_XA: optional experts to route to (router replay), see ``route``.
+
+    Returns:
+      (y_XD, probs_XE float32, experts_XA int32).
+    """
+    logits_XE = jnp.dot(x_XD, router_DE)
+    probs_XE, weights_XA, experts_XA = route(
+        logits_XE, num_experts_per_tok, norm_topk_prob=norm_topk_prob, experts_XA=experts_XA
+    )
+    y_XD = grouped_swiglu(x_XD, weights_XA, experts_XA, gate_EDF, up_EDF, down_EFD)
+    return y_XD, probs_XE, experts_XA
+
+
+@flax.struct.dataclass
+class RouterStats:
+    """Per MoE layer, what the router did over the real tokens of a forward pass.
+
+    Attributes:
+      experts_LmBTA: int32, the experts each token was routed to (rollout records for replay).
+      counts_LmE: float32, how many of the real tokens' assignments went to each expert.
+      probs_LmE: float32, the sum over real tokens of each expert's router probability.
+      tokens: float32 scalar, the number of real tokens (the same in every layer).
+    """
+
+    experts_LmBTA: jax.Array
+    counts_LmE: jax.Array
+    probs_LmE: jax.Array
+    tokens: jax.Array
+
+
+def layer_stats(probs_XE, experts_XA, valid_X):
+    """(counts_E, probs_E) of one layer over the tokens with valid_X (0/1 weights)."""
+    E = probs_XE.shape[-1]
+    valid_X = valid_X.astype(jnp.float32)
+    A = experts_XA.shape[-1]
+    counts_E = jnp.zeros((E,), jnp.float32).at[experts_XA.reshape(-1)].add(jnp.repeat(valid_X, A))
+    probs_E = jnp.einsum("XE,X->E", probs_XE, valid_X)
+    return counts_E, probs_E
+
+
+def load_balancing_loss(stats: RouterStats):
+    """HF's ``load_balancing_loss_func`` (with the attention mask) from the layers' sums.
+
+    HF pools the layers before the product: f_e and P_e are sums over every MoE layer's real
+    tokens divided by layers x tokens. 0.0 without MoE layers.
+    """
+    num_layers, E = stats.counts_LmE.shape
+    if num_layers == 0:
+        return jnp.zeros((), jnp.float32)
+    rows = stats.tokens * num_layers
+    tokens_per_expert_E = jnp.sum(stats.counts_LmE, axis=0) / rows
+    prob_per_expert_E = jnp.sum(stats.probs_LmE, axis=0) / rows
+    return E * jnp.sum(tokens_per_expert_E * prob_per_expert_E)
+
+
+def load_shares(stats: RouterStats):
+    """(max_Lm, min_Lm): per MoE layer, the largest and smallest expert's share of the
+    assignments (1/E each when balanced)."""
+    share_LmE = stats.counts_LmE / jnp.maximum(jnp.sum(stats.counts_LmE, -1, keepdims=True), 1.0)
+    return jnp.max(share_LmE, axis=-1), jnp.min(share_LmE, axis=-1)
