@@ -261,10 +261,11 @@ def _train(
         loop = loop.restored(tree, meta, with_ref=ref_in_ckpt)
         # an earlier resume from this step validated too: that row and its samples are redone
         writer.truncate_after(start_step, drop=lambda r: _is_resume_validation(r, start_step))
-        if is_main:
+        if is_main:  # what a tracker lacks (a kill's losses), or all of it for a new one: the
+            # restored step's samples too, before the resume's validation replaces them
+            generations = validation.read_generations(workdir)
+            writer.catch_up({s: v for s, v in generations.items() if s <= start_step})
             validation.truncate_generations(workdir, start_step - 1 if revalidate else start_step)
-        if is_main:  # what a tracker missed before the kill, or all of it for a new one
-            writer.catch_up(validation.read_generations(workdir))
         if start_step not in [r["step"] for r in metrics.read(workdir)]:
             writer.write(start_step, meta["metrics"])  # killed between the save and the row
         logging.info(

@@ -15,14 +15,19 @@ Backends (verl 0.9.1's names, verl/utils/tracking.py):
 W&B and MLflow get the run's config as parameters (flattened dotted keys, `flatten`).
 
 Resume: workdir/trackers.json keeps each backend's run id (W&B, MLflow) and the last step whose
-row, and whose validation samples, it was sent (the samples of a step go out before its row). A
-resumed run (restored from a checkpoint) continues the same W&B and MLflow runs, first sends what
-metrics.jsonl holds up to the restored step and a backend missed (`Trackers.catch_up`: a kill
-between a row's line and its sending, or a backend new in this run), then only rows of later steps:
-the rows that a resume drops from metrics.jsonl and recomputes (after the checkpoint, up to the
-kill) keep the values the tracker got before the kill, and the validation a resume runs under the
-restored step (verl) reaches the trackers only when they had not yet got that step. A fresh run (no
-checkpoint) starts new runs.
+row, and whose validation samples, it was sent (the samples of a step go out before its row).
+A resumed run (restored from a checkpoint) continues the same W&B and MLflow runs and counts
+what they hold rather than what they were sent (`WandB.held`, `MLflow.held`): a W&B process
+killed with SIGKILL loses the steps it logged last (wandb writes its transaction log in 32 KiB
+blocks and has no flush; wandb_log.py reads what the logs hold, as `wandb sync` uploads them),
+and MLflow may hold the step whose sending the kill interrupted before trackers.json was
+written. It first sends what metrics.jsonl holds up to the restored step and a backend lacks
+(`Trackers.catch_up`: a kill's losses, or everything for a backend new in this run), then only
+rows of later steps: each backend gets each step once, in order. The rows that a resume drops
+from metrics.jsonl and recomputes (after the checkpoint, up to the kill) keep the values the
+tracker holds from before the kill, and the validation a resume runs under the restored step
+(verl) reaches a tracker only when it lacked that step. A fresh run (no checkpoint) starts new
+runs.
 
 Failures never cost the run: a backend that cannot start, or raises while logging, is reported
 once (logging.warning) and turned off; the run goes on. A backend whose package is missing is a
@@ -40,6 +45,8 @@ import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
+
+from grpo_jax.trainer import wandb_log
 
 BACKENDS = ("console", "tensorboard", "wandb", "mlflow")
 PIP_PACKAGES = {"wandb": "wandb", "mlflow": "mlflow"}  # backend -> what pip installs
@@ -158,7 +165,8 @@ class TensorBoard:
 
 
 class WandB:
-    """A Weights & Biases run: new, or `run_id`'s continued."""
+    """A Weights & Biases run: new, or `run_id`'s continued. Each row is committed as it is
+    logged (a step's samples go into the same history row, logged just before it)."""
 
     name = "wandb"
 
@@ -172,14 +180,31 @@ class WandB:
         )  # fmt: skip
         self.run_id = self._run.id
 
+    def held(self) -> dict[str, int]:
+        """The last step whose history row (metrics and samples) the W&B run holds, as
+        trackers.json counts: offline, what the transaction logs of the run's earlier launches
+        in this directory hold (wandb_log: what `wandb sync` uploads; a killed launch's file
+        lacks the steps logged last); online, the step before the one the server resumes the
+        run at (run.starting_step). A launch's file is whole once its process has ended
+        (wandb's exit handler waits for wandb-core; run.finish() returns before the last block
+        is written): a resume in the process that ran the launch before may find it short."""
+        run = self._run
+        if run.offline:
+            logs = [p for p in wandb_log.offline_logs(run.settings.wandb_dir, run.id)
+                    if os.path.abspath(p) != os.path.abspath(run.settings.sync_file)]  # fmt: skip
+            step = wandb_log.last_step(logs)
+        else:
+            step = run.starting_step - 1
+        return {"last_step": step, "last_generations_step": step}
+
     def log(self, step, row):
-        self._run.log(dict(row), step=step)
+        self._run.log(dict(row), step=step, commit=True)
 
     def log_generations(self, step, samples):
         table = self._wandb.Table(columns=list(GENERATION_COLUMNS),
                                   data=[[step, s["input"], s["output"], float(s["score"])]
                                         for s in samples])  # fmt: skip
-        self._run.log({"val/generations": table}, step=step)
+        self._run.log({"val/generations": table}, step=step, commit=False)  # the row commits
 
     def close(self):
         self._run.finish()
@@ -221,6 +246,17 @@ class MLflow:
         for i in range(0, len(new), 100):  # MLflow's limit per batch
             self._client.log_batch(self.run_id, params=new[i : i + 100])
 
+    def held(self) -> dict[str, int]:
+        """The last step of a metric, and of a samples table, the MLflow run holds (-1: none),
+        as trackers.json counts: MLflow stores a batch when log_batch returns, so a kill after
+        that and before trackers.json is written leaves it a step ahead of the count."""
+        keys = self._client.get_run(self.run_id).data.metrics
+        steps = [m.step for k in keys for m in self._client.get_metric_history(self.run_id, k)]
+        tables = [int(a.path.rsplit("_", 1)[1].removesuffix(".json"))
+                  for a in self._client.list_artifacts(self.run_id, "val_generations")]  # fmt: skip
+        return {"last_step": max(steps, default=-1),
+                "last_generations_step": max(tables, default=-1)}  # fmt: skip
+
     def log(self, step, row):
         from mlflow.entities import Metric
 
@@ -241,21 +277,17 @@ class MLflow:
 
 class Trackers:
     """The run's backends, each guarded: the first exception a backend raises is logged as a
-    warning and turns it off. A backend other than the console gets only the steps after
-    `state[name]["last_step"]` (what it was sent before a resume), and none behind a step it
-    got; the state (run ids and last steps) is kept in workdir/trackers.json as rows go out."""
+    warning and turns it off. A backend other than the console gets each step once, in order:
+    a row only of a step after the last row it got, samples only of a step after the last
+    samples and row it got (a step's samples go before its row), as counted in `state`
+    ({name: {"last_step": ..., "last_generations_step": ...}}), which is kept in
+    workdir/trackers.json as rows go out."""
 
     def __init__(self, backends: Iterable[Tracker] = (), *, workdir: str | None = None,
                  state: Mapping[str, Mapping] | None = None):  # fmt: skip
         self._on = list(backends)
         self._workdir = workdir
         self._state = {name: dict(v) for name, v in (state or {}).items()}
-        self._floors = {
-            name: {"last_step": v.get("last_step", -1),
-                   "last_generations_step": v.get("last_generations_step",
-                                                  v.get("last_step", -1))}
-            for name, v in self._state.items()
-        }  # fmt: skip
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -275,17 +307,22 @@ class Trackers:
     def catch_up(self, rows: Sequence[Mapping[str, Any]],
                  generations: Mapping[int, Sequence[Mapping[str, Any]]]) -> None:
         """On a resume: sends what metrics.jsonl (`rows`, {"step": ..., ...}) and
-        val_generations.jsonl (`generations`, {step: samples}) hold and a backend missed, in step
-        order: a kill between a row's line and its sending, or a backend new in this run. The
-        console, which shows this process's rows only, gets none of them."""
+        val_generations.jsonl (`generations`, {step: samples}) hold and a backend lacks, in step
+        order: what a kill lost (the steps W&B had not yet written to disk, a row between its
+        line and its sending), or everything for a backend new in this run. The rows of one
+        step go as one (an earlier resume's validation row adds the keys the step's first row
+        lacks). The console, which shows this process's rows only, gets none of them."""
         console = [t for t in self._on if t.name == "console"]
         self._on = [t for t in self._on if t.name != "console"]
+        by_step: dict[int, dict] = {}
+        for row in rows:
+            merged = by_step.setdefault(row["step"], {})
+            merged |= {k: v for k, v in row.items() if k != "step" and k not in merged}
         try:
-            for step in sorted({r["step"] for r in rows} | set(generations)):
+            for step in sorted(set(by_step) | set(generations)):
                 self.log_generations(step, generations.get(step, ()))
-                for row in rows:
-                    if row["step"] == step:
-                        self.log(step, {k: v for k, v in row.items() if k != "step"})
+                if step in by_step:
+                    self.log(step, by_step[step])
         finally:
             self._on = console + self._on
 
@@ -295,22 +332,21 @@ class Trackers:
         self._on = []
 
     def _each(self, what: str, step: int, call) -> None:
-        # rows and samples have floors of their own: a step's samples go out before its row, and
-        # a kill between the two must not count the row as sent
         key = "last_step" if what == "log" else "last_generations_step"
         changed = False
         for tracker in list(self._on):
             stateless = tracker.name == "console"  # the terminal: every row this process writes
             entry = self._state.get(tracker.name, {})
-            last = max(entry.get("last_step", -1), entry.get("last_generations_step", -1))
-            floor = self._floors.get(tracker.name, {}).get(key, -1)
-            if not stateless and (step <= floor or step < last):
-                continue  # sent before the resume, or behind a step sent (W&B drops those)
+            # a step's row goes after its samples: samples of a step whose row went are late
+            last = entry.get(key, -1) if what == "log" else max(
+                entry.get("last_step", -1), entry.get("last_generations_step", -1))  # fmt: skip
+            if not stateless and step <= last:
+                continue  # the backend has this step (sent before a resume, or a resume's
+                # validation under the restored step): W&B would drop it, MLflow keep it twice
             sent = self._guard(tracker, what, lambda tracker=tracker: call(tracker))
             if sent and not stateless:
-                entry = self._state.setdefault(tracker.name, {})
-                if entry.get(key, -1) < step:
-                    entry[key], changed = step, True
+                self._state.setdefault(tracker.name, {})[key] = step
+                changed = True
         if changed and self._workdir is not None:
             write_state(self._workdir, self._state)
 
@@ -375,7 +411,8 @@ def start(backends: Sequence[str], *, workdir: str, project: str, experiment: st
     state = read_state(workdir) if resume else {}
     started: list[Tracker] = []
     for name in backends:
-        run_id = state.get(name, {}).get("run_id")
+        entry = state.get(name, {})  # trackers.json's: the run id, the steps counted as sent
+        tracker, held = None, None
         try:
             match name:
                 case "console":
@@ -384,16 +421,32 @@ def start(backends: Sequence[str], *, workdir: str, project: str, experiment: st
                     tracker = TensorBoard(workdir)
                 case "wandb":
                     tracker = WandB(workdir=workdir, project=project, experiment=experiment,
-                                    params=params, run_id=run_id)  # fmt: skip
+                                    params=params, run_id=entry.get("run_id"))  # fmt: skip
                 case "mlflow":
                     tracker = MLflow(project=project, experiment=experiment, params=params,
-                                     run_id=run_id)  # fmt: skip
+                                     run_id=entry.get("run_id"))  # fmt: skip
+            if resume and isinstance(tracker, (WandB, MLflow)):
+                held = tracker.held()  # what a kill left it, which trackers.json cannot know
         except Exception as e:  # noqa: BLE001 - a tracker never costs the run
             logging.warning("%s: could not start (%s: %s); the run goes on without it "
                             "(metrics.jsonl has every row)", name, type(e).__name__, e)
+            if tracker is not None:
+                try:
+                    tracker.close()
+                except Exception:  # noqa: BLE001, S110 - already reported as off
+                    pass
             continue
         started.append(tracker)
         if isinstance(tracker, (WandB, MLflow)):
-            state.setdefault(name, {})["run_id"] = tracker.run_id
+            state[name] = entry = {**entry, "run_id": tracker.run_id}
+        if held is not None:
+            counted = {k: entry.get(k, -1) for k in held}
+            if held != counted:
+                logging.info("%s: run %s holds the rows up to step %d and the samples up to "
+                             "step %d (trackers.json counted %d and %d as sent); what it lacks "
+                             "is sent again from metrics.jsonl", name, tracker.run_id,
+                             held["last_step"], held["last_generations_step"],
+                             counted["last_step"], counted["last_generations_step"])  # fmt: skip
+            entry |= held
     write_state(workdir, state)
     return Trackers([*started, *extra], workdir=workdir, state=state)
