@@ -39,6 +39,7 @@ from grpo_jax.data import prompts, readers
 from grpo_jax.models import attention as model_attention
 from grpo_jax.models import lora
 from grpo_jax.rewards import functions as reward_fns
+from grpo_jax.rewards import genrm
 from grpo_jax.rollout import vllm_pool, vllm_sidecar
 from grpo_jax.trainer import actor as actor_lib
 from grpo_jax.trainer import trackers
@@ -975,39 +976,118 @@ class CustomRewardFunction:
 class RewardModelPath:
     """Section `reward_model.model` (verl's legacy names)."""
 
-    # a local HF *ForSequenceClassification checkpoint dir (or hub id); its tokenizer and chat
-    # template build the reward model's input (verl 0.9.1: reward.reward_model.model_path)
+    # a local HF checkpoint dir (or hub id): a *ForSequenceClassification model, or with
+    # reward_model.genrm.enable a *ForCausalLM judge; its tokenizer and chat template build the
+    # reward model's input (verl 0.9.1: reward.reward_model.model_path)
     path: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
+class RewardModelRollout:
+    """Section `reward_model.rollout` (verl's legacy names, its YAML defaults): how a
+    generative judge samples its verdict (reward_model.genrm.enable; the native sampler on the
+    trainer's mesh). verl's judge sampling is whatever its custom reward function sends with
+    each chat request (its reference one: temperature 0.7, top_p 0.8, max_tokens 4096)."""
+
+    temperature: float = 1.0  # of the judge's sampling (do_sample=True)
+    top_p: float = 1.0  # nucleus mass, 1 = off
+    top_k: int = -1  # -1 = off
+    do_sample: bool = True  # False = greedy (temperature, top_p, top_k unused)
+    prompt_length: int = 2048  # the longest judge prompt in tokens (a longer one is an error)
+    response_length: int = 2048  # the judge's new tokens per verdict
+
+    def __post_init__(self):
+        c = _Checks("reward_model.rollout")
+        c.call(sampler.check_sampling_settings, temperature=self.temperature, top_p=self.top_p,
+               top_k=self.top_k)  # fmt: skip
+        _positive(c, self, "prompt_length", "response_length")
+        c.done()
+
+    @property
+    def effective_temperature(self) -> float:
+        """The sampler's temperature: 0 (greedy) unless do_sample."""
+        return self.temperature if self.do_sample else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class GenRMConfig:
+    """Section `reward_model.genrm` (grpo_jax; verl does this in a custom reward function): a
+    generative judge's prompt and verdict parsing (grpo_jax/rewards/genrm.py). The defaults
+    are verl 0.9.1's reference GenRM function (tests/experimental/reward_loop/reward_fn.py)."""
+
+    enable: bool = False  # reward_model.model.path is a causal LM judge, not a classifier
+    # str.format template of the judge's user message, with {solution} and optionally
+    # {problem} and {ground_truth}; rendered with the judge's chat template
+    prompt_template: str = genrm.DEFAULT_TEMPLATE
+    # where {problem} comes from: "extra_info.<key>" (verl's: extra_info["question"]) or
+    # "prompt" (the prompt's last user turn)
+    problem_key: str = "extra_info.question"
+    # "" = verl's reference parse (the integer after the last blank line), or "module:function"
+    # taking the judge's text and returning a float, or None when it cannot be parsed
+    parser: str = ""
+    unparsable_score: float = 0.0  # the score of a verdict that does not parse (verl: 0)
+
+    def __post_init__(self):
+        c = _Checks("reward_model.genrm")
+        if self.enable:
+            c.call(_template_check, self.prompt_template)
+            c.need(self.problem_key == "prompt" or (self.problem_key.startswith("extra_info.")
+                   and len(self.problem_key) > len("extra_info.")), "problem_key",
+                   self.problem_key, "must be 'prompt' or 'extra_info.<key>'")  # fmt: skip
+            c.need(not self.parser or ":" in self.parser, "parser", self.parser,
+                   "must be '' (verl's parse) or 'module:function'")  # fmt: skip
+        c.need(math.isfinite(self.unparsable_score), "unparsable_score", self.unparsable_score,
+               "must be finite")  # fmt: skip
+        c.done()
+
+
+def _template_check(template: str) -> None:
+    try:
+        genrm.template_fields(template)
+    except ValueError as e:
+        raise ValueError(f"prompt_template {e}") from e
+
+
+@dataclasses.dataclass(frozen=True)
 class RewardModelConfig:
-    """Section `reward_model`: a discriminative reward model (grpo_jax/rewards/reward_model.py).
+    """Section `reward_model`: a discriminative reward model (grpo_jax/rewards/reward_model.py)
+    or, with genrm.enable, a generative judge (grpo_jax/rewards/genrm.py).
 
     verl 0.9.1 semantics (experimental/reward_loop/reward_loop.py): each rollout is re-written as
     the prompt's chat plus the decoded response (EOS removed) in the reward model's own chat
     template, scored by the classifier at its last token (the last label's raw logit), and
     without a custom reward function that score *is* the sequence reward. Here "reward_model"
     may also be listed in reward.fn, with a weight in reward.weights, to add it to rule rewards.
+    A judge's score takes the same place. Validation rows are scored the same way (verl's
+    _validate runs the reward model too).
     """
 
     enable: bool = False
     model: RewardModelPath = RewardModelPath()
-    # rows per device of one scoring pass (verl <= 0.5's reward_model.micro_batch_size_per_gpu;
-    # 0.9.1 batches inside vLLM)
+    # rows per device of one scoring pass or judge generate call (verl <= 0.5's
+    # reward_model.micro_batch_size_per_gpu; 0.9.1 batches inside vLLM)
     micro_batch_size_per_gpu: int = 8
-    # tokens of a reward-model input, longer ones cut on the right (verl <= 0.5's max_length,
-    # truncation "right"); None = no limit (rows padded to the batch's longest)
+    # tokens of a classifier input, longer ones cut on the right (verl <= 0.5's max_length,
+    # truncation "right"); None = no limit (rows padded to the batch's longest). A judge's
+    # prompt is bounded by rollout.prompt_length instead.
     max_length: int | None = None
+    rollout: RewardModelRollout = RewardModelRollout()
+    genrm: GenRMConfig = GenRMConfig()
 
     def __post_init__(self):
         c = _Checks("reward_model")
         if self.enable:
+            what = "*ForCausalLM judge" if self.genrm.enable else "*ForSequenceClassification"
             c.need(bool(self.model.path), "model.path", self.model.path,
-                   "must name a *ForSequenceClassification checkpoint (enable=True)")  # fmt: skip
+                   f"must name a {what} checkpoint (enable=True)")  # fmt: skip
+        c.need(self.enable or not self.genrm.enable, "genrm.enable", self.genrm.enable,
+               "needs reward_model.enable=True")  # fmt: skip
         _positive(c, self, "micro_batch_size_per_gpu")
         c.need(self.max_length is None or self.max_length >= 1, "max_length", self.max_length,
                "must be >= 1 or None")  # fmt: skip
+        c.need(self.max_length is None or not self.genrm.enable, "max_length", self.max_length,
+               "is for a classifier; a judge's prompt is bounded by "
+               "reward_model.rollout.prompt_length")  # fmt: skip
         c.done()
 
 

@@ -21,13 +21,14 @@ import jax.numpy as jnp
 
 from grpo_jax import config as config_lib
 from grpo_jax import model as model_lib
-from grpo_jax import sharding
+from grpo_jax import registry, sharding
 from grpo_jax.data import demo_task, prompts, readers
 from grpo_jax.errors import InputError
 from grpo_jax.models import hf as hf_lib
 from grpo_jax.rewards import functions as reward_fns
+from grpo_jax.rewards import genrm, sandbox_fusion, scorers
 from grpo_jax.rewards import reward_model as reward_model_lib
-from grpo_jax.rewards import sandbox_fusion, scorers
+from grpo_jax.rollout import engines
 
 
 def looks_like_hub_id(path: str) -> bool:
@@ -235,18 +236,22 @@ def rule_specs(cfg: config_lib.RewardConfig) -> tuple[tuple[str, ...], tuple[flo
 
 def reward_model(
     run: config_lib.RunConfig, policy_tokenizer, mesh, rules
-) -> reward_model_lib.RewardModel | None:
+) -> reward_model_lib.RewardModel | genrm.Judge | None:
     """The reward_model section loaded on the trainer's mesh (None unless enabled): the
-    classifier placed in its shardings, its tokenizer, and its place in the sequence reward."""
+    classifier placed in its shardings, its tokenizer, and its place in the sequence reward;
+    with reward_model.genrm.enable a judge (`judge`) instead."""
     cfg = run.reward_model
     if not cfg.enable:
         return None
     path = cfg.model.path
     if not os.path.isdir(path) and not looks_like_hub_id(path):
         raise InputError(
-            f"reward_model.model.path={path!r} does not exist: give a local HF "
-            "*ForSequenceClassification checkpoint directory (or a hub id, fetched)"
+            f"reward_model.model.path={path!r} does not exist: give a local HF checkpoint "
+            "directory (or a hub id, fetched): a *ForSequenceClassification model, or a "
+            "*ForCausalLM judge with reward_model.genrm.enable=True"
         )
+    if cfg.genrm.enable:
+        return judge(run, mesh, rules)
     import transformers
 
     try:
@@ -255,11 +260,10 @@ def reward_model(
         )
         tok = transformers.AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
-        raise InputError(f"reward_model.model.path={path!r}: {e}") from e
+        hint = " (a causal LM judge? set reward_model.genrm.enable=True)" if "not one of" in str(
+            e) else ""  # fmt: skip
+        raise InputError(f"reward_model.model.path={path!r}: {e}{hint}") from e
     rm_config = dataclasses.replace(rm_config, dtype=jnp.dtype(run.model.dtype))
-    specs = run.reward.specs
-    in_fn = config_lib.REWARD_MODEL_SPEC in specs
-    weight = run.reward.weight_values[specs.index(config_lib.REWARD_MODEL_SPEC)] if in_fn else 1.0
     dp = mesh.shape["data"] * mesh.shape["fsdp"]  # the batch axes (sharding.BATCH_AXES)
     return reward_model_lib.RewardModel(
         config=rm_config,
@@ -267,10 +271,67 @@ def reward_model(
         score_DL=jax.device_put(score_DL, sharding.replicated(mesh)),
         tokenizer=tok,
         same_ids=tok.get_vocab() == policy_tokenizer.get_vocab(),
-        weight=weight,
-        with_rules=in_fn and bool(rule_specs(run.reward)[0]),
         mesh=mesh,
         rules=rules,
         micro_rows=cfg.micro_batch_size_per_gpu * dp,
         max_length=cfg.max_length,
+        **_reward_model_place(run),
+    )
+
+
+def _reward_model_place(run: config_lib.RunConfig) -> dict:
+    """The reward model's weight in the sequence reward and whether rule functions join it."""
+    specs = run.reward.specs
+    in_fn = config_lib.REWARD_MODEL_SPEC in specs
+    weight = run.reward.weight_values[specs.index(config_lib.REWARD_MODEL_SPEC)] if in_fn else 1.0
+    return {"weight": weight, "with_rules": in_fn and bool(rule_specs(run.reward)[0])}
+
+
+def judge(run: config_lib.RunConfig, mesh, rules) -> genrm.Judge:
+    """The generative judge of reward_model.genrm.enable: the causal LM at
+    reward_model.model.path loaded like the policy (grpo_jax.model.load) on the trainer's mesh,
+    its tokenizer, and a native rollout engine of its own sampling with reward_model.rollout."""
+    cfg, path = run.reward_model, run.reward_model.model.path
+    import transformers
+
+    try:
+        judge_config, params = model_lib.load(
+            path, dtype=jnp.dtype(run.model.param_dtype), shardings=sharding.shard_fn(mesh, rules)
+        )
+        tok = transformers.AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise InputError(
+            f"reward_model.model.path={path!r} (reward_model.genrm.enable: a *ForCausalLM "
+            f"judge): {e}"
+        ) from e
+    if tok.chat_template is None:
+        raise InputError(
+            f"reward_model.model.path={path!r}: the judge's tokenizer has no chat template (its "
+            "prompt is a chat message, as verl sends it)"
+        )
+    judge_config = dataclasses.replace(judge_config, dtype=jnp.dtype(run.model.dtype))
+    parse = (
+        genrm.parse_verdict
+        if not cfg.genrm.parser
+        else registry.import_callable(cfg.genrm.parser, what="reward_model.genrm.parser")
+    )
+    eos_ids, pad_id = special_ids(tok, judge_config)
+    r = cfg.rollout
+    dp = mesh.shape["data"] * mesh.shape["fsdp"]
+    return genrm.Judge(
+        config=judge_config,
+        params=params,
+        tokenizer=tok,
+        engine=engines.NativeEngine(judge_config, mesh, eos_ids=eos_ids, pad_id=pad_id,
+                                    rules=rules),  # fmt: skip
+        sampling=engines.SamplingParams(
+            1, r.response_length, r.effective_temperature, r.top_p, r.top_k
+        ),
+        template=cfg.genrm.prompt_template,
+        problem_key=cfg.genrm.problem_key,
+        parse=parse,
+        unparsable_score=cfg.genrm.unparsable_score,
+        prompt_length=r.prompt_length,
+        micro_rows=cfg.micro_batch_size_per_gpu * dp,
+        **_reward_model_place(run),
     )

@@ -153,28 +153,15 @@ def test_loop_adds_weighted_model_score_to_rule_reward(tmp_path, monkeypatch):
         return out
 
     monkeypatch.setattr(reward_model_lib, "score_rows", spy)
-    mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
-    run = config.RunConfig(
-        data=config.DataConfig(train_batch_size=2, max_prompt_length=96, max_response_length=4),
-        actor=config.ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=4),
-        rollout=config.RolloutConfig(n=2, log_prob_micro_batch_size_per_gpu=4),
+    result = train_tiny(
+        tmp_path, tok,
         reward=config.RewardConfig(num_workers=0, fn="reward_model,test_reward_model:_rule",
                                    weights="0.5,1.0"),
         reward_model=config.RewardModelConfig(
             enable=True, model=config.RewardModelPath(str(tmp_path / "rm")),
             micro_batch_size_per_gpu=2),
-        trainer=config.TrainerConfig(total_training_steps=1, progress_bar=False,
-                                     tensorboard=False, default_local_dir=str(tmp_path / "run"),
-                                     rollout_data_dir=str(tmp_path / "rollouts")),
-        checkpoint=config.CheckpointConfig(save_last=False),
+        reward_fn=_rule,
     )  # fmt: skip
-    spec = config.ModelSpec(source="random", tokenizer="char", path=None)
-    train_rows, _ = demo_task.arithmetic_rows(4, 2, max_operand=9, seed=0)
-    with sharding.use_mesh(mesh):
-        model_config, params = loading.model(spec, tok, mesh, sharding.LOGICAL_RULES,
-                                             max_positions=128)  # fmt: skip
-        result = loop.train(run, model_config=model_config, params=params, tokenizer=tok,
-                            train_data=train_rows, mesh=mesh, reward_fn=_rule)  # fmt: skip
     (rows, rm_scores), = calls
     assert len(rows) == 4
     # The model's scores, recomputed by transformers on the same ids one row at a time.
@@ -188,6 +175,130 @@ def test_loop_adds_weighted_model_score_to_rule_reward(tmp_path, monkeypatch):
     metrics = result.history[-1]
     assert metrics["timing_s/reward"] > 0
     np.testing.assert_allclose(metrics["reward/reward_model/mean"], np.mean(rm_scores), rtol=1e-5)
+
+
+# The reward model's own chat template: a role tag per turn, the turn's text, a bar.
+RM_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}|{% endfor %}"
+
+
+def char_level_tokenizer(specials, chars, chat_template):
+    """A fast tokenizer of one token per character (specials[0] pad, [1] EOS, [2] unknown)."""
+    import tokenizers
+    import transformers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(list(specials) + list(chars))}
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab=vocab, unk_token=specials[2]))
+    tok.add_special_tokens(list(specials))
+    tok.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=specials[0], eos_token=specials[1],
+        unk_token=specials[2], chat_template=chat_template,
+    )  # fmt: skip
+
+
+def rm_char_tokenizer():
+    """A character tokenizer unlike the policy's (demo_task.char_tokenizer): other specials,
+    the characters in reverse order, and RM_TEMPLATE."""
+    import string
+
+    chars = sorted(set(string.printable) - set("\x0b\x0c\r"), reverse=True)
+    return char_level_tokenizer(["<pad>", "</s>", "<unk>"], chars, RM_TEMPLATE)
+
+
+@pytest.mark.reference("hf")
+def test_model_with_its_own_tokenizer_scores_its_template_in_training_and_validation(
+    tmp_path, monkeypatch
+):
+    torch, transformers = reference.hf()
+    tok = demo_task.char_tokenizer()
+    hf = save_hf_classifier("qwen2", tmp_path / "rm")
+    rm_char_tokenizer().save_pretrained(tmp_path / "rm")
+    rm_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "rm")  # as loading reads it
+    assert rm_tok.get_vocab() != tok.get_vocab()  # the re-template path (same_ids False)
+    calls = []
+    real = reward_model_lib.score_rows
+
+    def spy(rm, rows):
+        assert not rm.same_ids
+        out = real(rm, rows)
+        calls.append((rows, out))
+        return out
+
+    monkeypatch.setattr(reward_model_lib, "score_rows", spy)
+    result = train_tiny(
+        tmp_path, tok, validate=True,
+        reward=config.RewardConfig(num_workers=0, fn="reward_model"),
+        reward_model=config.RewardModelConfig(
+            enable=True, model=config.RewardModelPath(str(tmp_path / "rm"))),
+        reward_fn=_no_rule,
+    )  # fmt: skip
+    # validation before the step (2 prompts), the step (2 x 2), validation after it
+    assert [len(rows) for rows, _ in calls] == [2, 4, 2]
+    _, val_rows = demo_task.arithmetic_rows(4, 2, max_operand=9, seed=0)
+    questions = {r["prompt"][0]["content"] for r in val_rows}
+    for (rows, scores), dump in zip(calls[1:], ["rollouts/1.jsonl", "val/1.jsonl"], strict=True):
+        dumped = [json.loads(line) for line in open(tmp_path / dump)]
+        for row, ids, score in zip(dumped, rows, scores, strict=True):
+            # The reward model's template of (prompt, response), written out by hand. The
+            # response is the policy's decoded text without its EOS (verl keeps its other
+            # special tokens, which the dump's output skips).
+            text = rm_tok.decode(ids)
+            head = f"[user]{row['input']}|[assistant]"
+            assert text.startswith(head) and text.endswith("|"), text
+            response = text[len(head) : -1]
+            assert "<eos>" not in response
+            for special in (demo_task.USER, demo_task.ASSISTANT, demo_task.PAD):  # dump skips them
+                response = response.replace(special, "")
+            # (the RM's tokenizer, loaded as transformers does for a qwen2 config.json, drops
+            # whitespace: the output as it reads it)
+            assert response == rm_tok.decode(rm_tok(row["output"])["input_ids"])
+            assert ids == rm_tok(text)["input_ids"]
+            with torch.no_grad():
+                ref = hf(input_ids=torch.tensor([ids])).logits[0, -1].item()
+            np.testing.assert_allclose(score, ref, atol=1e-4, rtol=1e-4)
+            np.testing.assert_allclose(row["score"], score, rtol=1e-6)  # it is the reward
+        inputs = {row["input"] for row in dumped}
+        assert (inputs <= questions) == dump.startswith("val")  # validation rows are the val set
+    val = [m for m in result.history if any(k.startswith("val-") for k in m)][-1]
+    core = {k: v for k, v in val.items() if k.startswith("val-core/") and k.endswith("/mean@1")}
+    assert core, sorted(val)
+    for value in core.values():
+        np.testing.assert_allclose(value, np.mean(calls[2][1]), rtol=1e-5)
+
+
+def _no_rule(solution_str, ground_truth):
+    raise AssertionError("the reward model's score replaces the rule reward")
+
+
+def train_tiny(tmp_path, tok, *, reward, reward_model, reward_fn, validate=False):
+    """loop.train for one step of 2 prompts x 2 on one device (a random char-level policy),
+    dumping rollouts to tmp_path/rollouts and, with `validate`, validating 2 prompts after the
+    step into tmp_path/val; returns the loop's result."""
+    mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    run = config.RunConfig(
+        data=config.DataConfig(train_batch_size=2, max_prompt_length=96, max_response_length=4,
+                               val_batch_size=2),
+        actor=config.ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=4),
+        rollout=config.RolloutConfig(n=2, log_prob_micro_batch_size_per_gpu=4),
+        reward=reward,
+        reward_model=reward_model,
+        trainer=config.TrainerConfig(
+            total_training_steps=1, progress_bar=False, tensorboard=False,
+            default_local_dir=str(tmp_path / "run"), rollout_data_dir=str(tmp_path / "rollouts"),
+            validation_data_dir=str(tmp_path / "val") if validate else None,
+            val_before_train=validate, test_freq=1 if validate else -1),
+        checkpoint=config.CheckpointConfig(save_last=False),
+    )  # fmt: skip
+    spec = config.ModelSpec(source="random", tokenizer="char", path=None)
+    train_rows, val_rows = demo_task.arithmetic_rows(4, 2, max_operand=9, seed=0)
+    with sharding.use_mesh(mesh):
+        model_config, params = loading.model(spec, tok, mesh, sharding.LOGICAL_RULES,
+                                             max_positions=128)  # fmt: skip
+        return loop.train(run, model_config=model_config, params=params, tokenizer=tok,
+                          train_data=train_rows, val_data=val_rows if validate else (),
+                          mesh=mesh, reward_fn=reward_fn)  # fmt: skip
 
 
 def test_bad_reward_model_path_names_the_field(tmp_path):

@@ -20,6 +20,8 @@ RENAMED = {
     # verl 0.9.1 moves its legacy reward_model.* under reward.reward_model (migrate_legacy_...)
     "reward_model.enable": "reward.reward_model.enable",
     "reward_model.model.path": "reward.reward_model.model_path",
+    **{f"reward_model.rollout.{k}": f"reward.reward_model.rollout.{k}" for k in (
+        "temperature", "top_p", "top_k", "do_sample", "prompt_length", "response_length")},
     "rollout.vllm.gpu_memory_utilization": "actor_rollout_ref.rollout.gpu_memory_utilization",
     "rollout.vllm.dtype": "actor_rollout_ref.rollout.dtype",
     "rollout.vllm.max_model_len": "actor_rollout_ref.rollout.max_model_len",
@@ -104,6 +106,8 @@ OWN = (
     "reward.fn", "reward.weights", "reward.on_error", "reward.timeout_s", "reward.overlong_buffer.",
     # verl <= 0.5's reward-model batching (0.9.1 serves the model with vLLM)
     "reward_model.micro_batch_size_per_gpu", "reward_model.max_length",
+    # a judge's prompt and verdict parsing (verl writes them in a custom reward function)
+    "reward_model.genrm.",
     "warmup.", "trainer.seed", "trainer.max_consecutive_nonfinite", "trainer.progress_bar",
     "trainer.tensorboard", "trainer.device_peak_tflops", "trainer.async_rollout",
     "trainer.max_staleness", "trainer.compilation_cache_dir",

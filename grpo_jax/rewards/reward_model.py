@@ -127,19 +127,23 @@ def score_rows(rm: RewardModel, rows: Sequence[Sequence[int]]) -> np.ndarray:
     return np.concatenate(out).astype(np.float32) if out else np.zeros((0,), np.float32)
 
 
-def combine(result: reward_fns.RewardResult | None, rm_scores_B: np.ndarray,
-            weight: float) -> reward_fns.RewardResult:  # fmt: skip
+def combine(result: reward_fns.RewardResult | None, rm_scores_B: np.ndarray, weight: float,
+            extras: dict[str, list] | None = None) -> reward_fns.RewardResult:  # fmt: skip
     """The sequence rewards with the reward model's: ``weight * rm`` alone (`result` None: no
-    rule functions) or added to ``result.scores_B``; per_fn gains its raw score."""
+    rule functions) or added to ``result.scores_B``; per_fn gains its raw score and extras the
+    model's per-sample `extras` (a judge's verdicts)."""
     rm = [float(x) for x in rm_scores_B]
+    extras = extras or {}
     if result is None:
         scores = [weight * r for r in rm]
-        return reward_fns.RewardResult(scores, {NAME: rm}, {}, 0, 0, {NAME: [False] * len(rm)})
+        return reward_fns.RewardResult(scores, {NAME: rm}, dict(extras), 0, 0,
+                                       {NAME: [False] * len(rm)})  # fmt: skip
     total = [s + weight * r for s, r in zip(result.scores_B, rm, strict=True)]
     return dataclasses.replace(
         result,
         scores_B=total,
         per_fn=result.per_fn | {NAME: rm},
+        extras=result.extras | extras,
         dict_results=result.dict_results | {NAME: [False] * len(rm)},
     )
 

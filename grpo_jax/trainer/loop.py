@@ -335,6 +335,7 @@ def _train(
             overlong_buffer=run.reward.overlong_buffer,
             keep_outputs=bool(run.trainer.validation_data_dir),
             agent=agent,
+            reward_model=rm,
         )
         if result.generations and is_main:
             validation.write_generations(workdir, step_done, result.generations)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax.rewards import functions as reward_fns
-from grpo_jax.rewards import reward_model
+from grpo_jax.rewards import genrm, reward_model
 from grpo_jax.trainer import trackers as trackers_lib
 
 METRICS_FILE = "metrics.jsonl"
@@ -71,6 +71,8 @@ def reward_metrics(result: reward_fns.RewardResult, *, response_length_B) -> dic
         numeric = [float(v) for v in values if isinstance(v, (int, float, bool, np.number))]
         if numeric:
             out[f"reward_extra/{key}/mean"] = float(np.mean(numeric))
+    if genrm.UNPARSABLE_KEY in result.extras:  # a judge's verdicts that did not parse
+        out["reward/genrm_unparsable"] = int(sum(map(bool, result.extras[genrm.UNPARSABLE_KEY])))
     out["reward/num_errors"] = result.num_errors
     out["reward/num_lost"] = result.num_lost  # timed out or worker died
     return out

@@ -220,7 +220,9 @@ class StepContext:
     pool: reward_pool_lib.Pool | None = None
     base_params: Any = None  # LoRA: the frozen base (TrainState.params are the adapters)
     agent: Any = None  # rollout.multi_turn: a rollout.multi_turn.Agent
-    reward_model: Any = None  # reward_model.enable: a rewards.reward_model.RewardModel
+    # reward_model.enable: a rewards.reward_model.RewardModel, or with reward_model.genrm.enable
+    # a rewards.genrm.Judge
+    reward_model: Any = None
 
     def policy(self, state: actor.TrainState):
         """The params the policy samples and scores with (with LoRA: base + adapters)."""

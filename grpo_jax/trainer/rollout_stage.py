@@ -25,6 +25,7 @@ from grpo_jax import config as config_lib
 from grpo_jax import distributed, registry, sharding
 from grpo_jax.data import prompts as prompts_lib
 from grpo_jax.rewards import functions as reward_fns
+from grpo_jax.rewards import genrm
 from grpo_jax.rewards import pool as reward_pool_lib
 from grpo_jax.rewards import reward_model as reward_model_lib
 from grpo_jax.rollout import engines
@@ -142,14 +143,15 @@ def score_with_model(
     prompts: prompts_lib.PromptBatch,
     *,
     n: int,
-    rm: reward_model_lib.RewardModel,
+    rm: reward_model_lib.RewardModel | genrm.Judge,
     host: batch_lib.HostRollout,
+    rng,
     pool: reward_pool_lib.Pool | None = None,
     examples: Sequence[prompts_lib.Example] | None = None,
 ) -> tuple[list[str | None], reward_fns.RewardResult]:
     """`score` with the reward model (reward_model.enable): the rule functions when reward.fn
     lists any besides it, and the model's score of every row (all processes run the scoring
-    program on the whole batch), combined by reward_model.combine."""
+    program on the whole batch), combined by reward_model.combine. `rng`: a judge's sampling."""
     if examples is None:
         examples = [ex for ex in prompts.examples for _ in range(n)]
     if rm.with_rules:
@@ -159,11 +161,37 @@ def score_with_model(
         texts, lo, hi = _own_texts(tokenizer, response_ids_BT, response_mask_BT, prompts, n)
         texts = [None] * lo + texts + [None] * (len(response_ids_BT) - hi)
         result = None
-    rows = reward_model_lib.input_rows(
+    scores_B, extras = model_scores(
         rm, tokenizer, host.prompt_ids_BP, host.prompt_mask_BP, response_ids_BT,
-        response_mask_BT, examples,
+        response_mask_BT, examples, rng,
     )  # fmt: skip
-    return texts, reward_model_lib.combine(result, reward_model_lib.score_rows(rm, rows), rm.weight)
+    return texts, reward_model_lib.combine(result, scores_B, rm.weight, extras)
+
+
+def model_scores(
+    rm: reward_model_lib.RewardModel | genrm.Judge,
+    tokenizer,
+    prompt_ids_BP: np.ndarray,
+    prompt_mask_BP: np.ndarray,
+    response_ids_BT: np.ndarray,
+    response_mask_BT: np.ndarray,
+    examples: Sequence[prompts_lib.Example],
+    rng,
+) -> tuple[np.ndarray, dict[str, list]]:
+    """The reward model's scores [B] of B rollouts (host arrays, the whole batch: every process
+    runs the same programs) and its per-sample extras: a classifier's score of the rollout
+    (reward_model.input_rows), or a judge's parsed verdict on the decoded response (genrm)."""
+    if isinstance(rm, genrm.Judge):
+        solutions = decode(tokenizer, response_ids_BT, response_mask_BT)
+        return genrm.score(rm, solutions, examples, rng)
+    rows = reward_model_lib.input_rows(
+        rm, tokenizer, prompt_ids_BP, prompt_mask_BP, response_ids_BT, response_mask_BT, examples
+    )
+    return reward_model_lib.score_rows(rm, rows), {}
+
+
+# Folded into a step's rollout key for the judge's sampling (apart from the policy's draws).
+JUDGE_RNG_SALT = 0x6A756467
 
 
 def rollout_sampling(run: config_lib.RunConfig) -> engines.SamplingParams:
@@ -264,7 +292,9 @@ def sample_and_score(
         pool=ctx.pool,
         add=True,
         examples=examples,
-        **({} if ctx.reward_model is None else {"rm": ctx.reward_model, "host": host}),
+        **({} if ctx.reward_model is None else {
+            "rm": ctx.reward_model, "host": host, "rng": jax.random.fold_in(rng, JUDGE_RNG_SALT)
+        }),
     )
     result = with_overlong_penalty(
         result,

@@ -44,6 +44,7 @@ from grpo_jax import config as config_lib
 from grpo_jax import distributed
 from grpo_jax.data import prompts as prompts_lib
 from grpo_jax.rewards import functions as reward_fns
+from grpo_jax.rewards import reward_model as reward_model_lib
 from grpo_jax.rollout import engines
 from grpo_jax.trainer import rollout_stage
 
@@ -85,6 +86,7 @@ def run(
     overlong_buffer: config_lib.OverlongBufferConfig = config_lib.OverlongBufferConfig(),
     keep_outputs: bool = False,
     agent=None,
+    reward_model=None,
 ) -> Validation:
     """`validate`, returning a Validation with the first `num_generations` samples (and with
     `keep_outputs` every completion, gathered from every process).
@@ -93,7 +95,10 @@ def run(
     every call has one compiled shape (the padding rows are not scored). `overlong_buffer`
     (reward.overlong_buffer) penalises overlong responses as in training: verl's DAPO reward
     manager scores validation the same way. With `agent` (rollout.multi_turn) the samples are
-    multi-turn trajectories, as verl validates them, and num_turns is theirs.
+    multi-turn trajectories, as verl validates them, and num_turns is theirs. With
+    `reward_model` (loading.reward_model: a classifier or a judge) the rows are scored as in
+    training (rollout_stage.score_with_model), as verl's _validate does: its score replaces the
+    rule reward, or joins it when reward.fn lists rule functions too.
     """
     n = sampling.n
     results, sources, lengths, generations, outputs, turns = [], [], [], [], [], []
@@ -119,10 +124,18 @@ def run(
         ids = distributed.to_host(rollout.response_ids)[lo * n : hi * n]
         mask = distributed.to_host(rollout.response_mask)[lo * n : hi * n]
         texts = rollout_stage.decode(tokenizer, ids, mask)
-        examples = examples[lo * n : hi * n]
+        all_examples, examples = examples, examples[lo * n : hi * n]
         if rollout.num_turns is not None:  # multi-turn (one process)
             turns += distributed.to_host(rollout.num_turns)[lo * n : hi * n].tolist()
-        res = reward_fns.score_batch(reward_fn, texts, examples, pool=pool)
+        if reward_model is None or reward_model.with_rules:
+            res = reward_fns.score_batch(reward_fn, texts, examples, pool=pool)
+        else:  # verl: the reward model's score replaces the rule reward
+            res = None
+        if reward_model is not None:
+            res = _with_model_scores(
+                res, reward_model, tokenizer, pb, rollout, all_examples, n=n, real=real,
+                rows=(lo, hi), rng=jax.random.fold_in(jax.random.key(seed), start),
+            )  # fmt: skip
         res = rollout_stage.with_overlong_penalty(
             res, mask.sum(1), overlong_buffer, max_response_length=sampling.max_new_tokens
         )
@@ -153,6 +166,23 @@ def run(
     if keep_outputs:
         return Validation(out, generations, outputs, merged)
     return Validation(out, generations)
+
+
+def _with_model_scores(result, rm, tokenizer, pb, rollout, examples, *, n: int, real: int,
+                       rows: tuple[int, int], rng):  # fmt: skip
+    """`result` (the rule rewards of this process's rows, or None) with the reward model's
+    scores: every process scores the chunk's `real` prompts (the scoring programs run on the
+    whole batch, as in training) and keeps its own `rows`."""
+    prompt_ids, prompt_mask = rollout_stage.full_prompts(pb)
+    B = real * n
+    scores_B, extras = rollout_stage.model_scores(
+        rm, tokenizer, np.repeat(prompt_ids, n, axis=0)[:B], np.repeat(prompt_mask, n, axis=0)[:B],
+        distributed.to_host(rollout.response_ids)[:B],
+        distributed.to_host(rollout.response_mask)[:B], examples[:B], rng,
+    )  # fmt: skip
+    lo, hi = rows[0] * n, rows[1] * n
+    own = {k: v[lo:hi] for k, v in extras.items()}
+    return reward_model_lib.combine(result, scores_B[lo:hi], rm.weight, own)
 
 
 def _prompt_text(prompt) -> str:
