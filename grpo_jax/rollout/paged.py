@@ -6,7 +6,8 @@ most `max_num_seqs` rows at a time (vLLM's name) from a fixed pool of KV pages
 waiting row takes its slot. Its memory is the pool's, whatever the step's size.
 
 How a call runs. The host schedules; the device runs four jitted programs whose shapes are
-fixed for the call, so each compiles once per (model, batch shape, settings):
+fixed for the call, so each compiles once per (model, batch shape, settings), whatever the
+pool's growth and preemptions (the page tables change, not their shape):
   * `prefill`: chunks of at most `max_num_batched_tokens` prompt tokens (vLLM's name), in
     `[G, C]` batches, write the prompts' keys and values into their pages. A GRPO group's
     prompt is prefilled once; its pages are shared by its n rows (reference-counted: they go
@@ -15,10 +16,12 @@ fixed for the call, so each compiles once per (model, batch shape, settings):
     every row starts the same way and no logits wait for a slot.
   * `admit`: places waiting rows into free slots (their page tables, first token, position).
   * `decode`: a `lax.while_loop` of decode steps over all slots (idle ones write to the trash
-    page), until `max_steps` steps, no live slot, or `refill_at` rows have finished. Each
-    slot has its own response position, key and page table.
+    page), until `max_steps` steps (within the pages granted), no live slot, or `refill_at`
+    rows have finished. Each slot has its own response position, key and page table (the
+    host's, an argument of each segment).
   * `outputs`: the shards' [D, Bd, R] outputs as the rollout's [B, R] arrays.
-Between programs the host reads which slots finished, frees their pages and admits rows. A
+Between programs the host reads which slots finished, frees their pages, grows the running
+rows' pages (preempting if it must) and admits rows. A
 prompt's prefill goes chunk by chunk between decode segments (at most `segment_steps` steps
 while a prefill is pending), so a long prompt never stalls the rows in flight.
 
@@ -29,12 +32,36 @@ has a leading D axis split over those mesh axes, every program is the one-shard 
 vmapped over D (`spmd_axis_name`), and the host keeps one `_Shard` schedule per shard, run in
 lockstep: each program call carries every shard's inputs (an idle shard writes its trash page).
 
-Memory. A row is admitted only when the pool has pages for its whole response (ceil(R /
-page_size), reserved at admission), and a group's prompt pages are allocated when its prefill
-starts, only if a row's pages remain free after them: the pool can never deadlock, and a pool
-too small for one prompt and one response fails at once with the knobs named. (vLLM allocates
-response pages as rows grow and preempts rows when the pool runs out; with reservation the
-pool holds `max_num_seqs` full responses.)
+Memory (vLLM's scheme). A row holds its group's shared prompt pages and only the pages of
+its tokens so far, plus a lookahead: before every decode segment the host grants each running
+row, oldest first, the pages of its next `segment_steps` steps, then more while pages are free
+(up to its full response, so a roomy pool decodes in long segments), and ends the segment
+before any row writes past its pages. The host does it, not the device (a free-page stack in
+the programs): the host already owns the free list, the prompt refcounts and the admission
+order that preemption needs, the page tables are small ([S, M] int32 a shard, handed to each
+decode segment), and growth then needs no new program. When the pool cannot give a running row
+its next pages, the host first frees the prompt pages of groups with no running row
+(prefilled ahead; prefilled again later), then preempts the most recently admitted rows (the
+row itself last): their own pages go back, and they wait at the front of the queue. Admission
+is bounded by a promise: a row starts only if its first pages are free and the running rows'
+full responses plus the prefilled prompts fit `max(num_pages, reserve_pages)` pages, where
+`reserve_pages` (the default pool) holds `max_num_seqs` full responses and the prompts of
+ceil(S / n) + 1 groups: a pool at least that big never preempts (the schedule of the
+reserving engine), a smaller one (`num_pages`, rollout.num_gpu_blocks_override) admits as
+many rows and preempts when they outgrow it. The oldest row is never preempted for another,
+so every call finishes; a pool that cannot hold one row's prompt and one page, or one row's
+full length, fails at once with the knobs named.
+
+Preemption and recompute. vLLM V1 recomputes a preempted request by prefilling its prompt and
+the tokens it generated into fresh pages. Here a re-admitted row recomputes its pages by
+decode steps instead: it starts in fresh pages from its first token and, below `replay_DS`,
+feeds the tokens it drew before (still in the outputs on the device) without redrawing or
+rewriting them, so its tokens and log-probs stay exactly those it drew. A deliberate
+difference: the cost is one decode step (a slot's share of it) per token replayed rather than
+one prefill of them, but no program attends a prefill chunk over a row's whole response (the
+XLA prefill attention is dense over the gathered pages: at a 32K response and 8192 batched
+tokens that is tens of GiB), and no new program is compiled. `stats` counts the preemptions,
+the replayed tokens and the prompts prefilled again.
 
 Same tokens whatever the schedule. Row b's token at response position t is drawn from its
 logits with key fold_in(fold_in(rng, b), t), exactly as `sampler.sample` does; slots, chunk
@@ -455,12 +482,12 @@ def plan_pool(
         "raise the pool (rollout.num_gpu_blocks_override, the num_pages of sample_paged) or "
         "the page size, or shorten data.max_prompt_length / data.max_response_length"
     )
-    for what, need in (("its prompt and the first page of its response", 1 + prompt_pages + 1),
+    for what, need in (("its prompt and one page of response", 1 + prompt_pages + 1),
                        ("its full length", 1 + prompt_pages + response_pages)):  # fmt: skip
         if num_pages < need:
             raise ValueError(
                 f"a KV pool of {num_pages} pages (num_pages) of {page_size} tokens cannot hold "
-                f"one row's {what}: a prompt of {prompt_width} tokens and a response of "
+                f"one row ({what}): a prompt of {prompt_width} tokens and a response of "
                 f"{max_new_tokens} need {prompt_pages} + {response_pages} pages plus the trash "
                 f"page ({1 + prompt_pages + response_pages}; a row that draws no EOS could "
                 f"never finish in fewer); {knobs}"
@@ -502,7 +529,8 @@ def sample_paged(
     Arguments as `sampler.sample`, plus:
       max_num_seqs: rows decoding at once (the slots).
       max_num_batched_tokens: prompt tokens per prefill call.
-      page_size / num_pages: the pool (default: `plan_pool`'s).
+      page_size / num_pages: the pool a data shard (default: `plan_pool`'s, which never
+        preempts; fewer pages grow rows and preempt, see the module doc).
       segment_steps: decode steps between prefill chunks while a prefill is pending.
       attention: a decode step's attention, "auto", "xla" or "pallas" (`paged_kernel.resolve`:
         "auto" is the Pallas kernel on a TPU with a bfloat16 model and one data shard, else
