@@ -643,6 +643,13 @@ class RolloutConfig:
     # once from the grouped cache (sampler.sample).
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    # The paged engine's KV pool: pages (vLLM's blocks, 16 tokens) per data shard (vLLM's
+    # --num-gpu-blocks-override; verl passes it through engine_kwargs.vllm). None = a pool of
+    # max_num_seqs full responses and their prompts, in which no row is ever preempted; fewer
+    # pages grow each row's pages as it decodes and preempt the newest rows when they run out
+    # (vLLM's recompute preemption; the tokens are the same). It must hold one row's full
+    # length (prompt + response), else the first paged call fails naming this field.
+    num_gpu_blocks_override: int | None = None
     val_kwargs: ValKwargs = ValKwargs()
     vllm: VLLMSettings = VLLMSettings()
     multi_turn: MultiTurnConfig = MultiTurnConfig()
@@ -661,6 +668,9 @@ class RolloutConfig:
             "must be >= 1 or None (actor.ppo_max_token_len_per_gpu)",
         )
         c.need(self.num_devices >= 0, "num_devices", self.num_devices, "must be >= 0")
+        c.need(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2,
+               "num_gpu_blocks_override", self.num_gpu_blocks_override,
+               "must be >= 2 pages (one is the trash page) or None (a pool that never preempts)")
         c.need(self.num_devices == 0 or self.name == "jax", "num_devices", self.num_devices,
                "is for the native sampler (name='jax'); the vLLM server has its own devices")
         # Training divides the log-probs by the temperature, so the log-prob rule (> 0) applies

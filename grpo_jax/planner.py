@@ -232,6 +232,8 @@ class Workload:
       vllm: ``rollout.name == "vllm"``: the sidecar samples, JAX compiles no sampling phase.
       max_num_seqs: ``rollout.max_num_seqs``, the paged engine's slots per data shard.
       max_num_batched_tokens: ``rollout.max_num_batched_tokens``, its prefill chunk budget.
+      num_pages: ``rollout.num_gpu_blocks_override``, its KV pool a data shard (None: the pool
+        of max_num_seqs full responses, which never preempts).
       sequence_parallel: ``actor.ulysses_sequence_parallel_size``: a group of that many devices
         packs that many times a device's token budget (verl), in rows split over the group.
     """
@@ -254,6 +256,7 @@ class Workload:
     max_num_seqs: int
     max_num_batched_tokens: int
     sequence_parallel: int = 1
+    num_pages: int | None = None
 
     @classmethod
     def from_run(cls, run: config_lib.RunConfig) -> "Workload":
@@ -281,6 +284,7 @@ class Workload:
             max_num_seqs=r.max_num_seqs,
             max_num_batched_tokens=r.max_num_batched_tokens,
             sequence_parallel=a.ulysses_sequence_parallel_size,
+            num_pages=r.num_gpu_blocks_override,
         )
 
 
@@ -565,7 +569,7 @@ class Planner:
             num_prompts=prompts // self.sample_shards(prompts), n=w.n,
             prompt_width=w.prompt_len, max_new_tokens=w.response_len,
             max_num_seqs=w.max_num_seqs if max_num_seqs is None else max_num_seqs,
-            max_num_batched_tokens=w.max_num_batched_tokens,
+            max_num_batched_tokens=w.max_num_batched_tokens, num_pages=w.num_pages,
         )  # fmt: skip
 
     @property
@@ -1214,7 +1218,10 @@ def _sample_lines(p: Planner) -> list[str]:
         waves = -(-rows // plan.max_num_seqs)
         return [
             f"KV page pool (sample, analytic)  {_gb(p.kv_cache_bytes(prompts))} GiB/device: "
-            f"{plan.num_pages} pages of {plan.page_size} tokens a data shard x {shards} shards",
+            f"{plan.num_pages} pages of {plan.page_size} tokens a data shard x {shards} shards"
+            + (f" (rollout.num_gpu_blocks_override; under the {plan.reserve_pages} that never "
+               "preempt: rows grow page by page, the newest preempted when the pool runs out)"
+               if plan.num_pages < plan.reserve_pages else ""),
             f"paged engine: {plan.max_num_seqs} rows in flight a shard (rollout.max_num_seqs) of "
             f"{rows}; at most {waves} x {w.response_len} = {waves * w.response_len} decode steps "
             f"(fewer as rows finish early); prefill {plan.chunk_rows} x {plan.chunk} tokens a call; "

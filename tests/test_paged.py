@@ -64,6 +64,19 @@ def _assert_same_rollout(config, params, ids, mask, rng, ref, out, *, temperatur
     assert len(parted) <= max(1, got.shape[0] // 10), f"{len(parted)} rows parted"
 
 
+def _mixed_case(config, params, temperature, top_k, top_p):
+    """Prompts of lengths 1 (nothing shared: the prompt is the row's first fed token) to past a
+    page, n = 3, an EOS that the rollout draws mid-way (some rows end early) and a 20-token cap
+    (the rest stop at the length): (ids, mask, rng, sampling kwargs, `sampler.sample`'s)."""
+    ids, mask = _prompts([5, 9, 1, 17, 3, 30], config.vocab_size, seed=1)
+    rng = jax.random.key(7)
+    kw = dict(n=3, max_new_tokens=20, temperature=temperature, top_k=top_k, top_p=top_p,
+              pad_token_id=_PAD)  # fmt: skip
+    drawn = np.asarray(sampler.sample(config, params, ids, mask, rng, **kw).response_ids)
+    kw["eos_token_ids"] = (int(drawn[0, 6]),)
+    return ids, mask, rng, kw, sampler.sample(config, params, ids, mask, rng, **kw)
+
+
 _SCHEDULES = {  # max_num_seqs, page_size, max_num_batched_tokens, segment_steps
     "all rows at once": (1024, 16, 8192, 16),
     "4 slots, small pages, one chunk a call": (4, 4, 8, 3),
@@ -81,16 +94,7 @@ def test_the_rollout_is_sampler_samples_whatever_the_schedule(
     tiny, schedule, temperature, top_k, top_p
 ):
     config, params = tiny
-    # Lengths 1 (nothing shared: the prompt is the row's first fed token) to past a page, EOS
-    # in the vocabulary (rows finish early) and a 20-token cap (the rest stop at the length).
-    ids, mask = _prompts([5, 9, 1, 17, 3, 30], config.vocab_size, seed=1)
-    rng = jax.random.key(7)
-    kw = dict(n=3, max_new_tokens=20, temperature=temperature, top_k=top_k, top_p=top_p,
-              pad_token_id=_PAD)  # fmt: skip
-    # The EOS: a token the rollout draws mid-way, so some rows end early and others run on.
-    drawn = np.asarray(sampler.sample(config, params, ids, mask, rng, **kw).response_ids)
-    kw["eos_token_ids"] = (int(drawn[0, 6]),)
-    ref = sampler.sample(config, params, ids, mask, rng, **kw)
+    ids, mask, rng, kw, ref = _mixed_case(config, params, temperature, top_k, top_p)
     seqs, page, batched, segment = _SCHEDULES[schedule]
     stats = {}
     out = paged.sample_paged(
@@ -174,11 +178,17 @@ def test_each_program_compiles_once_per_shape(tiny):
 def test_a_pool_too_small_for_one_row_names_the_knobs(tiny):
     config, params = tiny
     ids, mask = _prompts([30], config.vocab_size, seed=0)
-    with pytest.raises(ValueError, match="cannot hold one row") as e:
-        paged.sample_paged(config, params, ids, mask, jax.random.key(0), n=2,
-                           max_new_tokens=16, page_size=8, num_pages=8)  # fmt: skip
-    for knob in ("num_pages", "page size", "max_prompt_length", "max_response_length"):
-        assert knob in str(e.value)
+    # The prompt bucket of 64 tokens: 63 shared, 8 pages of 8; a 16-token response: 2 pages;
+    # and the trash page.
+    for num_pages, what in ((9, "its prompt and one page"), (10, "its full length")):
+        with pytest.raises(ValueError, match=rf"cannot hold one row \({what}") as e:
+            paged.sample_paged(config, params, ids, mask, jax.random.key(0), n=2,
+                               max_new_tokens=16, page_size=8, num_pages=num_pages)  # fmt: skip
+        for knob in ("rollout.num_gpu_blocks_override", "num_pages", "page size",
+                     "max_prompt_length", "max_response_length"):  # fmt: skip
+            assert knob in str(e.value)
+    paged.plan_pool(num_prompts=1, n=2, prompt_width=64, max_new_tokens=16, page_size=8,
+                    num_pages=11)  # one row's full length: enough
     with pytest.raises(ValueError, match="rollout.max_num_seqs=0"):
         paged.plan_pool(num_prompts=1, n=1, prompt_width=4, max_new_tokens=4, max_num_seqs=0)
 
@@ -204,6 +214,28 @@ def test_a_response_longer_than_any_decode_bucket_needs_only_its_slots_pages(tin
     assert stats["peak_rows"] == 2
     assert stats["num_pages"] < 3 * response_pages
     assert stats["peak_pages"] >= 2 * response_pages
+    assert stats["preemptions"] == 0  # the default pool never preempts
+
+
+def test_a_long_response_grows_its_pages_in_a_pool_smaller_than_slots_times_its_length(tiny):
+    """Issue 32's long responses: 4 slots of 2,048-token responses from a pool of one full
+    row and a few pages (the pool is nowhere near slots x R): rows grow page by page, the
+    newest are preempted and replayed, and the tokens are still `sampler.sample`'s."""
+    config, params = tiny
+    ids, mask = _prompts([5, 3], config.vocab_size, seed=4)
+    R, P, rng, stats = 2048, 64, jax.random.key(7), {}
+    response_pages = R // P
+    num_pages = 1 + 1 + response_pages + 8  # trash, the prompt's page, one row, 8 spare
+    assert (num_pages - 1) * P < 4 * R
+    kw = dict(n=2, max_new_tokens=R, temperature=1.0)  # no EOS: every row runs to R tokens
+    out = paged.sample_paged(config, params, ids, mask, rng, max_num_seqs=4, page_size=P,
+                             num_pages=num_pages, segment_steps=64, stats=stats, **kw)  # fmt: skip
+    ref = sampler.sample(config, params, ids, mask, rng, **kw)
+    _assert_same_rollout(config, params, ids, mask, rng, ref, out, temperature=1.0, top_k=-1,
+                         top_p=1.0)  # fmt: skip
+    assert int(np.asarray(out.response_mask).sum()) == 4 * R
+    assert stats["preemptions"] > 1 and stats["peak_rows"] > 1
+    assert stats["peak_pages"] <= num_pages - 1
 
 
 def test_page_buckets_cover_every_count():
@@ -252,6 +284,14 @@ def test_the_native_engine_pages_steps_of_more_than_max_num_seqs_rows_a_shard(
     assert out[1].response_ids.sharding.is_equivalent_to(out[2].response_ids.sharding, 2)
 
 
+def _on_mesh(config, params, mesh, ids, mask):
+    """The params on the trainer's shardings and the prompts split over the batch axes."""
+    from grpo_jax import sharding
+
+    params = jax.device_put(params, sharding.param_shardings(config, mesh, sharding.LOGICAL_RULES))
+    return (params, *(jax.device_put(x, sharding.batch_sharding(mesh, 2)) for x in (ids, mask)))
+
+
 @pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 2, 2)], ids=["data 8", "data 2 fsdp 2 tp 2"])
 def test_each_data_shard_holds_its_own_pool_and_slots(tiny, mesh_shape):
     # The pool and the slots split over the prompts' batch axes (one pool a shard, split by KV
@@ -264,9 +304,7 @@ def test_each_data_shard_holds_its_own_pool_and_slots(tiny, mesh_shape):
     ids, mask = _prompts([5, 9, 2, 7, 3, 11, 4, 6], config.vocab_size, seed=9)
     kw = dict(n=3, max_new_tokens=10, temperature=1.0, eos_token_ids=(_EOS,))
     with sharding.use_mesh(mesh, sharding.LOGICAL_RULES):
-        params = jax.device_put(params, sharding.param_shardings(config, mesh,
-                                                                 sharding.LOGICAL_RULES))
-        sids, smask = (jax.device_put(x, sharding.batch_sharding(mesh, 2)) for x in (ids, mask))
+        params, sids, smask = _on_mesh(config, params, mesh, ids, mask)
         stats = {}
         out = paged.sample_paged(config, params, sids, smask, jax.random.key(2), max_num_seqs=2,
                                  page_size=4, stats=stats, **kw)  # fmt: skip
@@ -286,6 +324,69 @@ def test_each_data_shard_holds_its_own_pool_and_slots(tiny, mesh_shape):
     _assert_same_rollout(config, params, ids, mask, jax.random.key(2), ref, out,
                          temperature=1.0, top_k=-1, top_p=1.0)  # fmt: skip
     assert out.response_ids.sharding.is_equivalent_to(sids.sharding, 2)
+
+
+def _one_row_pages(ids, mask, *, page_size, max_new_tokens):
+    """The pages of one row's full length (the smallest pool `plan_pool` takes): the trash
+    page, the pages of the bucketed prompt width and of a full response."""
+    width = sampler.bucket_prompts(ids, mask, pad_token_id=_PAD)[0].shape[1]
+    return 1 + -(-(width - 1) // page_size) + -(-max_new_tokens // page_size)
+
+
+_GROWTH = {  # max_num_seqs, page_size, max_num_batched_tokens, segment_steps, spare pages
+    # Pools of one full row's pages and a few more: rows grow, and the newest are preempted.
+    "4 slots, pages of 4, tight": (4, 4, 8, 3, 1),
+    "6 slots, pages of 2, tight": (6, 2, 16, 2, 2),
+    "3 slots, pages of 8, chunks of 8": (3, 8, 8, 4, 0),
+    "5 slots, pages of 4, 5 spare": (5, 4, 16, 4, 5),
+}
+
+
+@pytest.mark.parametrize("schedule", list(_GROWTH), ids=list(_GROWTH))
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, -1, 1.0), (0.8, 5, 0.9)],
+                         ids=["greedy", "top-k-top-p"])  # fmt: skip
+def test_rows_grow_their_pages_and_preempted_rows_end_as_sampler_samples(
+    tiny, schedule, temperature, top_k, top_p
+):
+    config, params = tiny
+    ids, mask, rng, kw, ref = _mixed_case(config, params, temperature, top_k, top_p)
+    seqs, page, batched, segment, spare = _GROWTH[schedule]
+    num_pages = _one_row_pages(ids, mask, page_size=page, max_new_tokens=20) + spare
+    stats = {}
+    out = paged.sample_paged(
+        config, params, ids, mask, rng, max_num_seqs=seqs, page_size=page,
+        max_num_batched_tokens=batched, segment_steps=segment, num_pages=num_pages,
+        stats=stats, **kw,
+    )  # fmt: skip
+    _assert_same_rollout(config, params, ids, mask, rng, ref, out, temperature=temperature,
+                         top_k=top_k, top_p=top_p)  # fmt: skip
+    # The pool is below the default (one that never preempts), rows ran side by side in it,
+    # and the preempted ones replayed the tokens they had drawn.
+    assert num_pages < stats["reserve_pages"]
+    assert stats["peak_rows"] > 1 and stats["peak_pages"] <= num_pages - 1
+    assert stats["preemptions"] > 0 and stats["replayed_tokens"] > 0
+
+
+def test_preemption_on_each_data_shards_own_pool(tiny):
+    from grpo_jax import sharding
+
+    config, params = tiny
+    mesh = sharding.make_mesh((8, 1, 1))
+    # Prompts of about the bucket's width (64), so a group's pages take most of the pool.
+    ids, mask = _prompts([60, 63, 58, 61, 62, 59, 63, 57] * 2, config.vocab_size, seed=9)
+    kw = dict(n=3, max_new_tokens=16, temperature=1.0)
+    with sharding.use_mesh(mesh, sharding.LOGICAL_RULES):
+        params, sids, smask = _on_mesh(config, params, mesh, ids, mask)
+        stats = {}
+        out = paged.sample_paged(config, params, sids, smask, jax.random.key(2), max_num_seqs=3,
+                                 page_size=4, segment_steps=2,
+                                 num_pages=_one_row_pages(ids, mask, page_size=4,
+                                                          max_new_tokens=16) + 2,
+                                 stats=stats, **kw)  # fmt: skip
+    assert stats["shards"] == 8 and stats["preemptions"] > 1
+    ref = sampler.sample(config, params, ids, mask, jax.random.key(2), **kw)
+    _assert_same_rollout(config, params, ids, mask, jax.random.key(2), ref, out,
+                         temperature=1.0, top_k=-1, top_p=1.0)  # fmt: skip
 
 
 _real_sample_paged = paged.sample_paged

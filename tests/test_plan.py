@@ -489,6 +489,26 @@ def test_more_rows_a_shard_than_max_num_seqs_are_planned_as_the_paged_engine():
     assert "32 rows in flight a shard (rollout.max_num_seqs) of 128" in report
 
 
+def test_num_gpu_blocks_override_plans_the_smaller_pool_that_grows_rows():
+    # rollout.num_gpu_blocks_override (vLLM's name): the pool a data shard is that many pages,
+    # not max_num_seqs full responses; the compiled sampling phase holds that pool, and the
+    # report says rows grow and may be preempted.
+    default = planner.from_run(_run(_config(**_PAGED, **{"rollout.max_num_seqs": 32})),
+                               model_name="tiny")  # fmt: skip
+    reserve = default.pool_plan(64).num_pages
+    small = 1 + 4 + 8 + 20  # trash, one prompt, one full response, 20 pages to grow into
+    p = planner.from_run(_run(_config(**_PAGED, **{
+        "rollout.max_num_seqs": 32, "rollout.num_gpu_blocks_override": small})),
+        model_name="tiny")  # fmt: skip
+    plan = p.pool_plan(64)
+    assert (plan.num_pages, plan.reserve_pages) == (small, reserve)
+    assert plan.num_pages * plan.page_size < plan.max_num_seqs * p.w.response_len
+    assert p.kv_cache_bytes(64) == 2 * 2 * small * 16 * 1 * 8 * 4
+    assert p.sample(64).output < default.sample(64).output
+    report = planner.plan(p, hbm_bytes=2**30, search=False)
+    assert "rollout.num_gpu_blocks_override; under the" in report
+
+
 def test_advice_lowers_max_num_seqs_when_the_paged_engine_does_not_fit():
     c = _config(**_PAGED, **{"rollout.max_num_seqs": 120})
     p = planner.from_run(_run(c), model_name="tiny")

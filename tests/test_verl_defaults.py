@@ -98,6 +98,8 @@ OWN = (
     "model.source", "model.tokenizer",
     "model.gradient_checkpointing_policy", "model.attention_impl", "model.tiny.",
     "rollout.num_devices", "rollout.vllm.",
+    # vLLM's --num-gpu-blocks-override, which verl passes in engine_kwargs.vllm (a free dict)
+    "rollout.num_gpu_blocks_override",
     # grpo_jax's multi-turn knobs (docs/rollouts.md), and verl <= 0.5's interactions (refused)
     "rollout.multi_turn.tool_timeout", "rollout.multi_turn.validate_tool_arguments",
     "rollout.multi_turn.interaction_config_path",

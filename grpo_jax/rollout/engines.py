@@ -102,7 +102,8 @@ class NativeEngine:
 
     A call of more than `max_num_seqs` rows (rollout.max_num_seqs) per data shard decodes them
     through `rollout.paged.sample_paged` (continuous batching over a KV page pool per shard, the
-    same rollout); up to that, all rows at once through `sampler.sample`.
+    same rollout; `num_pages`, rollout.num_gpu_blocks_override, sizes each shard's pool); up
+    to that, all rows at once through `sampler.sample`.
     """
 
     def __init__(
@@ -117,9 +118,11 @@ class NativeEngine:
         logprobs_mode: str = "processed_logprobs",
         max_num_seqs: int = paged.MAX_NUM_SEQS,
         max_num_batched_tokens: int = paged.MAX_NUM_BATCHED_TOKENS,
+        num_pages: int | None = None,
     ):
         sampler.check_logprobs_mode(logprobs_mode)
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.num_pages = num_pages  # rollout.num_gpu_blocks_override: the pool a data shard
         self.model_config, self.mesh = model_config, mesh
         self.eos_ids, self.pad_id = tuple(eos_ids), pad_id
         self.own_params, self.rules = own_params, rules
@@ -194,7 +197,8 @@ class NativeEngine:
             if paged.pages(ids.shape[0] * sp.n, paged.shard_layout(ids)[2], self.max_num_seqs):
                 return paged.sample_paged(
                     self.model_config, params, ids, mask, rng, max_num_seqs=self.max_num_seqs,
-                    max_num_batched_tokens=self.max_num_batched_tokens, **kwargs,
+                    max_num_batched_tokens=self.max_num_batched_tokens,
+                    num_pages=self.num_pages, **kwargs,
                 )  # fmt: skip
             return sampler.sample(self.model_config, params, ids, mask, rng, **kwargs)
 

@@ -6,7 +6,8 @@ most `max_num_seqs` rows at a time (vLLM's name) from a fixed pool of KV pages
 waiting row takes its slot. Its memory is the pool's, whatever the step's size.
 
 How a call runs. The host schedules; the device runs four jitted programs whose shapes are
-fixed for the call, so each compiles once per (model, batch shape, settings):
+fixed for the call, so each compiles once per (model, batch shape, settings), whatever the
+pool's growth and preemptions (the page tables change, not their shape):
   * `prefill`: chunks of at most `max_num_batched_tokens` prompt tokens (vLLM's name), in
     `[G, C]` batches, write the prompts' keys and values into their pages. A GRPO group's
     prompt is prefilled once; its pages are shared by its n rows (reference-counted: they go
@@ -15,10 +16,12 @@ fixed for the call, so each compiles once per (model, batch shape, settings):
     every row starts the same way and no logits wait for a slot.
   * `admit`: places waiting rows into free slots (their page tables, first token, position).
   * `decode`: a `lax.while_loop` of decode steps over all slots (idle ones write to the trash
-    page), until `max_steps` steps, no live slot, or `refill_at` rows have finished. Each
-    slot has its own response position, key and page table.
+    page), until `max_steps` steps (within the pages granted), no live slot, or `refill_at`
+    rows have finished. Each slot has its own response position, key and page table (the
+    host's, an argument of each segment).
   * `outputs`: the shards' [D, Bd, R] outputs as the rollout's [B, R] arrays.
-Between programs the host reads which slots finished, frees their pages and admits rows. A
+Between programs the host reads which slots finished, frees their pages, grows the running
+rows' pages (preempting if it must) and admits rows. A
 prompt's prefill goes chunk by chunk between decode segments (at most `segment_steps` steps
 while a prefill is pending), so a long prompt never stalls the rows in flight.
 
@@ -29,12 +32,36 @@ has a leading D axis split over those mesh axes, every program is the one-shard 
 vmapped over D (`spmd_axis_name`), and the host keeps one `_Shard` schedule per shard, run in
 lockstep: each program call carries every shard's inputs (an idle shard writes its trash page).
 
-Memory. A row is admitted only when the pool has pages for its whole response (ceil(R /
-page_size), reserved at admission), and a group's prompt pages are allocated when its prefill
-starts, only if a row's pages remain free after them: the pool can never deadlock, and a pool
-too small for one prompt and one response fails at once with the knobs named. (vLLM allocates
-response pages as rows grow and preempts rows when the pool runs out; with reservation the
-pool holds `max_num_seqs` full responses.)
+Memory (vLLM's scheme). A row holds its group's shared prompt pages and only the pages of
+its tokens so far, plus a lookahead: before every decode segment the host grants each running
+row, oldest first, the pages of its next `segment_steps` steps, then more while pages are free
+(up to its full response, so a roomy pool decodes in long segments), and ends the segment
+before any row writes past its pages. The host does it, not the device (a free-page stack in
+the programs): the host already owns the free list, the prompt refcounts and the admission
+order that preemption needs, the page tables are small ([S, M] int32 a shard, handed to each
+decode segment), and growth then needs no new program. When the pool cannot give a running row
+its next pages, the host first frees the prompt pages of groups with no running row
+(prefilled ahead; prefilled again later), then preempts the most recently admitted rows (the
+row itself last): their own pages go back, and they wait at the front of the queue. Admission
+is bounded by a promise: a row starts only if its first pages are free and the running rows'
+full responses plus the prefilled prompts fit `max(num_pages, reserve_pages)` pages, where
+`reserve_pages` (the default pool) holds `max_num_seqs` full responses and the prompts of
+ceil(S / n) + 1 groups: a pool at least that big never preempts (the schedule of the
+reserving engine), a smaller one (`num_pages`, rollout.num_gpu_blocks_override) admits as
+many rows and preempts when they outgrow it. The oldest row is never preempted for another,
+so every call finishes; a pool that cannot hold one row's prompt and one page, or one row's
+full length, fails at once with the knobs named.
+
+Preemption and recompute. vLLM V1 recomputes a preempted request by prefilling its prompt and
+the tokens it generated into fresh pages. Here a re-admitted row recomputes its pages by
+decode steps instead: it starts in fresh pages from its first token and, below `replay_DS`,
+feeds the tokens it drew before (still in the outputs on the device) without redrawing or
+rewriting them, so its tokens and log-probs stay exactly those it drew. A deliberate
+difference: the cost is one decode step (a slot's share of it) per token replayed rather than
+one prefill of them, but no program attends a prefill chunk over a row's whole response (the
+XLA prefill attention is dense over the gathered pages: at a 32K response and 8192 batched
+tokens that is tens of GiB), and no new program is compiled. `stats` counts the preemptions,
+the replayed tokens and the prompts prefilled again.
 
 Same tokens whatever the schedule. Row b's token at response position t is drawn from its
 logits with key fold_in(fold_in(rng, b), t), exactly as `sampler.sample` does; slots, chunk
@@ -116,13 +143,16 @@ class PagedState:
     Every field has a leading shard axis D (split over the mesh's batch axes). A slot feeds
     `tok_DS` at position `pos_DS` into logical slot `prompt_pages_DS * page_size + plen_DS` of
     its page table (the prompt's shared pages first, then its own; pages of its shard's pool),
-    and draws the token at response position `t_DS` of its shard's rollout row `row_DS`.
+    and draws the token at response position `t_DS` of its shard's rollout row `row_DS`; below
+    `replay_DS` (a row re-admitted after a preemption) it feeds the token it drew before instead.
+    The host owns the page tables (it grows them) and hands them to every decode segment.
     """
 
     rng_D: jax.Array  # the call's typed key, once per shard
     tok_DS: jax.Array  # int32, the token to feed
     pos_DS: jax.Array  # int32, its rotary position
     t_DS: jax.Array  # int32, the response position drawn next
+    replay_DS: jax.Array  # int32, response positions already drawn (fed again, not redrawn)
     plen_DS: jax.Array  # int32, own (non-shared) slots written so far
     prompt_len_DS: jax.Array  # int32, tokens in the shared prompt pages (prompt length - 1)
     prompt_pages_DS: jax.Array  # int32, shared prompt pages at the head of the page table
@@ -202,8 +232,13 @@ def _step(st: _Settings, dparams, pages_used, pool, s: PagedState):
         logits_SV, step_keys_S, temperature=st.temperature, top_k=st.top_k, top_p=st.top_p,
         logprobs_mode=st.logprobs_mode,
     )  # fmt: skip
-    row_S = jnp.where(s.active_DS, s.row_DS, B)  # idle slots' writes are dropped
-    done_S = s.active_DS & (jnp.isin(tokens_S, eos) | (s.t_DS + 1 >= R))
+    # A re-admitted row recomputes its pages from the tokens it drew before (kept in the
+    # outputs): it feeds them again, and neither redraws nor rewrites them.
+    replay_S = s.active_DS & (s.t_DS < s.replay_DS)
+    drawn_S = s.ids_DBR[jnp.minimum(s.row_DS, B - 1), jnp.minimum(s.t_DS, R - 1)]
+    tokens_S = jnp.where(replay_S, drawn_S, tokens_S)
+    row_S = jnp.where(s.active_DS & ~replay_S, s.row_DS, B)  # idle and replay writes dropped
+    done_S = s.active_DS & ~replay_S & (jnp.isin(tokens_S, eos) | (s.t_DS + 1 >= R))
     s = dataclasses.replace(
         s,
         ids_DBR=s.ids_DBR.at[row_S, s.t_DS].set(tokens_S, mode="drop"),
@@ -218,12 +253,15 @@ def _step(st: _Settings, dparams, pages_used, pool, s: PagedState):
     return pool, s, jnp.sum(done_S)
 
 
-def _decode(st: _Settings, dparams, pool, state: PagedState, max_steps, refill_at_D):
-    """Decode steps over every slot of every shard until max_steps, no live slot, or a shard
-    has refill_at_D rows finished (its waiting rows can start).
+def _decode(st: _Settings, dparams, pool, state: PagedState, page_table_DSM, max_steps,
+            refill_at_D):  # fmt: skip
+    """Decode steps over every slot of every shard, with the host's page tables, until
+    max_steps, no live slot, or a shard has refill_at_D rows finished (its waiting rows can
+    start). The host grows the tables so that max_steps steps never write past them.
 
     Returns (pool, state, the steps taken)."""
     P = pool.page_size
+    state = dataclasses.replace(state, page_table_DSM=page_table_DSM)
 
     def cond(carry):
         _, state, steps, finished_D = carry
@@ -269,7 +307,7 @@ def _prefill(st: _Settings, dparams, pool, tokens_DGC, pos_DGC, valid_DGC, page_
 
 
 def _admit_shard(state: PagedState, slot_A, row_A, key_row_A, tok_A, pos_A, prompt_len_A,
-                 prompt_pages_A, page_table_AM) -> PagedState:  # fmt: skip
+                 prompt_pages_A, replay_A) -> PagedState:  # fmt: skip
     keys_A = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(state.rng_D, key_row_A)
 
     def put(x, v):
@@ -281,20 +319,20 @@ def _admit_shard(state: PagedState, slot_A, row_A, key_row_A, tok_A, pos_A, prom
         tok_DS=put(state.tok_DS, tok_A),
         pos_DS=put(state.pos_DS, pos_A),
         t_DS=put(state.t_DS, zeros),
+        replay_DS=put(state.replay_DS, replay_A),
         plen_DS=put(state.plen_DS, zeros),
         prompt_len_DS=put(state.prompt_len_DS, prompt_len_A),
         prompt_pages_DS=put(state.prompt_pages_DS, prompt_pages_A),
         row_DS=put(state.row_DS, row_A),
         active_DS=put(state.active_DS, jnp.ones_like(slot_A, jnp.bool_)),
         keys_DS=put(state.keys_DS, keys_A),
-        page_table_DSM=put(state.page_table_DSM, page_table_AM),
     )
 
 
 def _admit(st: _Settings, state: PagedState, *rows_DA) -> PagedState:
     """Starts rows in slots, per shard: [D, A] slot (S: no row), the shard's row, the row's
     index in the rollout (its key), first token, position, shared prompt length and pages,
-    and [D, A, M] page tables."""
+    and the response positions it replays (0 unless it was preempted)."""
     return _over_shards(st, _admit_shard)(state, *rows_DA)
 
 
@@ -309,6 +347,7 @@ def _init_state(st: _Settings, rng, *, shards: int, num_slots: int, num_pages_ro
             tok_DS=zeros,
             pos_DS=zeros,
             t_DS=zeros,
+            replay_DS=zeros,
             plen_DS=zeros,
             prompt_len_DS=zeros,
             prompt_pages_DS=zeros,
@@ -365,11 +404,12 @@ def peak_program(config: model_lib.ModelConfig, plan: PoolPlan, *, shards: int,
     Mp, M = plan.prompt_pages, plan.prompt_pages + plan.response_pages
     i32 = np.int32
     prefill = [((D, G, C), i32), ((D, G, C), i32), ((D, G, C), np.bool_), ((D, G, Mp), i32)]
-    admit = [((D, S), i32)] * 7 + [((D, S, M), i32)]
-    inputs = [*prefill, *admit, ((D,), i32), ((), i32)]
+    admit = [((D, S), i32)] * 8
+    inputs = [*prefill, *admit, ((D, S, M), i32), ((D,), i32), ((), i32)]
 
     def fn(params, rng, *args):
-        prefill_args, admit_args, (refill_at_D, max_steps) = args[:4], args[4:12], args[12:]
+        prefill_args, admit_args = args[:4], args[4:12]
+        page_table_DSM, refill_at_D, max_steps = args[12:]
         dparams = model_lib.decode_params(config, params)
         pool = _init_pool(st, D, plan.num_pages, plan.page_size)
         state = _init_state(st, rng, shards=D, num_slots=S, num_pages_row=M,
@@ -377,7 +417,7 @@ def peak_program(config: model_lib.ModelConfig, plan: PoolPlan, *, shards: int,
         if Mp:
             pool = _prefill(st, dparams, pool, *prefill_args)
         state = _admit(st, state, *admit_args)
-        return _decode(st, dparams, pool, state, max_steps, refill_at_D)
+        return _decode(st, dparams, pool, state, page_table_DSM, max_steps, refill_at_D)
 
     return fn, inputs
 
@@ -404,10 +444,20 @@ class PoolPlan:
     num_pages: int  # including the trash page
     max_num_seqs: int  # slots S
     prompt_pages: int  # pages of the longest shared prompt part (Mp)
-    response_pages: int  # pages reserved per row (Mr)
+    response_pages: int  # pages of a full response (Mr): a row's most, grown as it decodes
     chunk: int  # prefill chunk width C
     chunk_rows: int  # prompts per prefill call G
     rows: int  # rollout rows (prompts x n) of the shard
+    # The pool with which no row is ever preempted (S full responses and the prompts of
+    # ceil(S / n) + 1 groups): the scheduler admits rows as if the pool had at least this many
+    # pages, and a smaller pool preempts rows when their pages run out.
+    reserve_pages: int = 0
+
+    @property
+    def admits_pages(self) -> int:
+        """The pages (less the trash page) that admission promises to the running rows' full
+        responses and the prefilled prompts."""
+        return max(self.num_pages, self.reserve_pages) - 1
 
 
 def plan_pool(
@@ -421,12 +471,14 @@ def plan_pool(
     page_size: int = PAGE_SIZE,
     num_pages: int | None = None,
 ) -> PoolPlan:
-    """The pool and batch sizes of a call: S = min(max_num_seqs, P * n) slots; by default the
-    pool holds S responses and the prompts of ceil(S / n) + 1 groups (no row ever waits for
-    pages while a slot is free).
+    """The pool and batch sizes of a call: S = min(max_num_seqs, P * n) slots; by default
+    (`num_pages` None, rollout.num_gpu_blocks_override unset) the pool holds S full responses
+    and the prompts of ceil(S / n) + 1 groups, and no row is ever preempted; a smaller pool
+    grows rows page by page and preempts when it runs out (see the module doc).
 
     Raises:
-      ValueError naming the knob, when a pool (or the knobs) cannot hold one row.
+      ValueError naming the knobs, when the pool cannot hold one row's prompt and first page,
+      or one row's full length (a row that draws no EOS could never finish).
     """
     for name, value in (("max_num_seqs", max_num_seqs), ("page_size", page_size),
                         ("max_num_batched_tokens", max_num_batched_tokens)):  # fmt: skip
@@ -435,23 +487,28 @@ def plan_pool(
     slots = min(max_num_seqs, num_prompts * n)
     prompt_pages = -(-(prompt_width - 1) // page_size)
     response_pages = -(-max_new_tokens // page_size)
-    if num_pages is None:
-        num_pages = 1 + slots * response_pages + (-(-slots // n) + 1) * prompt_pages
-    need = 1 + prompt_pages + response_pages
-    if num_pages < need:
-        raise ValueError(
-            f"a KV pool of {num_pages} pages of {page_size} tokens cannot hold one row: a "
-            f"prompt of {prompt_width} tokens and a response of {max_new_tokens} need "
-            f"{prompt_pages} + {response_pages} pages plus the trash page ({need}); raise the "
-            "pool's pages (num_pages) or the page size, or shorten data.max_prompt_length / "
-            "data.max_response_length"
-        )
+    reserve = 1 + slots * response_pages + (-(-slots // n) + 1) * prompt_pages
+    num_pages = reserve if num_pages is None else num_pages
+    knobs = (
+        "raise the pool (rollout.num_gpu_blocks_override, the num_pages of sample_paged) or "
+        "the page size, or shorten data.max_prompt_length / data.max_response_length"
+    )
+    for what, need in (("its prompt and one page of response", 1 + prompt_pages + 1),
+                       ("its full length", 1 + prompt_pages + response_pages)):  # fmt: skip
+        if num_pages < need:
+            raise ValueError(
+                f"a KV pool of {num_pages} pages (num_pages) of {page_size} tokens cannot hold "
+                f"one row ({what}): a prompt of {prompt_width} tokens and a response of "
+                f"{max_new_tokens} need {prompt_pages} + {response_pages} pages plus the trash "
+                f"page ({1 + prompt_pages + response_pages}; a row that draws no EOS could "
+                f"never finish in fewer); {knobs}"
+            )
     shared = max(prompt_width - 1, 1)
     chunk = min(-(-shared // page_size) * page_size,
                 max(page_size, max_num_batched_tokens // page_size * page_size))  # fmt: skip
     chunk_rows = min(num_prompts, max(1, max_num_batched_tokens // chunk))
     return PoolPlan(page_size, num_pages, slots, prompt_pages, response_pages, chunk, chunk_rows,
-                    num_prompts * n)
+                    num_prompts * n, reserve)
 
 
 def sample_paged(
@@ -483,7 +540,8 @@ def sample_paged(
     Arguments as `sampler.sample`, plus:
       max_num_seqs: rows decoding at once (the slots).
       max_num_batched_tokens: prompt tokens per prefill call.
-      page_size / num_pages: the pool (default: `plan_pool`'s).
+      page_size / num_pages: the pool a data shard (default: `plan_pool`'s, which never
+        preempts; fewer pages grow rows and preempt, see the module doc).
       segment_steps: decode steps between prefill chunks while a prefill is pending.
       attention: a decode step's attention, "auto", "xla" or "pallas" (`paged_kernel.resolve`:
         "auto" is the Pallas kernel on a TPU with a bfloat16 model, else XLA; "pallas" on the
@@ -586,22 +644,33 @@ def shard_layout(prompt_ids) -> tuple[jax.sharding.Mesh | None, tuple[str, ...] 
 class _Shard:
     """The host side of one shard: its pages, slots, waiting rows and prefill queue.
 
-    Group g and row r are the shard's own (0-based); `g0` and `r0` place them in the call."""
+    Group g and row r are the shard's own (0-based); `g0` and `r0` place them in the call.
+    A slot's row has written `slot_t` of its own slots (t: one a decode step, from its first
+    fed token, the prompt's last) into `slot_pages`, the pages granted to it so far."""
 
-    def __init__(self, st: _Settings, plan: PoolPlan, prompts, n: int, g0: int):
+    def __init__(self, st: _Settings, plan: PoolPlan, prompts, n: int, g0: int,
+                 min_steps: int):  # fmt: skip
         self.st, self.plan, self.prompts, self.n = st, plan, prompts, n
         self.g0, self.r0 = g0, g0 * n
-        P = plan.page_size
+        self.min_steps = min_steps  # steps every running row gets pages for, at least
+        P, S = plan.page_size, plan.max_num_seqs
         self.shared_len = [len(p) - 1 for p in prompts]
         self.shared_pages = [-(-s // P) for s in self.shared_len]
         self.prefilled = [0] * len(prompts)  # shared tokens written
         self.group_pages: list[list[int] | None] = [None] * len(prompts)
+        self.prompt_held = 0  # pages of group_pages
         self.unfinished = [n] * len(prompts)  # rows of the group not finished
         self.free = list(range(plan.num_pages - 1, paged.TRASH_PAGE, -1))  # a stack
         self.waiting = collections.deque(range(len(prompts) * n))
-        self.slot_row = [-1] * plan.max_num_seqs
-        self.slot_pages: list[list[int]] = [[] for _ in range(plan.max_num_seqs)]
+        self.drawn = [0] * (len(prompts) * n)  # response tokens a preempted row drew (kept)
+        self.slot_row = [-1] * S
+        self.slot_pages: list[list[int]] = [[] for _ in range(S)]
+        self.slot_t = [0] * S
+        self.slot_order = [0] * S  # admission order (the newest is preempted first)
+        self.admitted = 0
+        self.tables = np.zeros((S, plan.prompt_pages + plan.response_pages), np.int32)
         self.peak_pages = self.peak_rows = self.prefill_tokens = 0
+        self.preemptions = self.replayed_tokens = self.prompt_evictions = 0
 
     def note_use(self) -> None:
         self.peak_pages = max(self.peak_pages, self.plan.num_pages - 1 - len(self.free))
@@ -609,6 +678,14 @@ class _Shard:
 
     def decoding(self) -> int:
         return sum(r >= 0 for r in self.slot_row)
+
+    def _promised(self) -> int:
+        """Pages promised: the prefilled prompts' and every running row's full response."""
+        return self.prompt_held + self.decoding() * self.plan.response_pages
+
+    def _own_pages(self, slots: int) -> int:
+        """Own pages of a row that has written `slots` own slots (at most its R)."""
+        return -(-min(slots, self.st.max_new_tokens) // self.plan.page_size)
 
     def refill_at(self) -> int:
         """Finished rows after which a decode segment returns, so waiting rows can start."""
@@ -625,6 +702,107 @@ class _Shard:
         """Group g's prompt pages are allocated and prefilled: its rows may start."""
         return self.group_pages[g] is not None and self.prefilled[g] >= self.shared_len[g]
 
+    def _evict_prompts(self, pages: int, keep: int = -1) -> None:
+        """Frees the prompt pages of groups with no running row (prefilled ahead, or whose
+        rows were all preempted), but group `keep`, until `pages` pages are free: they are
+        prefilled again when their rows come up."""
+        running = {r // self.n for r in self.slot_row if r >= 0}
+        for g in range(len(self.prompts) - 1, -1, -1):
+            if len(self.free) >= pages:
+                return
+            if g == keep or g in running or not self.group_pages[g]:
+                continue
+            self.free.extend(self.group_pages[g])
+            self.prompt_held -= len(self.group_pages[g])
+            self.group_pages[g], self.prefilled[g] = None, 0
+            self.prompt_evictions += 1
+
+    def _preempt(self, slot: int) -> None:
+        """Frees the slot's own pages; its row waits at the front, with the tokens it drew."""
+        row = self.slot_row[slot]
+        self.free.extend(self.slot_pages[slot])
+        self.drawn[row] = max(self.drawn[row], self.slot_t[slot])
+        self.waiting.appendleft(row)
+        self.slot_row[slot], self.slot_pages[slot] = -1, []
+        self.tables[slot] = 0
+        self.preemptions += 1
+
+    def _grant(self, slot: int, pages: int) -> None:
+        """Pages from the free stack onto the end of the slot's own pages and its table."""
+        own = self.slot_pages[slot]
+        first = self.shared_pages[self.slot_row[slot] // self.n] + len(own)
+        new = [self.free.pop() for _ in range(pages)]
+        own.extend(new)
+        self.tables[slot, first : first + pages] = new
+
+    def grow(self) -> None:
+        """Gives every running row, oldest first, the pages of its next `min_steps` steps;
+        when the pool runs out, frees prompts prefilled ahead, then preempts the newest rows
+        (vLLM's recompute preemption), the row itself last."""
+        for slot in sorted((s for s, r in enumerate(self.slot_row) if r >= 0),
+                           key=self.slot_order.__getitem__):  # fmt: skip
+            if self.slot_row[slot] < 0:  # preempted for an older row
+                continue
+            need = self._own_pages(self.slot_t[slot] + self.min_steps)
+            need -= len(self.slot_pages[slot])
+            if need > len(self.free):
+                self._evict_prompts(need)
+            while need > len(self.free):
+                victim = max((s for s, r in enumerate(self.slot_row) if r >= 0),
+                             key=self.slot_order.__getitem__)  # fmt: skip
+                self._preempt(victim)
+                if victim == slot:
+                    break
+            if self.slot_row[slot] >= 0 and need > 0:
+                self._grant(slot, need)
+        self.note_use()
+
+    def extend(self) -> None:
+        """Grants the running rows more steps while pages are free (so fewer segments): the
+        longest horizon, halving from a full response down to `min_steps`, whose pages fit
+        beside those that the rows waiting for idle slots take first."""
+        running = [s for s, r in enumerate(self.slot_row) if r >= 0]
+        idle = len(self.slot_row) - len(running)
+        spare = len(self.free) - min(idle, len(self.waiting)) * self._own_pages(self.min_steps)
+        k = self.st.max_new_tokens
+        while k > self.min_steps:
+            extra = [max(0, self._own_pages(self.slot_t[s] + k) - len(self.slot_pages[s]))
+                     for s in running]  # fmt: skip
+            if sum(extra) <= spare:
+                for s, e in zip(running, extra):
+                    if e:
+                        self._grant(s, e)
+                break
+            k //= 2
+        self.note_use()
+
+    def max_steps(self) -> int:
+        """Steps every running row can take within its pages (a row finishes at R)."""
+        P, R = self.plan.page_size, self.st.max_new_tokens
+        limits = [len(self.slot_pages[s]) * P - self.slot_t[s]
+                  for s, r in enumerate(self.slot_row)
+                  if r >= 0 and len(self.slot_pages[s]) * P < R]  # fmt: skip
+        return min(limits, default=R)
+
+    def advance(self, steps: int, active_S: np.ndarray) -> None:
+        """After a decode segment of `steps` steps: the rows still decoding wrote as many own
+        slots; those that finished free their pages (and their group's, if the last)."""
+        for slot, row in enumerate(self.slot_row):
+            if row < 0:
+                continue
+            if active_S[slot]:
+                self.slot_t[slot] += steps
+                continue
+            self.free.extend(self.slot_pages[slot])
+            self.slot_row[slot], self.slot_pages[slot] = -1, []
+            self.tables[slot] = 0
+            g = row // self.n
+            self.unfinished[g] -= 1
+            if not self.unfinished[g]:
+                self.free.extend(self.group_pages[g] or [])
+                self.prompt_held -= len(self.group_pages[g] or [])
+                self.group_pages[g] = []
+
     def prefill_batch(self):
         """The next chunks of the groups of the waiting rows, in order, as [G, C] tokens,
         positions, validity and [G, Mp] page tables, and the groups (None: nothing to do)."""
@@ -635,7 +813,7 @@ class _Shard:
         idle = sum(r < 0 for r in self.slot_row)
         next_rows = itertools.islice(self.waiting, idle + self.n)
         ahead = list(dict.fromkeys(r // self.n for r in next_rows))
-        for g in ahead:
+        for i, g in enumerate(ahead):
             if len(tokens) == G:
                 break
             if self.prefilled[g] >= self.shared_len[g]:
@@ -644,9 +822,15 @@ class _Shard:
                 continue
             if self.group_pages[g] is None:
                 need = self.shared_pages[g]
-                if len(self.free) - need < plan.response_pages:
-                    break  # a row's response must still fit: prefill later
+                if i == 0 and not self.decoding():  # nothing else can free pages
+                    self._evict_prompts(self.plan.num_pages, keep=g)
+                # A row's response must still fit beside the promised pages, and the
+                # prompt's pages must be free: else prefill later.
+                if (self._promised() + need + plan.response_pages > plan.admits_pages
+                        or need > len(self.free)):  # fmt: skip
+                    break
                 self.group_pages[g] = [self.free.pop() for _ in range(need)]
+                self.prompt_held += need
             start = self.prefilled[g]
             stop = min(start + C, self.shared_len[g])
             row = np.full((C,), self.st.pad_token_id, np.int32)
@@ -675,11 +859,13 @@ class _Shard:
                 np.zeros((G, Mp), np.int32)]  # fmt: skip
 
     def admissions(self):
-        """Waiting rows whose prompts are prefilled into free slots, while pages last: [S]
-        slot (S: none), row, row in the call, first token, position, shared length and
-        pages, and [S, M] page tables; None when no row starts."""
+        """Waiting rows whose prompts are prefilled into free slots, with the pages of their
+        first `min_steps` steps, while the promise of their full responses fits: [S] slot (S:
+        none), row, row in the call, first token, position, shared length and pages, and the
+        tokens it replays; None when no row starts."""
         plan = self.plan
-        S, M = plan.max_num_seqs, plan.prompt_pages + plan.response_pages
+        S = plan.max_num_seqs
+        first = self._own_pages(self.min_steps)
         admitted = []
         for slot in range(S):
             if self.slot_row[slot] >= 0:
@@ -690,45 +876,33 @@ class _Shard:
             g = row // self.n
             if not self._ready(g):
                 break
-            if len(self.free) < plan.response_pages:
+            if (self._promised() + plan.response_pages > plan.admits_pages
+                    or first > len(self.free)):  # fmt: skip
                 break
             self.waiting.popleft()
-            own = [self.free.pop() for _ in range(plan.response_pages)]
-            self.slot_row[slot], self.slot_pages[slot] = row, own
-            table = np.zeros((M,), np.int32)
+            self.slot_row[slot], self.slot_t[slot] = row, 0
+            self.admitted += 1
+            self.slot_order[slot] = self.admitted
             shared = self.group_pages[g]
-            table[: len(shared)] = shared
-            table[len(shared) : len(shared) + len(own)] = own
+            self.tables[slot] = 0
+            self.tables[slot, : len(shared)] = shared
+            self._grant(slot, first)
+            self.replayed_tokens += self.drawn[row]
             # the fed token is the prompt's last, at position len - 1 = shared_len
             admitted.append((slot, row, self.r0 + row, int(self.prompts[g][-1]),
                              self.shared_len[g], self.shared_len[g], self.shared_pages[g],
-                             table))  # fmt: skip
+                             self.drawn[row]))  # fmt: skip
         if not admitted:
             return None
         self.note_use()
         cols = list(zip(*admitted))
         pad = S - len(admitted)
-        arrays = [np.concatenate([np.asarray(c, np.int32), np.full((pad,), fill, np.int32)])
-                  for c, fill in zip(cols[:7], (S, 0, 0, 0, 0, 0, 0))]  # fmt: skip
-        return arrays + [np.concatenate([np.stack(cols[7]), np.zeros((pad, M), np.int32)])]
+        return [np.concatenate([np.asarray(c, np.int32), np.full((pad,), fill, np.int32)])
+                for c, fill in zip(cols, (S, 0, 0, 0, 0, 0, 0, 0))]  # fmt: skip
 
     def idle_admissions(self):
-        S, M = self.plan.max_num_seqs, self.plan.prompt_pages + self.plan.response_pages
-        return [np.full((S,), S, np.int32)] + [np.zeros((S,), np.int32)] * 6 + [
-            np.zeros((S, M), np.int32)]  # fmt: skip
-
-    def release(self, active_S: np.ndarray) -> None:
-        """Frees the pages of the slots that finished (and of groups with no row left)."""
-        for slot, row in enumerate(self.slot_row):
-            if row < 0 or active_S[slot]:
-                continue
-            self.free.extend(self.slot_pages[slot])
-            self.slot_row[slot], self.slot_pages[slot] = -1, []
-            g = row // self.n
-            self.unfinished[g] -= 1
-            if not self.unfinished[g]:
-                self.free.extend(self.group_pages[g] or [])
-                self.group_pages[g] = []
+        S = self.plan.max_num_seqs
+        return [np.full((S,), S, np.int32)] + [np.zeros((S,), np.int32)] * 7
 
 
 class _Schedule:
@@ -738,8 +912,8 @@ class _Schedule:
                  shards: int, mesh) -> None:  # fmt: skip
         self.st, self.plan, self.segment_steps, self.mesh = st, plan, segment_steps, mesh
         per = len(prompts) // shards
-        self.shards = [_Shard(st, plan, prompts[d * per : (d + 1) * per], n, d * per)
-                       for d in range(shards)]  # fmt: skip
+        self.shards = [_Shard(st, plan, prompts[d * per : (d + 1) * per], n, d * per,
+                              segment_steps) for d in range(shards)]  # fmt: skip
         self.counts = {"decode_calls": 0, "decode_steps": 0, "prefill_calls": 0,
                        "admit_calls": 0}  # fmt: skip
         # ("prefill", groups) / ("admit", rows) / ("decode", steps), in order; groups and rows
@@ -764,6 +938,8 @@ class _Schedule:
                 arrays = [b[:-1] if b else sh.idle_prefill() for b, sh in zip(batches, shards)]
                 pool = programs["prefill"](self.st, dparams, pool,
                                            *self._put([np.stack(x) for x in zip(*arrays)]))
+            for sh in shards:  # the running rows' next pages first, as vLLM schedules
+                sh.grow()
             admits = [sh.admissions() for sh in shards]
             if any(a is not None for a in admits):
                 self.counts["admit_calls"] += 1
@@ -773,10 +949,15 @@ class _Schedule:
                           for a, sh in zip(admits, shards)]  # fmt: skip
                 state = programs["admit"](self.st, state,
                                           *self._put([np.stack(x) for x in zip(*arrays)]))
+            for sh in shards:
+                sh.extend()
             if not any(sh.decoding() for sh in shards):
                 if not any(sh.waiting for sh in shards):
                     self.counts.update(
                         prefill_tokens=sum(sh.prefill_tokens for sh in shards),
+                        preemptions=sum(sh.preemptions for sh in shards),
+                        replayed_tokens=sum(sh.replayed_tokens for sh in shards),
+                        prompt_evictions=sum(sh.prompt_evictions for sh in shards),
                         peak_pages=max(sh.peak_pages for sh in shards),
                         peak_rows=max(sh.peak_rows for sh in shards),
                     )
@@ -790,13 +971,16 @@ class _Schedule:
                 continue
             pending = any(sh.prefill_pending() for sh in shards)
             steps = self.segment_steps if pending else self.st.max_new_tokens
+            steps = min([steps] + [sh.max_steps() for sh in shards])
             refill_at = np.asarray([sh.refill_at() for sh in shards], np.int32)
+            tables = np.stack([sh.tables for sh in shards])
             pool, state, taken = programs["decode"](
-                self.st, dparams, pool, state, jnp.int32(steps), *self._put([refill_at])
-            )
+                self.st, dparams, pool, state, *self._put([tables]), jnp.int32(steps),
+                *self._put([refill_at]),
+            )  # fmt: skip
             self.counts["decode_calls"] += 1
             self.counts["decode_steps"] += int(taken)
             self.trace.append(("decode", int(taken)))
             active = np.asarray(state.active_DS)
             for sh, active_S in zip(shards, active):
-                sh.release(active_S)
+                sh.advance(int(taken), active_S)

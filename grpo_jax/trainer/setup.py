@@ -209,6 +209,7 @@ def make_engine(
             logprobs_mode=run.rollout.logprobs_mode,
             max_num_seqs=run.rollout.max_num_seqs,
             max_num_batched_tokens=run.rollout.max_num_batched_tokens,
+            num_pages=run.rollout.num_gpu_blocks_override,
         )
     if jax.process_count() > 1:
         raise ValueError(
