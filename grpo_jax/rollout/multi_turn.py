@@ -40,6 +40,7 @@ extra_info.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
@@ -176,6 +177,41 @@ class Agent:
             prompt = prompts.prompt_ids_PT[p][prompts.prompt_mask_PT[p] == 1].tolist()
             kwargs = dict(prompts.examples[p].extra_info or {}).get("tools_kwargs") or {}
             trajectories += [_Trajectory(list(prompt), kwargs) for _ in range(n)]
+        if isinstance(engine, engines.NativeEngine):
+            version = self._paged(engine, params, prompts, rng, sp, trajectories,
+                                  policy_version)  # fmt: skip
+        else:
+            version = self._lockstep(engine, params, rng, sp, trajectories, policy_version)
+        return self._collect(trajectories, prompts, n, limit, version, engine)
+
+    def _paged(self, engine, params, prompts, rng, sp, trajectories, policy_version):
+        """Every trajectory a row of one paged-engine call (continuous batching): a row whose
+        turn calls tools waits out of its slot, with its KV pages, while the others decode;
+        the tool turn's tokens are then appended and fed into its pages. Returns the weights
+        version."""
+        limit = sp.max_new_tokens
+        workers = min(len(trajectories), self.runner.max_workers)
+        with concurrent.futures.ThreadPoolExecutor(workers, "grpo_jax-tool-turn") as pool:
+            hook = _Turns(self, trajectories, limit, pool)
+            out = engine.sample(params, prompts.prompt_ids_PT, prompts.prompt_mask_PT, rng, sp,
+                                policy_version, turns=hook)  # fmt: skip
+        ids = distributed.to_host(out.response_ids)
+        valid = distributed.to_host(out.response_mask)
+        lp = distributed.to_host(out.log_probs)
+        for b, t in enumerate(trajectories):
+            k = len(t.response)
+            if not t.done or int(valid[b].sum()) != k or ids[b, :k].tolist() != t.response:
+                raise RuntimeError(
+                    f"the paged engine's row {b} is not the trajectory its turns built "
+                    f"({int(valid[b].sum())} tokens vs {k}, done={t.done})"
+                )
+            t.log_probs = [float(x) for x in lp[b, :k]]  # the appended turns' are 0
+        return out.weights_version
+
+    def _lockstep(self, engine, params, rng, sp, trajectories, policy_version):
+        """One engine call per round for every unfinished trajectory, each prefilling its
+        whole context (the vLLM sidecar's path). Returns the weights version."""
+        limit = sp.max_new_tokens
         sizes = round_sizes(len(trajectories), self.unit)
         turn_sp = dataclasses.replace(sp, n=1)
         version = None
@@ -201,7 +237,7 @@ class Agent:
                 if calls:
                     calls_of.append((t, calls))
             self._run_tools(calls_of, limit)
-        return self._collect(trajectories, prompts, n, limit, version, engine)
+        return version
 
     def _next_calls(self, t: _Trajectory, turn_ids, limit: int):
         """The tool calls a finished turn asks for, or None when the trajectory ends here
@@ -226,26 +262,32 @@ class Agent:
         """Runs a round's calls (all trajectories' at once) and appends the tool turns."""
         if not calls_of:
             return
-        s = self.settings
         results = self.runner.run_calls([(calls, t.tools_kwargs) for t, calls in calls_of])
         for (t, calls), outcomes in zip(calls_of, results, strict=True):
-            texts = [
-                chat_turns.truncate_text(o.text or "", s.max_tool_response_length,
-                                         s.tool_response_truncate_side)
-                for o in outcomes
-            ]
-            t.statuses += [o.status for o in outcomes]
-            t.tool_rewards += [float(o.reward) for o in outcomes if o.reward is not None]
-            delta = self.turns.boundary(t.context[-1] if t.context else None)
-            delta += self.turns.tool_tokens(
-                [{"name": c.name, "arguments": c.arguments} for c in calls], texts
-            )
-            if len(t.response) + len(delta) >= limit:
-                t.done, t.cut = True, "length"
-                continue
-            t.append(delta, 0)
-            t.tool_tokens += len(delta)
-            t.user_turns += 1
+            self._tool_turn(t, calls, outcomes, limit)
+
+    def _tool_turn(self, t: _Trajectory, calls, outcomes, limit: int) -> list[int] | None:
+        """Records a turn's tool outcomes and appends the tool turn's tokens (returned), or
+        ends the trajectory (None) when they would reach the response limit."""
+        s = self.settings
+        texts = [
+            chat_turns.truncate_text(o.text or "", s.max_tool_response_length,
+                                     s.tool_response_truncate_side)
+            for o in outcomes
+        ]
+        t.statuses += [o.status for o in outcomes]
+        t.tool_rewards += [float(o.reward) for o in outcomes if o.reward is not None]
+        delta = self.turns.boundary(t.context[-1] if t.context else None)
+        delta += self.turns.tool_tokens(
+            [{"name": c.name, "arguments": c.arguments} for c in calls], texts
+        )
+        if len(t.response) + len(delta) >= limit:
+            t.done, t.cut = True, "length"
+            return None
+        t.append(delta, 0)
+        t.tool_tokens += len(delta)
+        t.user_turns += 1
+        return delta
 
     def _collect(self, trajectories, prompts, n, limit, version, engine) -> AgentRollout:
         B = len(trajectories)
@@ -297,6 +339,33 @@ class Agent:
             "cut_by_turns": np.array([t.cut == "turns" for t in trajectories]),
         }
         return AgentRollout(rollout, examples, row_stats)
+
+
+class _Turns:
+    """The paged engine's turn hook (`rollout.paged.Turns`) over an Agent's trajectories: a
+    stopped row's new tokens are its turn; its tool calls run on `pool` (each row's through the
+    agent's ToolExecutor, so with its timeouts and crash isolation), and their tool turn is
+    what the row appends."""
+
+    def __init__(self, agent: Agent, trajectories, limit: int, pool):
+        self.agent, self.trajectories, self.limit, self.pool = agent, trajectories, limit, pool
+        self.calls: dict[int, list] = {}
+
+    def ended(self, row: int, response_ids) -> concurrent.futures.Future | None:
+        t = self.trajectories[row]
+        turn = [int(x) for x in response_ids[len(t.response) :]]
+        t.append(turn, 1)  # log-probs: the engine's, read after the call
+        t.assistant_turns += 1
+        calls = self.agent._next_calls(t, turn, self.limit)
+        if not calls:
+            return None
+        self.calls[row] = calls
+        return self.pool.submit(self.agent.runner.run_calls, [(calls, t.tools_kwargs)])
+
+    def resume(self, row: int, result) -> list[int] | None:
+        (outcomes,) = result
+        return self.agent._tool_turn(self.trajectories[row], self.calls.pop(row), outcomes,
+                                     self.limit)  # fmt: skip
 
 
 def _left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
