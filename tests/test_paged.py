@@ -2,6 +2,7 @@
 the schedule, a pool that is bounded and reused, and clear errors."""
 
 import concurrent.futures
+import contextlib
 import threading
 
 import jax
@@ -458,23 +459,29 @@ def test_turns_wait_out_of_their_slots_and_reuse_their_pages(tiny):
     are fed into the row's kept pages (not drawn) and it draws on: the rollout is the same
     whatever the slots, the pool and the order the answers come in, and every drawn token is
     the one a full forward pass over the whole sequence gives with its position's key."""
+    from grpo_jax import sharding
+
     config, params = tiny
-    ids, mask = _prompts([5, 9, 3], config.vocab_size, seed=2)
+    ids, mask = _prompts([5, 9, 3, 7], config.vocab_size, seed=2)
     rng, R = jax.random.key(5), 40
     kw = dict(n=2, max_new_tokens=R, temperature=1.0, pad_token_id=_PAD,
               eos_token_ids=tuple(range(60, 72)))  # fmt: skip
 
-    def run(delay=lambda row: 0.0, **schedule):
+    def run(delay=lambda row: 0.0, mesh=None, **schedule):
         hook, stats = _Appender(R, delay), {}
-        out = paged.sample_paged(config, params, ids, mask, rng, stats=stats, turns=hook,
-                                 page_size=8, **kw, **schedule)  # fmt: skip
-        return out, stats, hook
+        args = (params, ids, mask)
+        with sharding.use_mesh(mesh, sharding.LOGICAL_RULES) if mesh else contextlib.nullcontext():
+            if mesh is not None:
+                args = _on_mesh(config, params, mesh, ids, mask)
+            out = paged.sample_paged(config, *args, rng, stats=stats, turns=hook, page_size=8,
+                                     **kw, **schedule)  # fmt: skip
+        return jax.device_get(out), stats, hook
 
     want, stats, hook = run(max_num_seqs=6)
     assert stats["paused_turns"] >= 4 and stats["appended_tokens"] == 3 * stats["paused_turns"]
     got_ids = np.asarray(want.response_ids)
     valid, logp = np.asarray(want.response_mask), np.asarray(want.log_probs)
-    for b in range(6):
+    for b in range(8):
         k = int(valid[b].sum())
         assert valid[b, :k].all() and not valid[b, k:].any()
         seq = np.concatenate([ids[b // 2][mask[b // 2] > 0], got_ids[b, :k]])[None]
@@ -493,7 +500,10 @@ def test_turns_wait_out_of_their_slots_and_reuse_their_pages(tiny):
     slow = run(delay=lambda row: 0.5 if row == 0 else 0.0, max_num_seqs=2)
     # prompts bucketed to 64 tokens: 8 pages; a response 5: rows lose their kept pages
     small = run(max_num_seqs=3, num_pages=1 + 8 + 5)
-    for out, stats, _ in (slow, small):
+    # two data shards, each with its own pool and slots and its own rows' turns
+    sharded = run(max_num_seqs=2, mesh=sharding.make_mesh((2, 1, 1), devices=jax.devices()[:2]))
+    assert sharded[1]["shards"] == 2
+    for out, stats, _ in (slow, small, sharded):
         for f in ("response_ids", "response_mask"):
             np.testing.assert_array_equal(np.asarray(getattr(out, f)),
                                           np.asarray(getattr(want, f)), err_msg=f)

@@ -24,13 +24,28 @@ context its last turn was sampled from plus that turn, so the old, reference and
 log-probs score the tokens the policy produced, with the tool turns as context only
 (`Rollout.loss_mask`).
 
-The turns run in lockstep: each round samples one turn of every unfinished trajectory in one
-engine call (n = 1 per trajectory, the rows padded to a size of a halving ladder so a run
-compiles few shapes), then runs every tool call of the round concurrently. A trajectory's
-keys are fold_in(rng, round) and its row in the round's call, so a batch's rollout is a
-function of its prompts and rng (an exact resume samples it again). Each round prefills the
-whole context again (the vLLM sidecar's prefix cache makes that cheap there); the native
-engine does not yet keep a paused row's KV pages between rounds.
+Engines. On the native engine (`engines.NativeEngine`) every trajectory is one row of one
+paged-engine call (`rollout.paged.sample_paged` with a turn hook, continuous batching over a
+paged KV pool, `max_num_seqs` rows at once): when a row's turn ends (a stop token or the
+response limit) the host applies the rules above to its tokens; a row that calls tools leaves
+its slot but keeps its KV pages while its calls run on a thread (the executor's timeouts and
+crash isolation hold), and the engine meanwhile decodes the other rows and admits waiting ones;
+when the calls answer, the tool turn's tokens are fed into the row's own pages (decode steps
+that feed, not draw: nothing of the conversation is prefilled again) and it samples its next
+turn. Row b's token at response position t (tool turns included in t) is drawn with key
+fold_in(fold_in(rng, b), t), so a trajectory depends on the rng, its prompt, its sample index
+and the tool outputs, never on slots, the pool or which tool answered first
+(tests/test_multi_turn_paged.py: greedy, the lockstep path's rollout token for token; sampled,
+the same across slot counts, pool sizes and tool delays).
+
+Any other engine (the vLLM sidecar, which takes and returns token ids) runs the turns in
+lockstep: each round samples one turn of every unfinished trajectory in one engine call (n = 1
+per trajectory, the rows padded to a size of a halving ladder so a run compiles few shapes),
+then runs every tool call of the round concurrently, so a trajectory waiting on a slow tool
+holds back the next round, and each round prefills every whole context again (vLLM's prefix
+cache makes that cheap). A trajectory's keys there are fold_in(rng, round) and its row in the
+round's call: a batch's rollout is still a function of its prompts and rng (an exact resume
+samples it again).
 
 Rewards follow verl: the reward function scores the whole response's text (tool turns
 included), and a verl-style scorer finds the trajectory's "tool_rewards" (each call's

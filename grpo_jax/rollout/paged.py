@@ -69,6 +69,24 @@ sizes and admission order never enter. The logits equal `sampler.sample`'s up to
 rounding (the attention is one softmax over gathered pages here, two merged by log-sum-exp
 there), so the tokens are the same except where two candidates tie within that rounding.
 
+Turns (`turns`, a `Turns` hook; multi-turn rollouts, rollout/multi_turn.py). A row that stops
+(an EOS, which is a turn's stop token, or the response limit) leaves its slot and the host asks
+`turns.ended(row, its response so far)`: None finishes it; a future keeps its own pages (held
+out of any slot, its group's prompt pages with them) while the others decode and waiting rows
+take the slot. Once the future is done, `turns.resume` gives the tokens to append (a tool turn):
+a small program writes them into the row's outputs at its next response positions (valid,
+log-prob 0), and the row waits at the front of the queue; admitted, it starts from its held
+pages, feeding the token it ended on and then the appended ones through the replay rule above
+(fed, not drawn), and draws again after them. Nothing is prefilled again and no program is
+compiled per turn (the appended tokens travel as a [D, S, R] array, the ended rows' tokens come
+back the same way). While a future is pending, decode segments are short (`segment_steps`) and
+end at the first row that stops, so calls start and answers are fed soon. Held pages count as
+promised to admission; when the pool runs short they are dropped, oldest first, before any
+running row is preempted, and such a row recomputes its pages by replay when it resumes. Keys
+stay by response position (the appended positions included), so the tokens do not depend on
+when the futures complete. `stats` adds `paused_turns`, `appended_tokens` and `dropped_holds`;
+the trace adds ("pause", rows), ("resume", rows) and ("finish", rows).
+
 Kernels (`attention`, `models.paged_kernel.resolve`). On a TPU with a bfloat16 model a decode
 step's attention is JAX's Pallas TPU paged-attention kernel (`models.paged_kernel`): it reads
 only each row's pages, over a pool in the kernel's layout ([K, pages, page_size, H] a layer,
