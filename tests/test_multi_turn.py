@@ -334,7 +334,9 @@ def test_loop_trains_on_multi_turn_rollouts(two_steps):
     rows = _step_rows(two_steps)
     assert len(rows) == 2
     for r in rows:
-        assert r["multi_turn/tool_calls/mean"] > 0.5  # the warmed-up model calls the tool
+        # the warmed-up model calls the tool (a random one never writes a call): 3 to 6 of a
+        # step's 8 trajectories did in the runs seen
+        assert r["multi_turn/tool_calls/mean"] > 0.25
         assert r["num_turns/max"] >= 4  # a call, its response and the next turn
         assert np.isfinite(r["actor/pg_loss"])
         # token in, token out: the trainer's log-probs of the sampled tokens, recomputed on

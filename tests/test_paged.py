@@ -1,6 +1,10 @@
 """The paged engine (`grpo_jax.rollout.paged`): the same rollout as `sampler.sample` whatever
 the schedule, a pool that is bounded and reused, and clear errors."""
 
+import concurrent.futures
+import contextlib
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -423,3 +427,110 @@ def test_the_loop_pages_its_rollouts_and_resumes_exactly(tmp_path):
         np.testing.assert_allclose(a["actor/pg_loss"], b["actor/pg_loss"], rtol=1e-5, atol=1e-7)
     assert resumed[-1]["actor/pg_loss"] == full[-1]["actor/pg_loss"]
     assert resumed[-1]["actor/grad_norm"] == full[-1]["actor/grad_norm"]
+
+
+class _Appender:
+    """A turn hook: a row's first two turns (with room left) are answered, after
+    `delay(row)` seconds on a timer thread, by three tokens that depend only on the row and
+    its length; then it finishes. Records each row's appended positions."""
+
+    def __init__(self, R, delay=lambda row: 0.0):
+        self.R, self.delay = R, delay
+        self.turns, self.appended = {}, {}
+
+    def ended(self, row, response_ids):
+        k = len(response_ids)
+        self.turns[row] = self.turns.get(row, 0) + 1
+        if self.turns[row] > 2 or k + 4 >= self.R:
+            return None
+        future = concurrent.futures.Future()
+        tokens = [4 + (7 * row + k) % 50, 5 + k % 7, 6]
+        threading.Timer(self.delay(row), future.set_result, [tokens]).start()
+        return future
+
+    def resume(self, row, tokens):
+        start = self.appended.setdefault(row, [])
+        start.append(None)  # placeholder, filled from the outputs below
+        return tokens
+
+
+def test_turns_wait_out_of_their_slots_and_reuse_their_pages(tiny):
+    """Rows that end a turn wait for the hook's tokens while the others decode; the tokens
+    are fed into the row's kept pages (not drawn) and it draws on: the rollout is the same
+    whatever the slots, the pool and the order the answers come in, and every drawn token is
+    the one a full forward pass over the whole sequence gives with its position's key."""
+    from grpo_jax import sharding
+
+    config, params = tiny
+    ids, mask = _prompts([5, 9, 3, 7], config.vocab_size, seed=2)
+    rng, R = jax.random.key(5), 40
+    kw = dict(n=2, max_new_tokens=R, temperature=1.0, pad_token_id=_PAD,
+              eos_token_ids=tuple(range(60, 72)))  # fmt: skip
+
+    def run(delay=lambda row: 0.0, mesh=None, **schedule):
+        hook, stats = _Appender(R, delay), {}
+        args = (params, ids, mask)
+        with sharding.use_mesh(mesh, sharding.LOGICAL_RULES) if mesh else contextlib.nullcontext():
+            if mesh is not None:
+                args = _on_mesh(config, params, mesh, ids, mask)
+            out = paged.sample_paged(config, *args, rng, stats=stats, turns=hook, page_size=8,
+                                     **kw, **schedule)  # fmt: skip
+        return jax.device_get(out), stats, hook
+
+    want, stats, hook = run(max_num_seqs=6)
+    assert stats["paused_turns"] >= 4 and stats["appended_tokens"] == 3 * stats["paused_turns"]
+    got_ids = np.asarray(want.response_ids)
+    valid, logp = np.asarray(want.response_mask), np.asarray(want.log_probs)
+    for b in range(8):
+        k = int(valid[b].sum())
+        assert valid[b, :k].all() and not valid[b, k:].any()
+        seq = np.concatenate([ids[b // 2][mask[b // 2] > 0], got_ids[b, :k]])[None]
+        logits_TV = model.forward(config, params, jnp.asarray(seq), jnp.ones_like(seq))[0]
+        plen = int(mask[b // 2].sum())
+        drawn = [t for t in range(k) if logp[b, t] != 0]  # appended tokens have log-prob 0
+        assert len(drawn) == k - 3 * hook.turns[b] + 3  # all but the appended ones
+        keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.fold_in(rng, b),
+                                                        jnp.asarray(drawn))  # fmt: skip
+        tokens, lp = sampler.select_tokens(logits_TV[plen - 1 + np.asarray(drawn)], keys,
+                                           temperature=1.0, top_k=-1, top_p=1.0)  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(tokens), got_ids[b, drawn])
+        np.testing.assert_allclose(np.asarray(lp), logp[b, drawn], atol=1e-5)
+
+    # Row 0's answers come late: the others decode, and finish, while it waits.
+    slow = run(delay=lambda row: 0.5 if row == 0 else 0.0, max_num_seqs=2)
+    # prompts bucketed to 64 tokens: 8 pages; a response 5: rows lose their kept pages
+    small = run(max_num_seqs=3, num_pages=1 + 8 + 5)
+    # two data shards, each with its own pool and slots and its own rows' turns
+    sharded = run(max_num_seqs=2, mesh=sharding.make_mesh((2, 1, 1), devices=jax.devices()[:2]))
+    assert sharded[1]["shards"] == 2
+    for out, stats, _ in (slow, small, sharded):
+        for f in ("response_ids", "response_mask"):
+            np.testing.assert_array_equal(np.asarray(getattr(out, f)),
+                                          np.asarray(getattr(want, f)), err_msg=f)
+        np.testing.assert_allclose(np.asarray(out.log_probs), np.asarray(want.log_probs),
+                                   atol=1e-5)  # fmt: skip
+    trace = slow[1]["trace"]
+    paused = next(i for i, (kind, rows) in enumerate(trace) if kind == "pause" and 0 in rows)
+    resumed = next(i for i, (kind, rows) in enumerate(trace) if kind == "resume" and 0 in rows)
+    between = trace[paused:resumed]
+    assert sum(steps for kind, steps in between if kind == "decode") > 0, trace
+    assert any(kind == "finish" for kind, _ in between), trace
+    assert small[1]["dropped_holds"] > 0 and small[1]["replayed_tokens"] > 0
+
+
+def test_a_turn_hook_that_overflows_the_response_is_refused(tiny):
+    config, params = tiny
+    ids, mask = _prompts([5], config.vocab_size, seed=2)
+
+    class Overflow:
+        def ended(self, row, response_ids):
+            future = concurrent.futures.Future()
+            future.set_result(None)
+            return future
+
+        def resume(self, row, result):
+            return [5] * 40
+
+    with pytest.raises(ValueError, match="turn hook appended 40 tokens"):
+        paged.sample_paged(config, params, ids, mask, jax.random.key(0), n=1, max_new_tokens=16,
+                           eos_token_ids=tuple(range(4, 128)), turns=Overflow())  # fmt: skip

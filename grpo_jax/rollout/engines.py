@@ -103,7 +103,9 @@ class NativeEngine:
     A call of more than `max_num_seqs` rows (rollout.max_num_seqs) per data shard decodes them
     through `rollout.paged.sample_paged` (continuous batching over a KV page pool per shard, the
     same rollout; `num_pages`, rollout.num_gpu_blocks_override, sizes each shard's pool); up
-    to that, all rows at once through `sampler.sample`.
+    to that, all rows at once through `sampler.sample`. Multi-turn rollouts (`turns`, from
+    rollout.multi_turn.Agent) always take the paged engine, whose rows wait on their tools out
+    of their slots and keep their KV pages between turns.
     """
 
     def __init__(
@@ -157,7 +159,10 @@ class NativeEngine:
         rng,
         sp: SamplingParams,
         policy_version: int | None = None,
+        *,
+        turns: paged.Turns | None = None,
     ):
+        """`Engine.sample`; with `turns`, a multi-turn rollout through `paged.sample_paged`."""
         if self.own_params:
             if policy_version is not None and policy_version != self.version:
                 raise vllm_sidecar.StaleRolloutError(
@@ -180,25 +185,26 @@ class NativeEngine:
         # With sequence parallelism the rows split over the sequence devices too.
         axes, rules = sharding.rollout_rows(self.mesh, self.rules, ids.shape[0])
         if axes == sharding.BATCH_AXES:
-            return self._sample(params, ids, mask, rng, sp, rules)
+            return self._sample(params, ids, mask, rng, sp, rules, turns)
         rows = sharding.batch_sharding(self.mesh, 2, axes)
         ids, mask = jax.device_put(ids, rows), jax.device_put(mask, rows)
-        rollout = self._sample(params, ids, mask, rng, sp, rules)
+        rollout = self._sample(params, ids, mask, rng, sp, rules, turns)
         return jax.tree.map(  # back on the batch's sharding, as the trainer's arrays
             lambda x: jax.device_put(x, sharding.batch_sharding(self.mesh, x.ndim)
                                      if x.ndim else sharding.replicated(self.mesh)), rollout)
 
-    def _sample(self, params, ids, mask, rng, sp: SamplingParams, rules):
+    def _sample(self, params, ids, mask, rng, sp: SamplingParams, rules, turns):
         with sharding.use_mesh(self.mesh, rules):  # also from another thread (async)
             kwargs = dict(eos_token_ids=self.eos_ids, pad_token_id=self.pad_id,
                           logprobs_mode=self.logprobs_mode, **sp.kwargs())  # fmt: skip
             # Continuous batching over pages when a data shard has more rows than slots
             # (max_num_seqs is per shard, as vLLM's is per rollout replica).
-            if paged.pages(ids.shape[0] * sp.n, paged.shard_layout(ids)[2], self.max_num_seqs):
+            if turns is not None or paged.pages(ids.shape[0] * sp.n, paged.shard_layout(ids)[2],
+                                                self.max_num_seqs):  # fmt: skip
                 return paged.sample_paged(
                     self.model_config, params, ids, mask, rng, max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=self.max_num_batched_tokens,
-                    num_pages=self.num_pages, **kwargs,
+                    num_pages=self.num_pages, turns=turns, **kwargs,
                 )  # fmt: skip
             return sampler.sample(self.model_config, params, ids, mask, rng, **kwargs)
 

@@ -24,13 +24,28 @@ context its last turn was sampled from plus that turn, so the old, reference and
 log-probs score the tokens the policy produced, with the tool turns as context only
 (`Rollout.loss_mask`).
 
-The turns run in lockstep: each round samples one turn of every unfinished trajectory in one
-engine call (n = 1 per trajectory, the rows padded to a size of a halving ladder so a run
-compiles few shapes), then runs every tool call of the round concurrently. A trajectory's
-keys are fold_in(rng, round) and its row in the round's call, so a batch's rollout is a
-function of its prompts and rng (an exact resume samples it again). Each round prefills the
-whole context again (the vLLM sidecar's prefix cache makes that cheap there); the native
-engine does not yet keep a paused row's KV pages between rounds.
+Engines. On the native engine (`engines.NativeEngine`) every trajectory is one row of one
+paged-engine call (`rollout.paged.sample_paged` with a turn hook, continuous batching over a
+paged KV pool, `max_num_seqs` rows at once): when a row's turn ends (a stop token or the
+response limit) the host applies the rules above to its tokens; a row that calls tools leaves
+its slot but keeps its KV pages while its calls run on a thread (the executor's timeouts and
+crash isolation hold), and the engine meanwhile decodes the other rows and admits waiting ones;
+when the calls answer, the tool turn's tokens are fed into the row's own pages (decode steps
+that feed, not draw: nothing of the conversation is prefilled again) and it samples its next
+turn. Row b's token at response position t (tool turns included in t) is drawn with key
+fold_in(fold_in(rng, b), t), so a trajectory depends on the rng, its prompt, its sample index
+and the tool outputs, never on slots, the pool or which tool answered first
+(tests/test_multi_turn_paged.py: greedy, the lockstep path's rollout token for token; sampled,
+the same across slot counts, pool sizes and tool delays).
+
+Any other engine (the vLLM sidecar, which takes and returns token ids) runs the turns in
+lockstep: each round samples one turn of every unfinished trajectory in one engine call (n = 1
+per trajectory, the rows padded to a size of a halving ladder so a run compiles few shapes),
+then runs every tool call of the round concurrently, so a trajectory waiting on a slow tool
+holds back the next round, and each round prefills every whole context again (vLLM's prefix
+cache makes that cheap). A trajectory's keys there are fold_in(rng, round) and its row in the
+round's call: a batch's rollout is still a function of its prompts and rng (an exact resume
+samples it again).
 
 Rewards follow verl: the reward function scores the whole response's text (tool turns
 included), and a verl-style scorer finds the trajectory's "tool_rewards" (each call's
@@ -40,6 +55,7 @@ extra_info.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
@@ -176,6 +192,41 @@ class Agent:
             prompt = prompts.prompt_ids_PT[p][prompts.prompt_mask_PT[p] == 1].tolist()
             kwargs = dict(prompts.examples[p].extra_info or {}).get("tools_kwargs") or {}
             trajectories += [_Trajectory(list(prompt), kwargs) for _ in range(n)]
+        if isinstance(engine, engines.NativeEngine):
+            version = self._paged(engine, params, prompts, rng, sp, trajectories,
+                                  policy_version)  # fmt: skip
+        else:
+            version = self._lockstep(engine, params, rng, sp, trajectories, policy_version)
+        return self._collect(trajectories, prompts, n, limit, version, engine)
+
+    def _paged(self, engine, params, prompts, rng, sp, trajectories, policy_version):
+        """Every trajectory a row of one paged-engine call (continuous batching): a row whose
+        turn calls tools waits out of its slot, with its KV pages, while the others decode;
+        the tool turn's tokens are then appended and fed into its pages. Returns the weights
+        version."""
+        limit = sp.max_new_tokens
+        workers = min(len(trajectories), self.runner.max_workers)
+        with concurrent.futures.ThreadPoolExecutor(workers, "grpo_jax-tool-turn") as pool:
+            hook = _Turns(self, trajectories, limit, pool)
+            out = engine.sample(params, prompts.prompt_ids_PT, prompts.prompt_mask_PT, rng, sp,
+                                policy_version, turns=hook)  # fmt: skip
+        ids = distributed.to_host(out.response_ids)
+        valid = distributed.to_host(out.response_mask)
+        lp = distributed.to_host(out.log_probs)
+        for b, t in enumerate(trajectories):
+            k = len(t.response)
+            if not t.done or int(valid[b].sum()) != k or ids[b, :k].tolist() != t.response:
+                raise RuntimeError(
+                    f"the paged engine's row {b} is not the trajectory its turns built "
+                    f"({int(valid[b].sum())} tokens vs {k}, done={t.done})"
+                )
+            t.log_probs = [float(x) for x in lp[b, :k]]  # the appended turns' are 0
+        return out.weights_version
+
+    def _lockstep(self, engine, params, rng, sp, trajectories, policy_version):
+        """One engine call per round for every unfinished trajectory, each prefilling its
+        whole context (the vLLM sidecar's path). Returns the weights version."""
+        limit = sp.max_new_tokens
         sizes = round_sizes(len(trajectories), self.unit)
         turn_sp = dataclasses.replace(sp, n=1)
         version = None
@@ -201,7 +252,7 @@ class Agent:
                 if calls:
                     calls_of.append((t, calls))
             self._run_tools(calls_of, limit)
-        return self._collect(trajectories, prompts, n, limit, version, engine)
+        return version
 
     def _next_calls(self, t: _Trajectory, turn_ids, limit: int):
         """The tool calls a finished turn asks for, or None when the trajectory ends here
@@ -226,26 +277,32 @@ class Agent:
         """Runs a round's calls (all trajectories' at once) and appends the tool turns."""
         if not calls_of:
             return
-        s = self.settings
         results = self.runner.run_calls([(calls, t.tools_kwargs) for t, calls in calls_of])
         for (t, calls), outcomes in zip(calls_of, results, strict=True):
-            texts = [
-                chat_turns.truncate_text(o.text or "", s.max_tool_response_length,
-                                         s.tool_response_truncate_side)
-                for o in outcomes
-            ]
-            t.statuses += [o.status for o in outcomes]
-            t.tool_rewards += [float(o.reward) for o in outcomes if o.reward is not None]
-            delta = self.turns.boundary(t.context[-1] if t.context else None)
-            delta += self.turns.tool_tokens(
-                [{"name": c.name, "arguments": c.arguments} for c in calls], texts
-            )
-            if len(t.response) + len(delta) >= limit:
-                t.done, t.cut = True, "length"
-                continue
-            t.append(delta, 0)
-            t.tool_tokens += len(delta)
-            t.user_turns += 1
+            self._tool_turn(t, calls, outcomes, limit)
+
+    def _tool_turn(self, t: _Trajectory, calls, outcomes, limit: int) -> list[int] | None:
+        """Records a turn's tool outcomes and appends the tool turn's tokens (returned), or
+        ends the trajectory (None) when they would reach the response limit."""
+        s = self.settings
+        texts = [
+            chat_turns.truncate_text(o.text or "", s.max_tool_response_length,
+                                     s.tool_response_truncate_side)
+            for o in outcomes
+        ]
+        t.statuses += [o.status for o in outcomes]
+        t.tool_rewards += [float(o.reward) for o in outcomes if o.reward is not None]
+        delta = self.turns.boundary(t.context[-1] if t.context else None)
+        delta += self.turns.tool_tokens(
+            [{"name": c.name, "arguments": c.arguments} for c in calls], texts
+        )
+        if len(t.response) + len(delta) >= limit:
+            t.done, t.cut = True, "length"
+            return None
+        t.append(delta, 0)
+        t.tool_tokens += len(delta)
+        t.user_turns += 1
+        return delta
 
     def _collect(self, trajectories, prompts, n, limit, version, engine) -> AgentRollout:
         B = len(trajectories)
@@ -297,6 +354,33 @@ class Agent:
             "cut_by_turns": np.array([t.cut == "turns" for t in trajectories]),
         }
         return AgentRollout(rollout, examples, row_stats)
+
+
+class _Turns:
+    """The paged engine's turn hook (`rollout.paged.Turns`) over an Agent's trajectories: a
+    stopped row's new tokens are its turn; its tool calls run on `pool` (each row's through the
+    agent's ToolExecutor, so with its timeouts and crash isolation), and their tool turn is
+    what the row appends."""
+
+    def __init__(self, agent: Agent, trajectories, limit: int, pool):
+        self.agent, self.trajectories, self.limit, self.pool = agent, trajectories, limit, pool
+        self.calls: dict[int, list] = {}
+
+    def ended(self, row: int, response_ids) -> concurrent.futures.Future | None:
+        t = self.trajectories[row]
+        turn = [int(x) for x in response_ids[len(t.response) :]]
+        t.append(turn, 1)  # log-probs: the engine's, read after the call
+        t.assistant_turns += 1
+        calls = self.agent._next_calls(t, turn, self.limit)
+        if not calls:
+            return None
+        self.calls[row] = calls
+        return self.pool.submit(self.agent.runner.run_calls, [(calls, t.tools_kwargs)])
+
+    def resume(self, row: int, result) -> list[int] | None:
+        (outcomes,) = result
+        return self.agent._tool_turn(self.trajectories[row], self.calls.pop(row), outcomes,
+                                     self.limit)  # fmt: skip
 
 
 def _left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:

@@ -69,6 +69,24 @@ sizes and admission order never enter. The logits equal `sampler.sample`'s up to
 rounding (the attention is one softmax over gathered pages here, two merged by log-sum-exp
 there), so the tokens are the same except where two candidates tie within that rounding.
 
+Turns (`turns`, a `Turns` hook; multi-turn rollouts, rollout/multi_turn.py). A row that stops
+(an EOS, which is a turn's stop token, or the response limit) leaves its slot and the host asks
+`turns.ended(row, its response so far)`: None finishes it; a future keeps its own pages (held
+out of any slot, its group's prompt pages with them) while the others decode and waiting rows
+take the slot. Once the future is done, `turns.resume` gives the tokens to append (a tool turn):
+a small program writes them into the row's outputs at its next response positions (valid,
+log-prob 0), and the row waits at the front of the queue; admitted, it starts from its held
+pages, feeding the token it ended on and then the appended ones through the replay rule above
+(fed, not drawn), and draws again after them. Nothing is prefilled again and no program is
+compiled per turn (the appended tokens travel as a [D, S, R] array, the ended rows' tokens come
+back the same way). While a future is pending, decode segments are short (`segment_steps`) and
+end at the first row that stops, so calls start and answers are fed soon. Held pages count as
+promised to admission; when the pool runs short they are dropped, oldest first, before any
+running row is preempted, and such a row recomputes its pages by replay when it resumes. Keys
+stay by response position (the appended positions included), so the tokens do not depend on
+when the futures complete. `stats` adds `paused_turns`, `appended_tokens` and `dropped_holds`;
+the trace adds ("pause", rows), ("resume", rows) and ("finish", rows).
+
 Kernels (`attention`, `models.paged_kernel.resolve`). On a TPU with a bfloat16 model a decode
 step's attention is JAX's Pallas TPU paged-attention kernel (`models.paged_kernel`): it reads
 only each row's pages, over a pool in the kernel's layout ([K, pages, page_size, H] a layer,
@@ -89,12 +107,14 @@ attribute 'indices'`), so it is not used.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
 import itertools
 import math
 from collections.abc import Sequence
+from typing import Protocol
 
 import flax.linen as nn
 import flax.struct
@@ -111,6 +131,21 @@ MAX_NUM_SEQS = 256
 MAX_NUM_BATCHED_TOKENS = 8192
 PAGE_SIZE = 16  # vLLM's default block_size
 SEGMENT_STEPS = 16  # decode steps between prefill chunks while a prefill is pending
+
+
+class Turns(Protocol):
+    """What a multi-turn caller tells `sample_paged` when a row stops (see the module doc).
+
+    Rows are the call's (prompt p's i-th sample is p * n + i); tokens are ids."""
+
+    def ended(self, row: int, response_ids: np.ndarray) -> concurrent.futures.Future | None:
+        """Row `row` stopped (an EOS or the response limit) with these response tokens so far
+        (the appended ones included). None: it is finished. A future: it keeps its pages and
+        waits (off the decode path) until the future is done, then `resume` is asked."""
+
+    def resume(self, row: int, result) -> Sequence[int] | None:
+        """Row `row`'s future is done with `result`: the tokens to append to its response (fed
+        as context, not drawn; then it draws again), or None: it is finished."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,20 +342,19 @@ def _prefill(st: _Settings, dparams, pool, tokens_DGC, pos_DGC, valid_DGC, page_
 
 
 def _admit_shard(state: PagedState, slot_A, row_A, key_row_A, tok_A, pos_A, prompt_len_A,
-                 prompt_pages_A, replay_A) -> PagedState:  # fmt: skip
+                 prompt_pages_A, replay_A, start_A) -> PagedState:  # fmt: skip
     keys_A = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(state.rng_D, key_row_A)
 
     def put(x, v):
         return x.at[slot_A].set(v, mode="drop")
 
-    zeros = jnp.zeros_like(slot_A)
     return dataclasses.replace(
         state,
         tok_DS=put(state.tok_DS, tok_A),
         pos_DS=put(state.pos_DS, pos_A),
-        t_DS=put(state.t_DS, zeros),
+        t_DS=put(state.t_DS, start_A),
         replay_DS=put(state.replay_DS, replay_A),
-        plen_DS=put(state.plen_DS, zeros),
+        plen_DS=put(state.plen_DS, start_A),
         prompt_len_DS=put(state.prompt_len_DS, prompt_len_A),
         prompt_pages_DS=put(state.prompt_pages_DS, prompt_pages_A),
         row_DS=put(state.row_DS, row_A),
@@ -332,8 +366,37 @@ def _admit_shard(state: PagedState, slot_A, row_A, key_row_A, tok_A, pos_A, prom
 def _admit(st: _Settings, state: PagedState, *rows_DA) -> PagedState:
     """Starts rows in slots, per shard: [D, A] slot (S: no row), the shard's row, the row's
     index in the rollout (its key), first token, position, shared prompt length and pages,
-    and the response positions it replays (0 unless it was preempted)."""
+    the response positions it replays (0 unless it was preempted or appended to), and the
+    own slots its pages already hold (0 unless it resumes after a turn: it feeds the token at
+    response position start - 1 and draws the one at start)."""
     return _over_shards(st, _admit_shard)(state, *rows_DA)
+
+
+def _append(st: _Settings, state: PagedState, row_DA, start_DA, len_DA, tokens_DAR
+            ) -> PagedState:  # fmt: skip
+    """Writes forced tokens into rows' outputs, per shard: row (Bd: none) gets tokens_DAR[d,
+    a, :len] at response positions start ... start + len - 1, valid and with log-prob 0. The
+    row then feeds them (below its replay_DS) without drawing them."""
+
+    def shard(s: PagedState, row_A, start_A, len_A, tokens_AR):
+        B, R = s.ids_DBR.shape
+        r_R = jnp.arange(R, dtype=jnp.int32)
+        pos_AR = start_A[:, None] + r_R[None]
+        row_AR = jnp.where(r_R[None] < len_A[:, None], row_A[:, None], B)
+        return dataclasses.replace(
+            s,
+            ids_DBR=s.ids_DBR.at[row_AR, pos_AR].set(tokens_AR, mode="drop"),
+            mask_DBR=s.mask_DBR.at[row_AR, pos_AR].set(1, mode="drop"),
+            log_probs_DBR=s.log_probs_DBR.at[row_AR, pos_AR].set(0.0, mode="drop"),
+        )
+
+    return _over_shards(st, shard)(state, row_DA, start_DA, len_DA, tokens_DAR)
+
+
+def _read_rows(state: PagedState, row_DA):
+    """The [D, A, R] response tokens and validity of rows row_DA of each shard."""
+    take = jax.vmap(lambda x, r: jnp.take(x, r, axis=0, mode="clip"))
+    return take(state.ids_DBR, row_DA), take(state.mask_DBR, row_DA)
 
 
 def _init_state(st: _Settings, rng, *, shards: int, num_slots: int, num_pages_row: int,
@@ -404,12 +467,12 @@ def peak_program(config: model_lib.ModelConfig, plan: PoolPlan, *, shards: int,
     Mp, M = plan.prompt_pages, plan.prompt_pages + plan.response_pages
     i32 = np.int32
     prefill = [((D, G, C), i32), ((D, G, C), i32), ((D, G, C), np.bool_), ((D, G, Mp), i32)]
-    admit = [((D, S), i32)] * 8
+    admit = [((D, S), i32)] * 9
     inputs = [*prefill, *admit, ((D, S, M), i32), ((D,), i32), ((), i32)]
 
     def fn(params, rng, *args):
-        prefill_args, admit_args = args[:4], args[4:12]
-        page_table_DSM, refill_at_D, max_steps = args[12:]
+        prefill_args, admit_args = args[:4], args[4:13]
+        page_table_DSM, refill_at_D, max_steps = args[13:]
         dparams = model_lib.decode_params(config, params)
         pool = _init_pool(st, D, plan.num_pages, plan.page_size)
         state = _init_state(st, rng, shards=D, num_slots=S, num_pages_row=M,
@@ -431,6 +494,8 @@ def _programs():
         "pool": jax.jit(_init_pool, static_argnums=(0, 1, 2, 3)),
         "prefill": jax.jit(_prefill, static_argnums=0, donate_argnums=2),
         "admit": jax.jit(_admit, static_argnums=0, donate_argnums=1),
+        "append": jax.jit(_append, static_argnums=0, donate_argnums=1),
+        "read_rows": jax.jit(_read_rows),
         "decode": jax.jit(_decode, static_argnums=0, donate_argnums=(2, 3)),
         "outputs": jax.jit(_outputs),
     }
@@ -534,6 +599,7 @@ def sample_paged(
     segment_steps: int = SEGMENT_STEPS,
     attention: str = "auto",
     stats: dict | None = None,
+    turns: Turns | None = None,
 ) -> sampler.Rollout:
     """`sampler.sample` with continuous batching over a paged KV pool (see the module doc).
 
@@ -549,6 +615,8 @@ def sample_paged(
       stats: if given, filled with the call's schedule: the `PoolPlan` fields, counts
         (decode calls and steps, prefill calls and tokens, admissions, the peak pages in use
         and rows in flight) and `trace`, the calls in order.
+      turns: multi-turn rows (`Turns`, see the module doc): a row that stops asks
+        `turns.ended`, and may wait for tokens to append and go on.
 
     Returns:
       The same `Rollout` as `sampler.sample` (rows of a prompt adjacent).
@@ -585,7 +653,7 @@ def sample_paged(
     attention = paged_kernel.resolve(attention, kv_dtype=config.dtype)
     st = _Settings(config, max_new_tokens, float(temperature), float(top_p), int(top_k),
                    eos_token_ids, int(pad_token_id), logprobs_mode, axes, attention)  # fmt: skip
-    run = _Schedule(st, plan, prompts, n, segment_steps, shards, mesh)
+    run = _Schedule(st, plan, prompts, n, segment_steps, shards, mesh, turns)
     programs = _programs()
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         dparams = programs["decode_params"](config, params)
@@ -646,7 +714,13 @@ class _Shard:
 
     Group g and row r are the shard's own (0-based); `g0` and `r0` place them in the call.
     A slot's row has written `slot_t` of its own slots (t: one a decode step, from its first
-    fed token, the prompt's last) into `slot_pages`, the pages granted to it so far."""
+    fed token, the prompt's last) into `slot_pages`, the pages granted to it so far.
+
+    Turns (`sample_paged`'s `turns`): a row whose turn ended leaves its slot but keeps its own
+    pages (`held`, holding `written` slots) while it waits (`pending`); once tokens are
+    appended it waits at the front of the queue and, admitted, feeds them from `written` on.
+    Held pages count as promised; when the pool runs short they are dropped, oldest first,
+    before any running row is preempted (the row then recomputes from its first token)."""
 
     def __init__(self, st: _Settings, plan: PoolPlan, prompts, n: int, g0: int,
                  min_steps: int):  # fmt: skip
@@ -662,7 +736,13 @@ class _Shard:
         self.unfinished = [n] * len(prompts)  # rows of the group not finished
         self.free = list(range(plan.num_pages - 1, paged.TRASH_PAGE, -1))  # a stack
         self.waiting = collections.deque(range(len(prompts) * n))
-        self.drawn = [0] * (len(prompts) * n)  # response tokens a preempted row drew (kept)
+        rows = len(prompts) * n
+        self.known = [0] * rows  # response tokens in the outputs (drawn or appended): replayed
+        self.held: dict[int, list[int]] = {}  # own pages of rows out of a slot, oldest first
+        self.written = [0] * rows  # own slots a row's held pages hold
+        self.last = [0] * rows  # its token at response position written - 1 (fed first)
+        self.fresh = [0] * rows  # appended tokens not fed yet (not replays)
+        self.pending: dict[int, object] = {}  # rows waiting on the turn hook: their futures
         self.slot_row = [-1] * S
         self.slot_pages: list[list[int]] = [[] for _ in range(S)]
         self.slot_t = [0] * S
@@ -671,6 +751,7 @@ class _Shard:
         self.tables = np.zeros((S, plan.prompt_pages + plan.response_pages), np.int32)
         self.peak_pages = self.peak_rows = self.prefill_tokens = 0
         self.preemptions = self.replayed_tokens = self.prompt_evictions = 0
+        self.paused_turns = self.appended_tokens = self.dropped_holds = 0
 
     def note_use(self) -> None:
         self.peak_pages = max(self.peak_pages, self.plan.num_pages - 1 - len(self.free))
@@ -681,7 +762,8 @@ class _Shard:
 
     def _promised(self) -> int:
         """Pages promised: the prefilled prompts' and every running row's full response."""
-        return self.prompt_held + self.decoding() * self.plan.response_pages
+        held = sum(len(p) for p in self.held.values())
+        return self.prompt_held + self.decoding() * self.plan.response_pages + held
 
     def _own_pages(self, slots: int) -> int:
         """Own pages of a row that has written `slots` own slots (at most its R)."""
@@ -707,6 +789,7 @@ class _Shard:
         rows were all preempted), but group `keep`, until `pages` pages are free: they are
         prefilled again when their rows come up."""
         running = {r // self.n for r in self.slot_row if r >= 0}
+        running |= {r // self.n for r in self.held}  # their own pages extend the prompt's
         for g in range(len(self.prompts) - 1, -1, -1):
             if len(self.free) >= pages:
                 return
@@ -717,11 +800,24 @@ class _Shard:
             self.group_pages[g], self.prefilled[g] = None, 0
             self.prompt_evictions += 1
 
+    def _drop_held(self, enough, keep: int = -1) -> None:
+        """Frees the own pages of rows out of a slot (waiting on a turn, or to resume) but row
+        `keep`, oldest first, until `enough()`: such a row recomputes from its first token."""
+        for row in list(self.held):
+            if enough():
+                return
+            if row == keep:
+                continue
+            self.free.extend(self.held.pop(row))
+            self.written[row] = 0
+            self.dropped_holds += 1
+
     def _preempt(self, slot: int) -> None:
         """Frees the slot's own pages; its row waits at the front, with the tokens it drew."""
         row = self.slot_row[slot]
         self.free.extend(self.slot_pages[slot])
-        self.drawn[row] = max(self.drawn[row], self.slot_t[slot])
+        self.known[row] = max(self.known[row], self.slot_t[slot])
+        self.written[row] = 0
         self.waiting.appendleft(row)
         self.slot_row[slot], self.slot_pages[slot] = -1, []
         self.tables[slot] = 0
@@ -747,6 +843,7 @@ class _Shard:
             need -= len(self.slot_pages[slot])
             if need > len(self.free):
                 self._evict_prompts(need)
+                self._drop_held(lambda: need <= len(self.free))
             while need > len(self.free):
                 victim = max((s for s, r in enumerate(self.slot_row) if r >= 0),
                              key=self.slot_order.__getitem__)  # fmt: skip
@@ -784,24 +881,45 @@ class _Shard:
                   if r >= 0 and len(self.slot_pages[s]) * P < R]  # fmt: skip
         return min(limits, default=R)
 
-    def advance(self, steps: int, active_S: np.ndarray) -> None:
+    def advance(self, steps: int, active_S: np.ndarray) -> list[tuple[int, list[int]]]:
         """After a decode segment of `steps` steps: the rows still decoding wrote as many own
-        slots; those that finished free their pages (and their group's, if the last)."""
+        slots; those that stopped (EOS or the length) leave their slots. Returns them, with
+        their own pages: (row, pages)."""
+        stopped = []
         for slot, row in enumerate(self.slot_row):
             if row < 0:
                 continue
             if active_S[slot]:
                 self.slot_t[slot] += steps
                 continue
-            self.free.extend(self.slot_pages[slot])
+            stopped.append((row, self.slot_pages[slot]))
             self.slot_row[slot], self.slot_pages[slot] = -1, []
             self.tables[slot] = 0
-            g = row // self.n
-            self.unfinished[g] -= 1
-            if not self.unfinished[g]:
-                self.free.extend(self.group_pages[g] or [])
-                self.prompt_held -= len(self.group_pages[g] or [])
-                self.group_pages[g] = []
+        return stopped
+
+    def finish(self, row: int, pages: list[int]) -> None:
+        """The row is done: its own pages go back (and its group's, if the last)."""
+        self.free.extend(pages)
+        g = row // self.n
+        self.unfinished[g] -= 1
+        if not self.unfinished[g]:
+            self.free.extend(self.group_pages[g] or [])
+            self.prompt_held -= len(self.group_pages[g] or [])
+            self.group_pages[g] = []
+
+    def pause(self, row: int, pages: list[int], drawn: int, last: int, future) -> None:
+        """The row's turn ended after `drawn` response tokens: it keeps its pages and waits."""
+        self.held[row], self.written[row], self.last[row] = pages, drawn, last
+        self.known[row] = drawn
+        self.pending[row] = future
+        self.paused_turns += 1
+
+    def resume(self, row: int, appended: int) -> None:
+        """`appended` tokens follow the row's (in its outputs): it waits at the front."""
+        self.known[row] += appended
+        self.fresh[row] = appended
+        self.appended_tokens += appended
+        self.waiting.appendleft(row)
 
     def prefill_batch(self):
         """The next chunks of the groups of the waiting rows, in order, as [G, C] tokens,
@@ -865,7 +983,6 @@ class _Shard:
         tokens it replays; None when no row starts."""
         plan = self.plan
         S = plan.max_num_seqs
-        first = self._own_pages(self.min_steps)
         admitted = []
         for slot in range(S):
             if self.slot_row[slot] >= 0:
@@ -876,48 +993,63 @@ class _Shard:
             g = row // self.n
             if not self._ready(g):
                 break
-            if (self._promised() + plan.response_pages > plan.admits_pages
-                    or first > len(self.free)):  # fmt: skip
+            held = self.held.get(row, [])
+            w = self.written[row] if held else 0  # own slots its pages hold already
+            need = self._own_pages(w + self.min_steps) - len(held)
+
+            def fits():
+                return (self._promised() - len(held) + plan.response_pages <= plan.admits_pages
+                        and need <= len(self.free))  # fmt: skip
+
+            self._drop_held(fits, keep=row)
+            if not fits():
                 break
             self.waiting.popleft()
-            self.slot_row[slot], self.slot_t[slot] = row, 0
+            self.held.pop(row, None)
+            self.slot_row[slot], self.slot_t[slot], self.slot_pages[slot] = row, w, held
             self.admitted += 1
             self.slot_order[slot] = self.admitted
             shared = self.group_pages[g]
             self.tables[slot] = 0
             self.tables[slot, : len(shared)] = shared
-            self._grant(slot, first)
-            self.replayed_tokens += self.drawn[row]
-            # the fed token is the prompt's last, at position len - 1 = shared_len
-            admitted.append((slot, row, self.r0 + row, int(self.prompts[g][-1]),
-                             self.shared_len[g], self.shared_len[g], self.shared_pages[g],
-                             self.drawn[row]))  # fmt: skip
+            first = self.shared_pages[g]
+            self.tables[slot, first : first + len(held)] = held
+            if need > 0:
+                self._grant(slot, need)
+            self.replayed_tokens += self.known[row] - w - self.fresh[row]
+            self.fresh[row] = 0
+            # the fed token is the prompt's last, at position len - 1 = shared_len, or, with
+            # w own slots held, the token at response position w - 1, at shared_len + w
+            tok = self.last[row] if w else int(self.prompts[g][-1])
+            admitted.append((slot, row, self.r0 + row, tok, self.shared_len[g] + w,
+                             self.shared_len[g], self.shared_pages[g], self.known[row], w))
         if not admitted:
             return None
         self.note_use()
         cols = list(zip(*admitted))
         pad = S - len(admitted)
         return [np.concatenate([np.asarray(c, np.int32), np.full((pad,), fill, np.int32)])
-                for c, fill in zip(cols, (S, 0, 0, 0, 0, 0, 0, 0))]  # fmt: skip
+                for c, fill in zip(cols, (S, 0, 0, 0, 0, 0, 0, 0, 0))]  # fmt: skip
 
     def idle_admissions(self):
         S = self.plan.max_num_seqs
-        return [np.full((S,), S, np.int32)] + [np.zeros((S,), np.int32)] * 7
+        return [np.full((S,), S, np.int32)] + [np.zeros((S,), np.int32)] * 8
 
 
 class _Schedule:
     """The host side of one call: D shards' schedules, run in lockstep by the programs."""
 
     def __init__(self, st: _Settings, plan: PoolPlan, prompts, n: int, segment_steps: int,
-                 shards: int, mesh) -> None:  # fmt: skip
+                 shards: int, mesh, turns=None) -> None:  # fmt: skip
         self.st, self.plan, self.segment_steps, self.mesh = st, plan, segment_steps, mesh
+        self.turns = turns
         per = len(prompts) // shards
         self.shards = [_Shard(st, plan, prompts[d * per : (d + 1) * per], n, d * per,
                               segment_steps) for d in range(shards)]  # fmt: skip
         self.counts = {"decode_calls": 0, "decode_steps": 0, "prefill_calls": 0,
-                       "admit_calls": 0}  # fmt: skip
-        # ("prefill", groups) / ("admit", rows) / ("decode", steps), in order; groups and rows
-        # of the whole call
+                       "admit_calls": 0, "append_calls": 0}  # fmt: skip
+        # ("prefill", groups) / ("admit", rows) / ("decode", steps), and with turns ("pause",
+        # rows) / ("resume", rows) / ("finish", rows), in order; groups and rows of the call
         self.trace: list[tuple[str, object]] = []
 
     def _put(self, arrays):
@@ -927,10 +1059,99 @@ class _Schedule:
         spec = jax.sharding.PartitionSpec(self.st.shard_axes)
         return [jax.device_put(x, jax.sharding.NamedSharding(self.mesh, spec)) for x in arrays]
 
+    def _turn_ends(self, programs, state, stopped) -> None:
+        """The rows that stopped in a segment: each finishes, or (the turn hook returns a
+        future) waits with its pages."""
+        if self.turns is None:
+            for sh, rows in zip(self.shards, stopped):
+                for row, own in rows:
+                    sh.finish(row, own)
+            return
+        if not any(stopped):
+            return
+        S, R = self.plan.max_num_seqs, self.st.max_new_tokens
+        row_DA = np.zeros((len(self.shards), S), np.int32)
+        for d, rows in enumerate(stopped):
+            row_DA[d, : len(rows)] = [row for row, _ in rows]
+        ids_DAR, mask_DAR = jax.device_get(programs["read_rows"](state, *self._put([row_DA])))
+        paused, finished = [], []
+        for d, (sh, rows) in enumerate(zip(self.shards, stopped)):
+            for a, (row, own) in enumerate(rows):
+                k = int(mask_DAR[d, a].sum())
+                tokens = ids_DAR[d, a, :k]
+                future = self.turns.ended(sh.r0 + row, tokens)
+                if future is None:
+                    sh.finish(row, own)
+                    finished.append(sh.r0 + row)
+                    continue
+                if k >= R:
+                    raise ValueError(
+                        f"the turn hook continued row {sh.r0 + row} at the response limit "
+                        f"({R} tokens, max_new_tokens): a row that reached it must finish"
+                    )
+                sh.pause(row, own, k, int(tokens[-1]), future)
+                paused.append(sh.r0 + row)
+        if finished:
+            self.trace.append(("finish", tuple(finished)))
+        if paused:
+            self.trace.append(("pause", tuple(paused)))
+
+    def _resume(self, programs, state, *, block: bool):
+        """The rows whose futures are done: each finishes, or gets the tokens the hook appends
+        (written into its outputs) and waits at the front. With `block`, first waits for one."""
+        if not any(sh.pending for sh in self.shards):
+            return state
+        if block:
+            concurrent.futures.wait([f for sh in self.shards for f in sh.pending.values()],
+                                    return_when=concurrent.futures.FIRST_COMPLETED)  # fmt: skip
+        S, R, V = self.plan.max_num_seqs, self.st.max_new_tokens, self.st.config.vocab_size
+        appends = [[] for _ in self.shards]  # per shard: (row, start, tokens)
+        finished = []
+        for sh, rows in zip(self.shards, appends):
+            for row in [r for r, f in sh.pending.items() if f.done()]:
+                future = sh.pending.pop(row)
+                tokens = self.turns.resume(sh.r0 + row, future.result())
+                if tokens is None:
+                    sh.finish(row, sh.held.pop(row, []))
+                    finished.append(sh.r0 + row)
+                    continue
+                tokens = np.asarray(tokens, np.int32).reshape(-1)
+                start = sh.known[row]
+                if not 0 < len(tokens) < R - start or tokens.min() < 0 or tokens.max() >= V:
+                    raise ValueError(
+                        f"the turn hook appended {len(tokens)} tokens to row {sh.r0 + row} at "
+                        f"response position {start}: they must be 1 to {R - start - 1} ids in "
+                        f"[0, {V}) (max_new_tokens={R} leaves the last position to draw); end "
+                        "the row instead (return None)"
+                    )
+                rows.append((row, start, tokens))
+        if finished:
+            self.trace.append(("finish", tuple(finished)))
+        if not any(appends):
+            return state
+        for chunk in range(0, max(len(rows) for rows in appends), S):
+            row_DA = np.full((len(self.shards), S), self.plan.rows, np.int32)
+            start_DA, len_DA = np.zeros_like(row_DA), np.zeros_like(row_DA)
+            tokens_DAR = np.zeros((len(self.shards), S, R), np.int32)
+            for d, rows in enumerate(appends):
+                for a, (row, start, tokens) in enumerate(rows[chunk : chunk + S]):
+                    row_DA[d, a], start_DA[d, a], len_DA[d, a] = row, start, len(tokens)
+                    tokens_DAR[d, a, : len(tokens)] = tokens
+            state = programs["append"](self.st, state, *self._put(
+                [row_DA, start_DA, len_DA, tokens_DAR]))  # fmt: skip
+            self.counts["append_calls"] += 1
+        for sh, rows in zip(self.shards, appends):
+            for row, _, tokens in rows:
+                sh.resume(row, len(tokens))
+        self.trace.append(("resume", tuple(sh.r0 + row for sh, rows in zip(self.shards, appends)
+                                           for row, _, _ in rows)))  # fmt: skip
+        return state
+
     def __call__(self, programs, dparams, pool, state):
         shards = self.shards
         while True:
             calls = dict(self.counts)
+            state = self._resume(programs, state, block=False)
             batches = [sh.prefill_batch() for sh in shards]
             if any(b is not None for b in batches):
                 self.counts["prefill_calls"] += 1
@@ -951,8 +1172,9 @@ class _Schedule:
                                           *self._put([np.stack(x) for x in zip(*arrays)]))
             for sh in shards:
                 sh.extend()
+            waiting_on_turns = any(sh.pending for sh in shards)
             if not any(sh.decoding() for sh in shards):
-                if not any(sh.waiting for sh in shards):
+                if not any(sh.waiting for sh in shards) and not waiting_on_turns:
                     self.counts.update(
                         prefill_tokens=sum(sh.prefill_tokens for sh in shards),
                         preemptions=sum(sh.preemptions for sh in shards),
@@ -960,19 +1182,30 @@ class _Schedule:
                         prompt_evictions=sum(sh.prompt_evictions for sh in shards),
                         peak_pages=max(sh.peak_pages for sh in shards),
                         peak_rows=max(sh.peak_rows for sh in shards),
+                        paused_turns=sum(sh.paused_turns for sh in shards),
+                        appended_tokens=sum(sh.appended_tokens for sh in shards),
+                        dropped_holds=sum(sh.dropped_holds for sh in shards),
                     )
                     return pool, state
-                if calls == self.counts:  # no prefill, no admission: plan_pool rules it out
+                if calls == self.counts:  # no prefill, no admission
+                    if waiting_on_turns:  # nothing to decode until a turn's tokens come
+                        state = self._resume(programs, state, block=True)
+                        continue
+                    # plan_pool rules it out
                     raise RuntimeError(
                         f"the KV pool of {self.plan.num_pages} pages stalled with "
                         f"{sum(len(sh.waiting) for sh in shards)} rows waiting and none "
                         "decoding"
                     )
                 continue
-            pending = any(sh.prefill_pending() for sh in shards)
+            # Short segments while a prefill or a turn hook is pending, so that the waiting
+            # rows start soon after they can.
+            pending = waiting_on_turns or any(sh.prefill_pending() for sh in shards)
             steps = self.segment_steps if pending else self.st.max_new_tokens
             steps = min([steps] + [sh.max_steps() for sh in shards])
-            refill_at = np.asarray([sh.refill_at() for sh in shards], np.int32)
+            # With turns a segment ends at the first turn's end (its tool calls start at once).
+            refill_at = np.asarray([1 if self.turns is not None else sh.refill_at()
+                                    for sh in shards], np.int32)  # fmt: skip
             tables = np.stack([sh.tables for sh in shards])
             pool, state, taken = programs["decode"](
                 self.st, dparams, pool, state, *self._put([tables]), jnp.int32(steps),
@@ -982,5 +1215,5 @@ class _Schedule:
             self.counts["decode_steps"] += int(taken)
             self.trace.append(("decode", int(taken)))
             active = np.asarray(state.active_DS)
-            for sh, active_S in zip(shards, active):
-                sh.advance(int(taken), active_S)
+            stopped = [sh.advance(int(taken), active_S) for sh, active_S in zip(shards, active)]
+            self._turn_ends(programs, state, stopped)
