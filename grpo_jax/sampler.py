@@ -562,11 +562,15 @@ def _start(st: _Static, params, prompt_ids_PT, prompt_mask_PT, rng) -> SampleSta
     num_prompts, prompt_len = prompt_ids_PT.shape
     batch = num_prompts * st.n
     cache = model_lib.init_cache(st.config, num_prompts, prompt_len)
-    logits_PV, cache, experts_LmPTA = model_lib.prefill_and_routing(
-        st.config, params, prompt_ids_PT, prompt_mask_PT, cache
-    )
     routing = {}
-    if st.record_routing:
+    if not st.record_routing:
+        logits_PV, cache = model_lib.prefill(
+            st.config, params, prompt_ids_PT, prompt_mask_PT, cache
+        )
+    else:
+        logits_PV, cache, experts_LmPTA = model_lib.prefill_and_routing(
+            st.config, params, prompt_ids_PT, prompt_mask_PT, cache
+        )
         E, dtype = st.config.num_experts, moe.routing_dtype(st.config.num_experts)
         Lm, A = experts_LmPTA.shape[0], experts_LmPTA.shape[-1]
         routing = dict(
@@ -626,11 +630,14 @@ def _decode(st: _Static, params, state: SampleState, stop_at) -> SampleState:
     def body(state: SampleState) -> SampleState:
         # Feed back the token drawn at t - 1 (pad for finished slots; their outputs are ignored).
         prev_S = state.ids_SR[:, state.t - 1]
-        logits_SV, cache, experts_LmSA = model_lib.decode_step_and_routing(
-            st.config, decode_params, prev_S, state.cache
-        )
-        state = dataclasses.replace(state, logits_SV=logits_SV, cache=cache)
-        if st.record_routing:  # the experts of response token t - 1, the one fed
+        if not st.record_routing:
+            logits_SV, cache = model_lib.decode_step(st.config, decode_params, prev_S, state.cache)
+            state = dataclasses.replace(state, logits_SV=logits_SV, cache=cache)
+        else:  # and the experts of response token t - 1, the one fed
+            logits_SV, cache, experts_LmSA = model_lib.decode_step_and_routing(
+                st.config, decode_params, prev_S, state.cache
+            )
+            state = dataclasses.replace(state, logits_SV=logits_SV, cache=cache)
             routing_SLmA = experts_LmSA.transpose(1, 0, 2).astype(state.routing_SLmRA.dtype)
             state = dataclasses.replace(
                 state, routing_SLmRA=state.routing_SLmRA.at[:, :, state.t - 1].set(routing_SLmA)

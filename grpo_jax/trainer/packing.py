@@ -109,9 +109,12 @@ class Packed:
         return np.array([m.num_tokens for m in self.micros], np.int64)
 
     def micro(self, m: int) -> dict[str, np.ndarray]:
-        """The arrays of micro-batch m, as the jitted functions take them."""
+        """The arrays of micro-batch m, as the jitted functions take them (routing_RLmLA only
+        when recorded)."""
         fields = dataclasses.asdict(self.micros[m])
         del fields["num_tokens"]
+        if fields["routing_RLmLA"] is None:
+            del fields["routing_RLmLA"]
         return fields
 
 

@@ -65,10 +65,9 @@ def train_batch(rollout: sampler.Rollout, *, prompt_width: int, bucket: int) -> 
 
 
 def _micro(packed: packing.Packed, m: int, mesh) -> actor.PackedMicro:
-    return actor.PackedMicro(**{
-        k: None if v is None else distributed.to_device(v, mesh)
-        for k, v in packed.micro(m).items()
-    })  # fmt: skip
+    return actor.PackedMicro(
+        **{k: distributed.to_device(v, mesh) for k, v in packed.micro(m).items()}
+    )
 
 
 def _micro_like(micro: actor.PackedMicro, rows: int, row_len: int) -> actor.PackedMicro:
