@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference
 from test_data import qwen3_like_tokenizer
 
 from grpo_jax import config, model, sampler, sharding
@@ -192,6 +193,20 @@ def test_dynamic_sampling_keeps_each_rows_experts(rolled):
         np.testing.assert_array_equal(routed[real_BS[rows]], expected[rows][real_BS[rows]])
         # the left padding (recorded by the sampler, cut on the host) routes natively
         assert (routed[:, :2] == 255).all()
+
+
+@pytest.mark.reference("verl")
+def test_modes_and_default_are_verls(verl):
+    theirs = verl.run(reference.fn("verl_config:router_replay_modes")()).value
+    assert config.RouterReplayConfig().mode == theirs["default"] == "disabled"
+    ours = []
+    for mode in ("disabled", "R2", "R3", "R1", "record", "replay", "r3"):
+        try:
+            config.RouterReplayConfig(mode=mode)
+        except config.ConfigError:
+            continue
+        ours.append(mode)
+    assert ours == theirs["accepted"] == ["disabled", "R2", "R3"]
 
 
 def test_config_names_the_field_and_what_to_do():
