@@ -119,6 +119,19 @@ def test_drifted_router_changes_routing_and_replay_restores_the_rollout_log_prob
     np.testing.assert_allclose(replay_BT[mask_BT], rollout_BT[mask_BT], atol=2e-5)
 
 
+def test_replay_on_a_sharded_mesh_equals_one_device(rolled):
+    # experts split over fsdp, rows over data and fsdp, the recorded experts with their rows
+    config_, params, _, batch = rolled
+    drifted = _drifted(params, 0.05)
+    expected = np.asarray(_log_probs(config_, drifted, batch))
+    mesh = sharding.make_mesh((2, 2, 2))
+    with sharding.use_mesh(mesh):
+        p = jax.device_put(drifted, sharding.param_shardings(config_, mesh))
+        b = jax.tree.map(lambda x: jax.device_put(x, sharding.batch_sharding(mesh, x.ndim)), batch)
+        got = jax.jit(_log_probs, static_argnums=0)(config_, p, b)
+    np.testing.assert_allclose(np.asarray(got), expected, atol=1e-5)
+
+
 def test_update_logs_the_replay_mismatch_of_the_drifted_routers(rolled):
     config_, params, rollout, batch = rolled
     tx = actor.make_optimizer(grad_clip=1.0, betas=(0.9, 0.999), weight_decay=0.0)
@@ -193,6 +206,22 @@ def test_dynamic_sampling_keeps_each_rows_experts(rolled):
         np.testing.assert_array_equal(routed[real_BS[rows]], expected[rows][real_BS[rows]])
         # the left padding (recorded by the sampler, cut on the host) routes natively
         assert (routed[:, :2] == 255).all()
+
+
+def test_native_engine_records_through_the_grouped_sampler_and_refuses_paging(rolled):
+    from grpo_jax.rollout import engines
+
+    config_, params, rollout, _ = rolled
+    ids_PT, mask_PT = (np.asarray(x)[::4, -6:] for x in (rollout.prompt_ids, rollout.prompt_mask))
+    mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    sp = engines.SamplingParams(n=4, max_new_tokens=12, temperature=1.0, record_routing=True)
+    kwargs = dict(eos_ids=(5,), pad_id=0)
+    engine = engines.NativeEngine(config_, mesh, max_num_seqs=8, **kwargs)
+    again = engine.sample(params, ids_PT, mask_PT, jax.random.key(0), sp)
+    np.testing.assert_array_equal(again.routed_experts, rollout.routed_experts)
+    paging = engines.NativeEngine(config_, mesh, max_num_seqs=4, **kwargs)
+    with pytest.raises(ValueError, match="rollout.max_num_seqs=4.*does not record"):
+        paging.sample(params, ids_PT, mask_PT, jax.random.key(0), sp)
 
 
 @pytest.mark.reference("verl")
