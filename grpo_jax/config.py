@@ -221,11 +221,22 @@ class TinyModelConfig:
     num_kv_heads: int = 2  # K
     head_dim: int = 16  # H
     seed: int = 0  # init seed
+    # > 0: a Qwen3-MoE instead of the dense Qwen2 layers, every layer a mixture of this many
+    # experts of width moe_intermediate_size, num_experts_per_tok of them a token
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
 
     def __post_init__(self):
         c = _Checks("model.tiny")
         _positive(c, self, "hidden_size", "intermediate_size", "num_layers", "num_heads")
         _positive(c, self, "num_kv_heads", "head_dim")
+        c.need(self.num_experts >= 0, "num_experts", self.num_experts, "must be >= 0 (0: dense)")
+        if self.num_experts > 0:
+            _positive(c, self, "moe_intermediate_size")
+            c.need(1 <= self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok",
+                   self.num_experts_per_tok,
+                   f"must be in [1, model.tiny.num_experts={self.num_experts}]")  # fmt: skip
         if self.num_heads >= 1 and self.num_kv_heads >= 1:
             c.need(
                 self.num_heads % self.num_kv_heads == 0,
