@@ -33,7 +33,8 @@ the GSM8K format.
 
 The `:tiny` variant is the earlier demo: a random 2-layer transformer with a character
 tokenizer learns a 25-question addition table after a 70-step supervised warm-up (0.29 ->
-0.85 greedy accuracy in 300 GRPO steps, 360 s on 2 busy cores).
+0.85 greedy accuracy in 300 GRPO steps, 360 s on 2 busy cores). `:tiny,moe` makes its layers
+Qwen3-MoE (8 experts, 2 a token) and turns on router replay R3 (docs/models.md).
 """
 
 from configs import common
@@ -41,7 +42,7 @@ from grpo_jax.data import demo_task
 
 
 def get_config(arg=None):
-    arg = common.parse_arg(arg, tiny=False, steps=0, seed=0)
+    arg = common.parse_arg(arg, tiny=False, steps=0, seed=0, moe=False)
     if arg.tiny:
         return _tiny(arg)
     c = common.grpo_config()
@@ -117,4 +118,11 @@ def _tiny(arg):
     c.trainer.seed = arg.seed
     c.trainer.default_local_dir = "runs/demo_tiny"
     c.checkpoint.max_to_keep = 1
+    if arg.moe:  # a tiny Qwen3-MoE (8 experts, 2 a token) with rollout router replay (R3)
+        c.model.tiny.num_experts = 8
+        c.model.tiny.num_experts_per_tok = 2
+        c.model.tiny.moe_intermediate_size = 32
+        c.actor.router_replay.mode = "R3"
+        c.rollout.enable_rollout_routing_replay = True
+        c.trainer.default_local_dir = "runs/demo_tiny_moe"
     return c

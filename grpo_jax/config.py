@@ -221,11 +221,22 @@ class TinyModelConfig:
     num_kv_heads: int = 2  # K
     head_dim: int = 16  # H
     seed: int = 0  # init seed
+    # > 0: a Qwen3-MoE instead of the dense Qwen2 layers, every layer a mixture of this many
+    # experts of width moe_intermediate_size, num_experts_per_tok of them a token
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
 
     def __post_init__(self):
         c = _Checks("model.tiny")
         _positive(c, self, "hidden_size", "intermediate_size", "num_layers", "num_heads")
         _positive(c, self, "num_kv_heads", "head_dim")
+        c.need(self.num_experts >= 0, "num_experts", self.num_experts, "must be >= 0 (0: dense)")
+        if self.num_experts > 0:
+            _positive(c, self, "moe_intermediate_size")
+            c.need(1 <= self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok",
+                   self.num_experts_per_tok,
+                   f"must be in [1, model.tiny.num_experts={self.num_experts}]")  # fmt: skip
         if self.num_heads >= 1 and self.num_kv_heads >= 1:
             c.need(
                 self.num_heads % self.num_kv_heads == 0,
@@ -361,6 +372,33 @@ class PolicyLossConfig:
         c.done()
 
 
+ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterReplayConfig:
+    """Section `actor.router_replay` (verl 0.9.1's engine RouterReplayConfig, there under
+    actor.megatron / actor.veomni): which recorded experts a mixture-of-experts model's passes
+    route to, instead of the routers' own top-k (docs/models.md, "Router replay").
+
+    mode:
+      "disabled": every pass routes by its own router.
+      "R2": the old-log-prob pass records its routing and the update replays it (the reference
+        pass routes by its own router, as verl's). Without an old-log-prob pass (on-policy,
+        one mini-batch) the update's policy is the recording one, so it routes natively.
+      "R3": the rollout records each token's experts (rollout.enable_rollout_routing_replay)
+        and the old-log-prob pass and the update replay them (the reference pass does not).
+    verl's record_file / replay_file are not mirrored: its engines read neither.
+    """
+
+    mode: str = "disabled"  # ROUTER_REPLAY_MODES
+
+    def __post_init__(self):
+        c = _Checks("actor.router_replay")
+        c.choice("mode", self.mode, ROUTER_REPLAY_MODES)
+        c.done()
+
+
 @dataclasses.dataclass(frozen=True)
 class ActorConfig:
     """Section `actor`: the update (mini/micro-batches, PPO clip, KL loss, entropy, optimizer).
@@ -403,6 +441,7 @@ class ActorConfig:
     grad_clip: float = 1.0  # global grad-norm clip; a non-finite norm skips the update
     policy_loss: PolicyLossConfig = PolicyLossConfig()
     optim: OptimConfig = OptimConfig()
+    router_replay: RouterReplayConfig = RouterReplayConfig()  # MoE models
 
     def __post_init__(self):
         c = _Checks("actor")
@@ -650,6 +689,9 @@ class RolloutConfig:
     # (vLLM's recompute preemption; the tokens are the same). It must hold one row's full
     # length (prompt + response), else the first paged call fails naming this field.
     num_gpu_blocks_override: int | None = None
+    # verl's switch for the rollout to record each token's MoE experts (Rollout.routed_experts),
+    # required by actor.router_replay.mode="R3" and refused with any other mode.
+    enable_rollout_routing_replay: bool = False
     val_kwargs: ValKwargs = ValKwargs()
     vllm: VLLMSettings = VLLMSettings()
     multi_turn: MultiTurnConfig = MultiTurnConfig()
@@ -1382,8 +1424,49 @@ class RunConfig:
             "makes the engine report logits, not log-probs: algorithm.rollout_correction "
             "(rollout_is, rollout_rs, bypass_mode) needs a *_logprobs mode",
         )
+        self._check_router_replay(c)
         c.problems = [p.removeprefix(".") for p in c.problems]
         c.done()
+
+    def _check_router_replay(self, c: _Checks) -> None:
+        """actor.router_replay.mode against the other sections (verl 0.9.1's rules, and what the
+        engines here can record)."""
+        mode, r = self.actor.router_replay.mode, self.rollout
+        record = r.enable_rollout_routing_replay
+        c.need(record == (mode == "R3"), "rollout.enable_rollout_routing_replay", record,
+               "records the rollout's experts for actor.router_replay.mode='R3' and only for it "
+               f"(mode is {mode!r}; verl refuses R2 with it): set both or neither")  # fmt: skip
+        if mode == "R3":
+            c.need(r.name == "jax", "rollout.name", r.name,
+                   "cannot record the experts with actor.router_replay.mode='R3': the vLLM "
+                   "sidecar samples through /v1/completions, which returns no expert ids (vLLM "
+                   "0.32's --enable-return-routed-experts answers on its token-in-token-out "
+                   "/inference/v1/generate only, which the sidecar does not use); use "
+                   "rollout.name=jax, or mode='R2' (recorded in the old-log-prob pass)")
+            c.need(not r.multi_turn.enable, "rollout.multi_turn.enable", r.multi_turn.enable,
+                   "cannot record the experts with actor.router_replay.mode='R3' (the agent "
+                   "loop's turns are sampled separately); use mode='R2' or 'disabled'")
+        if mode == "R2":
+            bypass = self.algorithm.rollout_correction.bypass_mode
+            c.need(not bypass, "algorithm.rollout_correction.bypass_mode", bypass,
+                   "skips the old-log-prob pass, where actor.router_replay.mode='R2' records "
+                   "the routing (verl refuses it too): use mode='R3' or bypass_mode=False")
+            c.need(not (self.needs_old_log_probs and self.log_prob_use_dynamic_bsz),
+                   "rollout.log_prob_use_dynamic_bsz", self.rollout.log_prob_use_dynamic_bsz,
+                   "packs the old-log-prob pass, which records actor.router_replay.mode='R2' "
+                   "routing on padded micro-batches only: set "
+                   "rollout.log_prob_use_dynamic_bsz=False (the update may still pack) or use "
+                   "mode='R3'")  # fmt: skip
+
+    def check_model_for_router_replay(self, num_moe_layers: int) -> None:
+        """actor.router_replay needs a mixture-of-experts model (checked once it is loaded)."""
+        mode = self.actor.router_replay.mode
+        if mode != "disabled" and num_moe_layers == 0:
+            raise ConfigError([
+                f"actor.router_replay.mode={mode!r} replays the experts of a mixture-of-experts "
+                "model, and this model is dense (no MoE layers): set "
+                "actor.router_replay.mode=disabled"
+            ])
 
     def loss_config(self):
         """The update's static `trainer.LossConfig`: actor.* plus what other sections add (the

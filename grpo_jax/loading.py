@@ -112,8 +112,14 @@ def model(
             )
         return cfg, params
     t = spec.tiny
+    # Qwen3-MoE layers (Qwen3's attention) with model.tiny.num_experts, else Qwen2's dense ones
+    arch = {"arch": "qwen2"}
+    if t.num_experts:
+        arch = dict(arch="qwen3_moe", qkv_bias=False, qk_norm=True, num_experts=t.num_experts,
+                    num_experts_per_tok=t.num_experts_per_tok, norm_topk_prob=True,
+                    moe_intermediate_size=t.moe_intermediate_size)  # fmt: skip
     cfg = model_lib.ModelConfig(
-        arch="qwen2",
+        **arch,
         vocab_size=len(tok),
         hidden_size=t.hidden_size,
         intermediate_size=t.intermediate_size,

@@ -11,7 +11,7 @@ grpo_jax/models/:
   attention    grouped-query softmax attention (``CAUSAL_BLOCK``: its causal block size)
   moe          Qwen3-MoE's routing, grouped experts and load-balancing loss
   decode       KV caches (``KVCache``, ``GroupKVCache``, ``DecodeParams``), ``prefill``,
-               ``decode_step``
+               ``decode_step`` (and their ``_and_routing`` forms: the MoE experts chosen)
   reward_head  the sequence-classification (reward model) head: ``scores``
   hf           HF safetensors: ``load_hf_checkpoint``, ``load_hf_sequence_classifier``,
                ``save_hf_checkpoint``,
@@ -49,9 +49,11 @@ from grpo_jax.models.decode import (  # noqa: F401
     decode_blocks,
     decode_params,
     decode_step,
+    decode_step_and_routing,
     group_cache,
     init_cache,
     prefill,
+    prefill_and_routing,
     take_rows,
 )
 from grpo_jax.models.hf import (  # noqa: F401
@@ -79,6 +81,7 @@ from grpo_jax.models.transformer import (  # noqa: F401
     hidden_states,
     hidden_states_and_routing,
     hidden_states_packed,
+    hidden_states_packed_and_routing,
     init_params,
     logical_axes,
     remat_policy_fn,

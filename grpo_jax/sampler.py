@@ -58,6 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax import model as model_lib
+from grpo_jax.models import moe
 
 _DEFAULT_BUCKET_MULTIPLE = 64
 # Compaction stops once the slots would drop below this. Below it a decode step reads the weights
@@ -89,6 +90,13 @@ class Rollout:
         between its turns (verl's agent-loop `response_mask`); response_mask then marks every
         valid token (verl's attention mask). None: every valid token was sampled.
       num_turns: [B] int32 or None, verl's num_turns (user + assistant turns + 1); None: 2.
+      routed_experts: [B,Lm,Tb+R,A] or None (verl's name): with `sample(record_routing=True)`
+        the experts the rollout routed each prompt and response token to in each of the Lm
+        MoE layers (A = num_experts_per_tok), in `moe.routing_dtype` (uint8 up to 255 experts);
+        `moe.no_route` where none was recorded (the last response column, never fed back).
+        Router replay R3 (actor.router_replay.mode) replays them in the trainer's passes.
+        Memory: B x Lm x (Tb + R) x A bytes (uint8); Qwen3-30B-A3B (Lm = 48, A = 8), 512 rows
+        of 4,096 tokens: 805 MB (int32 would be 3.2 GB).
     """
 
     prompt_ids: jax.Array
@@ -100,6 +108,7 @@ class Rollout:
     weights_version: jax.Array
     loss_mask: jax.Array | None = None
     num_turns: jax.Array | None = None
+    routed_experts: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -122,6 +131,11 @@ class SampleState:
     ids_BR: jax.Array
     mask_BR: jax.Array
     log_probs_BR: jax.Array
+    # With record_routing (else None): the experts each prompt token (per prompt) and each fed
+    # response token (per slot, and per row for the dropped slots) was routed to.
+    routing_PLmTA: jax.Array | None = None
+    routing_SLmRA: jax.Array | None = None
+    routing_BLmRA: jax.Array | None = None
 
 
 def bucket_length(t: int, multiple: int = _DEFAULT_BUCKET_MULTIPLE) -> int:
@@ -440,6 +454,7 @@ def sample(
     weights_version: int = -1,
     compaction: bool = True,
     logprobs_mode: str = "processed_logprobs",
+    record_routing: bool = False,
 ) -> Rollout:
     """Samples n completions for each of P left-padded prompts (see the module docstring).
 
@@ -466,6 +481,8 @@ def sample(
         is traced inside an outer jit, the call is one while_loop over all rows.
       logprobs_mode: what `Rollout.log_probs` records (`LOGPROBS_MODES`, config
         rollout.logprobs_mode; see the module docstring).
+      record_routing: also record each token's experts in `Rollout.routed_experts` (a MoE
+        model; router replay R3).
 
     Returns:
       A `Rollout` with B = P*n rows, prompt i at rows [i*n, (i+1)*n).
@@ -485,6 +502,8 @@ def sample(
         pad_token_id=pad_token_id,
     )
     check_logprobs_mode(logprobs_mode)
+    if record_routing and not config.num_moe_layers:
+        raise ValueError("record_routing=True needs a mixture-of-experts model (num_experts > 0)")
 
     prompt_ids, prompt_mask = bucket_prompts(prompt_ids, prompt_mask, pad_token_id=pad_token_id)
     st = _Static(
@@ -497,6 +516,7 @@ def sample(
         eos_token_ids,
         int(pad_token_id),
         logprobs_mode,
+        bool(record_routing),
     )
     args = (
         st,
@@ -534,6 +554,7 @@ class _Static:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
     logprobs_mode: str = "processed_logprobs"
+    record_routing: bool = False
 
 
 def _start(st: _Static, params, prompt_ids_PT, prompt_mask_PT, rng) -> SampleState:
@@ -541,7 +562,22 @@ def _start(st: _Static, params, prompt_ids_PT, prompt_mask_PT, rng) -> SampleSta
     num_prompts, prompt_len = prompt_ids_PT.shape
     batch = num_prompts * st.n
     cache = model_lib.init_cache(st.config, num_prompts, prompt_len)
-    logits_PV, cache = model_lib.prefill(st.config, params, prompt_ids_PT, prompt_mask_PT, cache)
+    routing = {}
+    if not st.record_routing:
+        logits_PV, cache = model_lib.prefill(
+            st.config, params, prompt_ids_PT, prompt_mask_PT, cache
+        )
+    else:
+        logits_PV, cache, experts_LmPTA = model_lib.prefill_and_routing(
+            st.config, params, prompt_ids_PT, prompt_mask_PT, cache
+        )
+        E, dtype = st.config.num_experts, moe.routing_dtype(st.config.num_experts)
+        Lm, A = experts_LmPTA.shape[0], experts_LmPTA.shape[-1]
+        routing = dict(
+            routing_PLmTA=experts_LmPTA.transpose(1, 0, 2, 3).astype(dtype),
+            routing_SLmRA=jnp.full((batch, Lm, st.max_new_tokens, A), moe.no_route(E), dtype),
+            routing_BLmRA=jnp.full((batch, Lm, st.max_new_tokens, A), moe.no_route(E), dtype),
+        )
     # The last generated token is never fed back, hence max_new_tokens - 1 response slots.
     cache = model_lib.group_cache(cache, n=st.n, response_slots=st.max_new_tokens - 1)
     state = SampleState(
@@ -556,6 +592,7 @@ def _start(st: _Static, params, prompt_ids_PT, prompt_mask_PT, rng) -> SampleSta
         ids_BR=jnp.full((batch, st.max_new_tokens), st.pad_token_id, jnp.int32),
         mask_BR=jnp.zeros((batch, st.max_new_tokens), jnp.int32),
         log_probs_BR=jnp.zeros((batch, st.max_new_tokens), jnp.float32),
+        **routing,
     )
     return dataclasses.replace(_draw(st, state), t=jnp.int32(1))
 
@@ -593,8 +630,18 @@ def _decode(st: _Static, params, state: SampleState, stop_at) -> SampleState:
     def body(state: SampleState) -> SampleState:
         # Feed back the token drawn at t - 1 (pad for finished slots; their outputs are ignored).
         prev_S = state.ids_SR[:, state.t - 1]
-        logits_SV, cache = model_lib.decode_step(st.config, decode_params, prev_S, state.cache)
-        state = dataclasses.replace(state, logits_SV=logits_SV, cache=cache)
+        if not st.record_routing:
+            logits_SV, cache = model_lib.decode_step(st.config, decode_params, prev_S, state.cache)
+            state = dataclasses.replace(state, logits_SV=logits_SV, cache=cache)
+        else:  # and the experts of response token t - 1, the one fed
+            logits_SV, cache, experts_LmSA = model_lib.decode_step_and_routing(
+                st.config, decode_params, prev_S, state.cache
+            )
+            state = dataclasses.replace(state, logits_SV=logits_SV, cache=cache)
+            routing_SLmA = experts_LmSA.transpose(1, 0, 2).astype(state.routing_SLmRA.dtype)
+            state = dataclasses.replace(
+                state, routing_SLmRA=state.routing_SLmRA.at[:, :, state.t - 1].set(routing_SLmA)
+            )
         return dataclasses.replace(_draw(st, state), t=state.t + 1)
 
     return jax.lax.while_loop(cond, body, state)
@@ -614,17 +661,22 @@ def _compact(state: SampleState, *, size: int) -> SampleState:
         mask_SR=state.mask_SR[keep_S],
         log_probs_SR=state.log_probs_SR[keep_S],
         cache=model_lib.take_rows(state.cache, keep_S),
+        routing_SLmRA=None if state.routing_SLmRA is None else state.routing_SLmRA[keep_S],
     )
 
 
 def _flush(state: SampleState) -> SampleState:
     """Writes every slot's outputs into its row of the [B, R] outputs."""
     row_S = state.cache.row_B
+    routing = {}
+    if state.routing_SLmRA is not None:
+        routing["routing_BLmRA"] = state.routing_BLmRA.at[row_S].set(state.routing_SLmRA)
     return dataclasses.replace(
         state,
         ids_BR=state.ids_BR.at[row_S].set(state.ids_SR),
         mask_BR=state.mask_BR.at[row_S].set(state.mask_SR),
         log_probs_BR=state.log_probs_BR.at[row_S].set(state.log_probs_SR),
+        **routing,
     )
 
 
@@ -636,9 +688,13 @@ def _rollout(
     # prompts' batch sharding, which a scatter by row would lose).
     if compacted:
         state = _flush(state)
-        out = (state.ids_BR, state.mask_BR, state.log_probs_BR)
+        out = (state.ids_BR, state.mask_BR, state.log_probs_BR, state.routing_BLmRA)
     else:
-        out = (state.ids_SR, state.mask_SR, state.log_probs_SR)
+        out = (state.ids_SR, state.mask_SR, state.log_probs_SR, state.routing_SLmRA)
+    routed = None
+    if st.record_routing:  # the prompt's experts (shared by its n rows), then the response's
+        prompt_BLmTA = jnp.repeat(state.routing_PLmTA, st.n, axis=0)
+        routed = jnp.concatenate([prompt_BLmTA, out[3]], axis=2)
     return Rollout(
         prompt_ids=jnp.repeat(prompt_ids_PT, st.n, axis=0),
         prompt_mask=jnp.repeat(prompt_mask_PT, st.n, axis=0),
@@ -647,6 +703,7 @@ def _rollout(
         log_probs=out[2],
         group_ids=jnp.repeat(jnp.arange(num_prompts, dtype=jnp.int32), st.n),
         weights_version=weights_version,
+        routed_experts=routed,
     )
 
 

@@ -104,6 +104,9 @@ OWN = (
     "rollout.multi_turn.tool_timeout", "rollout.multi_turn.validate_tool_arguments",
     "rollout.multi_turn.interaction_config_path",
     "algorithm.gdpo_reward_keys", "algorithm.gdpo_reward_weights",
+    # verl keeps it in its Megatron / VeOmni engine sections (actor.megatron.router_replay),
+    # not in the FSDP trainer's YAML; same values and default (docs/verl.md)
+    "actor.router_replay.",
     # the DAPO reward manager's reward_kwargs.overlong_buffer_cfg, not in the YAML
     "reward.fn", "reward.weights", "reward.on_error", "reward.timeout_s", "reward.overlong_buffer.",
     # verl <= 0.5's reward-model batching (0.9.1 serves the model with vLLM)

@@ -24,3 +24,18 @@ def trainer_defaults() -> dict:
 
     walk(tree, "")
     return flat
+
+
+def router_replay_modes() -> dict:
+    """verl's engine RouterReplayConfig (actor.megatron / actor.veomni .router_replay): its
+    default mode and which of a few candidate modes it accepts."""
+    from verl.workers.config import EngineRouterReplayConfig
+
+    accepted = []
+    for mode in ("disabled", "R2", "R3", "R1", "record", "replay", "r3"):
+        try:
+            EngineRouterReplayConfig(mode=mode)
+        except ValueError:
+            continue
+        accepted.append(mode)
+    return {"default": EngineRouterReplayConfig().mode, "accepted": accepted}

@@ -177,6 +177,22 @@ def init_cache(
 def prefill(
     config: config_lib.ModelConfig, params, input_ids_BT, attention_mask_BT, cache: KVCache
 ):
+    """Runs T tokens through the model, writing slots [index, index + T) of the cache
+    (``prefill_and_routing`` without the routing).
+
+    Returns:
+      (logits_BV float32 at the last column, updated cache).
+    """
+    logits_BV, cache, _ = prefill_and_routing(
+        config, params, input_ids_BT, attention_mask_BT, cache
+    )
+    return logits_BV, cache
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def prefill_and_routing(
+    config: config_lib.ModelConfig, params, input_ids_BT, attention_mask_BT, cache: KVCache
+):
     """Runs T tokens through the model, writing slots [index, index + T) of the cache.
 
     The input is left-padded, so column T-1 is each row's last real token. Positions continue from
@@ -190,7 +206,8 @@ def prefill(
     a chunk into a partly filled cache attends to the cache (`attention.attend`).
 
     Returns:
-      (logits_BV float32 at the last column, updated cache).
+      (logits_BV float32 at the last column, updated cache, experts_LmBTA int32: the experts
+      each token was routed to in each MoE layer, Lm = 0 for a dense model).
     """
     transformer.check_inputs(input_ids_BT, attention_mask_BT)
     T, S = input_ids_BT.shape[1], cache.mask_BS.shape[1]
@@ -214,7 +231,7 @@ def prefill(
     else:
         mask = (key_slot_S[None, :] <= query_slot_T[:, None])[None] & (mask_BS[:, None, :] > 0)
     model = transformer.decoder(config, params)
-    h_BTD, (k_LBKHS, v_LBKSH) = model(
+    h_BTD, (k_LBKHS, v_LBKSH), stats = model.run(
         input_ids_BT, positions_BT, mask, (cache.k_LBKHS, cache.v_LBKSH), cache.index
     )
     logits_BV = model.unembed(h_BTD[:, -1])
@@ -225,7 +242,7 @@ def prefill(
         pos_B=cache.pos_B + jnp.sum(mask_BT, axis=1),
         index=cache.index + T,
     )
-    return logits_BV, new_cache
+    return logits_BV, new_cache, stats.experts_LmBTA
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -247,6 +264,19 @@ def decode_step(config: config_lib.ModelConfig, params, tokens_B, cache: KVCache
         return prefill(config, params, tokens_B1, jnp.ones_like(tokens_B1, jnp.int32), cache)
     if not isinstance(params, DecodeParams):
         params = decode_params(config, params)
+    logits_BV, cache, _ = _decode_layers(config, params, tokens_B, cache)
+    return logits_BV, cache
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def decode_step_and_routing(
+    config: config_lib.ModelConfig, params: DecodeParams, tokens_B, cache: GroupKVCache
+):
+    """``decode_step`` on a ``GroupKVCache`` and the experts the fed tokens were routed to.
+
+    Returns:
+      (logits_BV float32, updated cache, experts_LmBA int32; Lm = 0 for a dense model).
+    """
     return _decode_layers(config, params, tokens_B, cache)
 
 
@@ -381,7 +411,7 @@ def _decode_layers(
     cos_BTH, sin_BTH = transformer.rope_tables(c, cache.pos_B[:, None])
     cos_HB, sin_HB = cos_BTH[:, 0].T, sin_BTH[:, 0].T
     x_DB = embed_fm(c, params, tokens_B)
-    new_k, new_v = [], []
+    new_k, new_v, experts = [], [], []
     for layer, w in enumerate(params.layers):
         q_NHB, k_KHB, v_KHB = qkv_fm(c, w, x_DB, cos_HB, sin_HB)
         k_BKHC = _write_block(cache.k_BKHC[layer], k_KHB.transpose(2, 0, 1)[..., None], index, 3)
@@ -398,14 +428,18 @@ def _decode_layers(
             n=cache.n,
             index=index,
         )
-        x_DB = out_mlp_fm(c, w, x_DB, o_BKRH.reshape(B, N * H).T)
+        x_DB, experts_BA = out_mlp_fm_routed(c, w, x_DB, o_BKRH.reshape(B, N * H).T)
+        if experts_BA is not None:
+            experts.append(experts_BA)
         new_k.append(k_BKHC)
         new_v.append(v_BKCH)
     logits_BV = head_logits_fm(c, params, x_DB)
     new_cache = dataclasses.replace(
         cache, k_BKHC=tuple(new_k), v_BKCH=tuple(new_v), pos_B=cache.pos_B + 1, index=index + 1
     )
-    return logits_BV, new_cache
+    A = c.num_experts_per_tok
+    experts_LmBA = jnp.stack(experts) if experts else jnp.zeros((0, B, A), jnp.int32)
+    return logits_BV, new_cache, experts_LmBA
 
 
 def embed_fm(c: config_lib.ModelConfig, params: DecodeParams, tokens_B):
@@ -455,20 +489,29 @@ def out_mlp_fm(c: config_lib.ModelConfig, w: dict, x_DB, o_XB):
     """The rest of a layer after attention, feature-major: the output projection of the heads'
     outputs ``o_XB`` ([N*H, B]) added to ``x_DB``, then the SwiGLU MLP block (or the MoE
     block of a MoE layer)."""
+    return out_mlp_fm_routed(c, w, x_DB, o_XB)[0]
+
+
+def out_mlp_fm_routed(c: config_lib.ModelConfig, w: dict, x_DB, o_XB):
+    """``out_mlp_fm`` and, in a MoE layer, the experts each row was routed to.
+
+    Returns:
+      (x_DB, experts_BA int32 or None in a dense layer).
+    """
     o_DB = project_fm(c, w, "o", o_XB)
     x_DB = x_DB + nn.with_logical_constraint(o_DB, ("act_embed", "batch"))
     h_DB = _rms_norm_fm(x_DB, w["post_attn_norm"], c.rms_norm_eps, c.dtype, axis=0)
     if "moe_router" in w:  # token-major for the router and the grouped matmuls
-        y_BD, _, _ = moe.sparse_ffn(
+        y_BD, _, experts_BA, _ = moe.sparse_ffn(
             h_DB.T.astype(c.dtype),
             *(w[f"moe_{name}"] for name in _DECODE_MOE),
             num_experts_per_tok=c.num_experts_per_tok,
             norm_topk_prob=c.norm_topk_prob,
         )
-        return x_DB + y_BD.T
+        return x_DB + y_BD.T, experts_BA
     a_FB = jax.nn.silu(project_fm(c, w, "gate", h_DB)) * project_fm(c, w, "up", h_DB)
     a_FB = nn.with_logical_constraint(a_FB, ("act_mlp", "batch"))
-    return x_DB + project_fm(c, w, "down", a_FB)
+    return x_DB + project_fm(c, w, "down", a_FB), None
 
 
 def head_logits_fm(c: config_lib.ModelConfig, params: DecodeParams, x_DB):

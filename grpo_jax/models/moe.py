@@ -11,9 +11,14 @@ Design:
     GMM on TPU is the same contraction): the X·A (token, expert) assignments are sorted by
     expert, so each expert's rows are contiguous and ``group_sizes`` says how many each has.
     No capacity factor and no dropped tokens: the result equals HF's per-expert loop.
-  * Router replay (verl's ``router_replay``, "R3"): ``route`` takes the experts to use instead
+  * Router replay (verl's ``actor.router_replay``): ``route`` takes the experts to use instead
     of its own top-k, and then weights them by the current router's probabilities, renormalised
-    as above; the routing then follows the rollout while the router still gets gradients.
+    as above; the routing then follows the recorded one (the rollout's, R3, or the old-log-prob
+    pass's, R2) while the router still gets gradients. A token whose recorded experts are
+    ``no_route(E)`` (nothing was recorded there: the padding, a rollout's last token, which is
+    never fed back) routes by its own top-A, as verl's replay does for rows without a route.
+    Recorded experts are stored in ``routing_dtype(E)`` (uint8 up to 255 experts: 8 bytes a
+    token and MoE layer for Qwen3-30B-A3B's A = 8).
   * The auxiliary load-balancing loss is HF's ``load_balancing_loss_func`` (Switch Transformer,
     Fedus et al. 2021, eqs. 4-6): over the real tokens of all MoE layers together,
     E * sum_e f_e * P_e with f_e the share of the top-A assignments that chose expert e and P_e
@@ -30,6 +35,18 @@ from __future__ import annotations
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+
+def routing_dtype(num_experts: int):
+    """The smallest unsigned integer type that holds the expert ids 0..E-1 and ``no_route``:
+    the dtype recorded routing is stored in (uint8 up to E = 255, else uint16)."""
+    return np.uint8 if num_experts < np.iinfo(np.uint8).max else np.uint16
+
+
+def no_route(num_experts: int) -> int:
+    """The id that marks a token without recorded experts (the dtype's largest value)."""
+    return int(np.iinfo(routing_dtype(num_experts)).max)
 
 
 def route(logits_XE, num_experts_per_tok: int, *, norm_topk_prob: bool, experts_XA=None):
@@ -39,19 +56,30 @@ def route(logits_XE, num_experts_per_tok: int, *, norm_topk_prob: bool, experts_
       logits_XE: router logits.
       num_experts_per_tok: A.
       norm_topk_prob: divide the A probabilities by their sum (config.norm_topk_prob).
-      experts_XA: optional experts to use (router replay) instead of the top-A.
+      experts_XA: optional experts to use (router replay) instead of the top-A; a token whose
+        first id is not an expert (>= E, ``no_route``) takes its own top-A.
 
     Returns:
-      (probs_XE float32 softmax, weights_XA in logits' dtype, experts_XA int32).
+      (probs_XE float32 softmax, weights_XA in logits' dtype, experts_XA int32, replayed_X
+      bool: the token followed experts_XA, None without them).
     """
     probs_XE = jax.nn.softmax(logits_XE.astype(jnp.float32), axis=-1)
-    if experts_XA is None:
-        weights_XA, experts_XA = jax.lax.top_k(probs_XE, num_experts_per_tok)
-    else:
-        weights_XA = jnp.take_along_axis(probs_XE, experts_XA, axis=-1)
+    weights_XA, own_XA = jax.lax.top_k(probs_XE, num_experts_per_tok)
+    replayed_X = None
+    if experts_XA is not None:
+        experts_XA = experts_XA.astype(jnp.int32)
+        replayed_X = experts_XA[:, 0] < probs_XE.shape[-1]
+        own_XA = jnp.where(replayed_X[:, None], experts_XA, own_XA)
+        weights_XA = jnp.take_along_axis(probs_XE, own_XA, axis=-1)
     if norm_topk_prob:
         weights_XA = weights_XA / jnp.sum(weights_XA, axis=-1, keepdims=True)
-    return probs_XE, weights_XA.astype(logits_XE.dtype), experts_XA.astype(jnp.int32)
+    return probs_XE, weights_XA.astype(logits_XE.dtype), own_XA.astype(jnp.int32), replayed_X
+
+
+def differs(probs_XE, experts_XA):
+    """bool [X]: the router's own top-A (of probs_XE) is not the set experts_XA."""
+    _, own_XA = jax.lax.top_k(probs_XE, experts_XA.shape[-1])
+    return jnp.any(jnp.sort(own_XA, axis=-1) != jnp.sort(experts_XA, axis=-1), axis=-1)
 
 
 def grouped_swiglu(x_XD, weights_XA, experts_XA, gate_EDF, up_EDF, down_EFD):
@@ -88,14 +116,14 @@ def sparse_ffn(
       experts_XA: optional experts to route to (router replay), see ``route``.
 
     Returns:
-      (y_XD, probs_XE float32, experts_XA int32).
+      (y_XD, probs_XE float32, experts_XA int32, replayed_X bool or None), see ``route``.
     """
     logits_XE = jnp.dot(x_XD, router_DE)
-    probs_XE, weights_XA, experts_XA = route(
+    probs_XE, weights_XA, experts_XA, replayed_X = route(
         logits_XE, num_experts_per_tok, norm_topk_prob=norm_topk_prob, experts_XA=experts_XA
     )
     y_XD = grouped_swiglu(x_XD, weights_XA, experts_XA, gate_EDF, up_EDF, down_EFD)
-    return y_XD, probs_XE, experts_XA
+    return y_XD, probs_XE, experts_XA, replayed_X
 
 
 @flax.struct.dataclass
@@ -107,22 +135,33 @@ class RouterStats:
       counts_LmE: float32, how many of the real tokens' assignments went to each expert.
       probs_LmE: float32, the sum over real tokens of each expert's router probability.
       tokens: float32 scalar, the number of real tokens (the same in every layer).
+      replayed_Lm: float32, the real tokens that followed replayed experts (0 without replay).
+      mismatched_Lm: float32, of those, the ones whose router's own top-A is another set of
+        experts (router replay's mismatch).
     """
 
     experts_LmBTA: jax.Array
     counts_LmE: jax.Array
     probs_LmE: jax.Array
     tokens: jax.Array
+    replayed_Lm: jax.Array
+    mismatched_Lm: jax.Array
 
 
-def layer_stats(probs_XE, experts_XA, valid_X):
-    """(counts_E, probs_E) of one layer over the tokens with valid_X (0/1 weights)."""
+def layer_stats(probs_XE, experts_XA, valid_X, replayed_X=None):
+    """(counts_E, probs_E, replayed, mismatched) of one layer over the tokens with valid_X
+    (0/1 weights); the last two count the replayed tokens (``route``'s replayed_X) and those
+    of them the router itself would have sent elsewhere (0 without replay)."""
     E = probs_XE.shape[-1]
     valid_X = valid_X.astype(jnp.float32)
     A = experts_XA.shape[-1]
     counts_E = jnp.zeros((E,), jnp.float32).at[experts_XA.reshape(-1)].add(jnp.repeat(valid_X, A))
     probs_E = jnp.einsum("XE,X->E", probs_XE, valid_X)
-    return counts_E, probs_E
+    if replayed_X is None:
+        return counts_E, probs_E, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
+    replayed_X = valid_X * replayed_X.astype(jnp.float32)
+    mismatched = jnp.sum(replayed_X * differs(probs_XE, experts_XA).astype(jnp.float32))
+    return counts_E, probs_E, jnp.sum(replayed_X), mismatched
 
 
 def load_balancing_loss(stats: RouterStats):
@@ -138,6 +177,12 @@ def load_balancing_loss(stats: RouterStats):
     tokens_per_expert_E = jnp.sum(stats.counts_LmE, axis=0) / rows
     prob_per_expert_E = jnp.sum(stats.probs_LmE, axis=0) / rows
     return E * jnp.sum(tokens_per_expert_E * prob_per_expert_E)
+
+
+def mismatch_rate(stats: RouterStats):
+    """The share of the replayed (MoE layer, real token) pairs whose router's own top-A differs
+    from the replayed experts (0 when nothing was replayed)."""
+    return jnp.sum(stats.mismatched_Lm) / jnp.maximum(jnp.sum(stats.replayed_Lm), 1.0)
 
 
 def load_shares(stats: RouterStats):

@@ -225,7 +225,8 @@ class MoE(nnx.Module):
         self.config = config
 
     def __call__(self, x_BTD, valid_BT, experts_BTA=None):
-        """(y_BTD, (experts_BTA, counts_E, probs_E)): the block's output and its routing.
+        """(y_BTD, (experts_BTA, counts_E, probs_E, replayed, mismatched)): the block's output
+        and its routing (``moe.layer_stats``).
 
         Args:
           valid_BT: 1 for the real tokens (the load statistics count those only).
@@ -234,7 +235,7 @@ class MoE(nnx.Module):
         c, dt = self.config, self.config.dtype
         B, T, D = x_BTD.shape
         replay_XA = None if experts_BTA is None else experts_BTA.reshape(B * T, -1)
-        y_XD, probs_XE, experts_XA = moe.sparse_ffn(
+        y_XD, probs_XE, experts_XA, replayed_X = moe.sparse_ffn(
             x_BTD.reshape(B * T, D).astype(dt),
             *(p.kernel[...].astype(dt) for p in (self.router, self.gate_proj, self.up_proj,
                                                  self.down_proj)),
@@ -242,8 +243,8 @@ class MoE(nnx.Module):
             norm_topk_prob=c.norm_topk_prob,
             experts_XA=replay_XA,
         )  # fmt: skip
-        counts_E, probs_E = moe.layer_stats(probs_XE, experts_XA, valid_BT.reshape(-1))
-        return y_XD.reshape(B, T, D), (experts_XA.reshape(B, T, -1), counts_E, probs_E)
+        stats = moe.layer_stats(probs_XE, experts_XA, valid_BT.reshape(-1), replayed_X)
+        return y_XD.reshape(B, T, D), (experts_XA.reshape(B, T, -1), *stats)
 
 
 class DecoderLayer(nnx.Module):
@@ -428,12 +429,16 @@ class Decoder(nnx.Module):
         B, T = ids_BT.shape
         A, E = c.num_experts_per_tok, c.num_experts
         if routed:
-            experts, counts, probs = (jnp.concatenate(p) for p in zip(*routed))
+            experts, counts, probs, replayed, mismatched = (
+                jnp.concatenate(p) for p in zip(*routed)
+            )
         else:
             experts = jnp.zeros((0, B, T, A), jnp.int32)
             counts = probs = jnp.zeros((0, E), jnp.float32)
+            replayed = mismatched = jnp.zeros((0,), jnp.float32)
         tokens = jnp.sum(valid_BT.astype(jnp.float32))
-        return self.final_norm(x_BTD), kv, moe.RouterStats(experts, counts, probs, tokens)
+        stats = moe.RouterStats(experts, counts, probs, tokens, replayed, mismatched)
+        return self.final_norm(x_BTD), kv, stats
 
     def unembed(self, h_xD):
         c = self.config
@@ -807,6 +812,22 @@ def hidden_states_packed(
     mask = attention.Mask.packed(segments_RL, prefixes_RL)
     h_RLD, _ = decoder(config, params)(tokens_RL, positions_RL.astype(jnp.int32), mask)
     return h_RLD
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def hidden_states_packed_and_routing(
+    config: config_lib.ModelConfig, params, tokens_RL, positions_RL, segments_RL,
+    prefixes_RL=None, routing_LmRLA=None,
+):  # fmt: skip
+    """``hidden_states_packed`` and what the MoE layers' routers did (``moe.RouterStats`` over
+    the packed tokens, padding excluded); ``routing_LmRLA``: optional experts per MoE layer and
+    packed position to route to (router replay), ``moe.no_route`` where none was recorded."""
+    check_inputs(tokens_RL, segments_RL)
+    mask = attention.Mask.packed(segments_RL, prefixes_RL)
+    h_RLD, _, stats = decoder(config, params).run(
+        tokens_RL, positions_RL.astype(jnp.int32), mask, routing_LmBTA=routing_LmRLA
+    )
+    return h_RLD, stats
 
 
 @functools.partial(jax.jit, static_argnums=0)

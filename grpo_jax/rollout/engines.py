@@ -31,6 +31,8 @@ class SamplingParams:
     temperature: float
     top_p: float = 1.0
     top_k: int = -1
+    # record each token's MoE experts (Rollout.routed_experts; router replay R3)
+    record_routing: bool = False
 
     def __post_init__(self):
         sampler.check_sampling_settings(
@@ -201,12 +203,24 @@ class NativeEngine:
             # (max_num_seqs is per shard, as vLLM's is per rollout replica).
             if turns is not None or paged.pages(ids.shape[0] * sp.n, paged.shard_layout(ids)[2],
                                                 self.max_num_seqs):  # fmt: skip
+                if sp.record_routing:
+                    raise ValueError(
+                        f"rollout.max_num_seqs={self.max_num_seqs}: this step's "
+                        f"{ids.shape[0] * sp.n} rows would decode through the paged engine "
+                        "(or a multi-turn rollout, which always does), which does not record "
+                        "the MoE experts actor.router_replay.mode='R3' replays (the grouped "
+                        "sampler does): raise rollout.max_num_seqs to the rows per data shard, "
+                        "or use actor.router_replay.mode='R2'"
+                    )
                 return paged.sample_paged(
                     self.model_config, params, ids, mask, rng, max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=self.max_num_batched_tokens,
                     num_pages=self.num_pages, turns=turns, **kwargs,
                 )  # fmt: skip
-            return sampler.sample(self.model_config, params, ids, mask, rng, **kwargs)
+            return sampler.sample(
+                self.model_config, params, ids, mask, rng, record_routing=sp.record_routing,
+                **kwargs,
+            )  # fmt: skip
 
     def close(self) -> None:
         self.params = None

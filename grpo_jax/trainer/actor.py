@@ -23,6 +23,12 @@ and 6, verl 0.9.1 engine workers):
 * Log-probs come from `model.hidden_states` and `loss.logprobs_and_entropy_from_hidden`
   (chunked over token rows, never a [B, T, V] array), from logits divided by the rollout
   temperature as verl does.
+* Router replay (actor.router_replay, a MoE model): a batch with `routed_experts_BLSA` routes
+  every token of the policy passes (old log-probs, update) to those experts instead of the
+  routers' top-k (moe.route); the reference pass gets the batch without them (verl routes it
+  natively). R3's come from the rollout, R2's from the old-log-prob pass
+  (`compute_log_probs(record_routing=True)`). The update logs the share of replayed tokens its
+  routers would have sent elsewhere (actor/router_replay_mismatch), with the load metrics.
 * LoRA (grpo_jax/models/lora.py): `TrainState.params` are then the adapters alone, the only thing
   differentiated and the only optimizer state; the frozen base comes in as the `base` argument
   of `train_step` / `packed_micro_grads` / `sft_step` (traced, never donated) and the model runs
@@ -90,6 +96,10 @@ class TrainBatch:
         rejection sampling (algorithm.rollout_correction.rollout_rs) zeroed tokens of
         response_mask_BT. Its count over the mini-batch is token-mean's denominator
         (batch_num_tokens); the losses sum over response_mask_BT. None: response_mask_BT.
+      routed_experts_BLSA: the experts each input token is routed to in each MoE layer (L =
+        the model's MoE layers, A = num_experts_per_tok; moe.routing_dtype, moe.no_route where
+        none was recorded), router replay: the rollout's (R3) or the old-log-prob pass's
+        (R2). None: the passes route by their own routers.
     """
 
     input_ids_BS: jax.Array
@@ -101,6 +111,7 @@ class TrainBatch:
     ref_log_probs_BT: jax.Array | None = None
     rollout_is_weights_BT: jax.Array | None = None
     loss_mask_BT: jax.Array | None = None
+    routed_experts_BLSA: jax.Array | None = None
 
 
 def batch_num_tokens(batch: TrainBatch) -> jax.Array:
@@ -189,11 +200,13 @@ def response_log_probs(
     chunk_size: int,
     calculate_entropy: bool,
     router_stats: bool = False,
+    routing_BLSA=None,
 ):
     """Per-token log-probs (and entropy) of the response under `params`.
 
     Position Tp - 1 + t of the input predicts response token t, so the hidden states of columns
     [Tp - 1, S - 1) are unembedded chunk by chunk (loss.logprobs_and_entropy_from_hidden).
+    `routing_BLSA`: experts to route the input tokens to (router replay, TrainBatch's).
 
     Returns:
       (log_probs_BT float32, entropy_BT float32 or None), and with `router_stats` the MoE
@@ -201,9 +214,10 @@ def response_log_probs(
     """
     num_response = response_ids_BT.shape[1]
     prompt_len = input_ids_BS.shape[1] - num_response
-    if router_stats:
+    if router_stats or routing_BLSA is not None:
+        routing_LmBSA = None if routing_BLSA is None else routing_BLSA.transpose(1, 0, 2, 3)
         h_BSD, stats = model_lib.hidden_states_and_routing(
-            model_config, params, input_ids_BS, attention_mask_BS
+            model_config, params, input_ids_BS, attention_mask_BS, routing_LmBSA
         )
     else:
         h_BSD = model_lib.hidden_states(model_config, params, input_ids_BS, attention_mask_BS)
@@ -219,13 +233,17 @@ def response_log_probs(
     return (*out, stats) if router_stats else out
 
 
-def moe_metrics(stats: moe_lib.RouterStats) -> dict:
+def moe_metrics(stats: moe_lib.RouterStats, *, replayed: bool = False) -> dict:
     """A MoE model's router metrics of one forward: ``actor/moe_aux_loss`` (HF's
     load-balancing loss, logged, not added to the loss: see ``train_step``) and, per MoE layer
     l, ``actor/moe_load_max/l`` and ``actor/moe_load_min/l``, the busiest and idlest expert's
-    share of the assignments (1 / num_experts each when balanced)."""
+    share of the assignments (1 / num_experts each when balanced). With `replayed` (router
+    replay), ``actor/router_replay_mismatch``: the share of the replayed (layer, token) pairs
+    whose router's own top-k is another set of experts (moe.mismatch_rate)."""
     high_Lm, low_Lm = moe_lib.load_shares(stats)
     out = {"actor/moe_aux_loss": moe_lib.load_balancing_loss(stats)}
+    if replayed:
+        out["actor/router_replay_mismatch"] = moe_lib.mismatch_rate(stats)
     for layer in range(high_Lm.shape[0]):
         out[f"actor/moe_load_max/{layer}"] = high_Lm[layer]
         out[f"actor/moe_load_min/{layer}"] = low_Lm[layer]
@@ -246,34 +264,53 @@ def compute_log_probs(
     temperature: float,
     chunk_size: int,
     calculate_entropy: bool,
+    record_routing: bool = False,
 ):
     """Log-probs (and entropy) of every response of `batch`, micro-batch by micro-batch.
 
     Used for the old log-probs (when off-policy) and the reference log-probs; the run's programs
-    jit it.
+    jit it. The tokens route to `batch.routed_experts_BLSA` when it is set (router replay).
+
+    Args:
+      record_routing: also return the experts every input token was routed to (router replay
+        R2 records them in the old-log-prob pass).
 
     Returns:
-      (log_probs_BT, entropy_BT or None), float32.
+      (log_probs_BT, entropy_BT or None), float32; with `record_routing` a third,
+      routed_experts_BLSA in moe.routing_dtype.
     """
     num_rows = batch.input_ids_BS.shape[0]
     num_micro = _num_chunks(num_rows, micro_batch_size, "rollout.log_prob_micro_batch_size")
     inputs = _micro_batches(
-        (batch.input_ids_BS, batch.attention_mask_BS, batch.response_ids_BT), num_micro
-    )
+        (batch.input_ids_BS, batch.attention_mask_BS, batch.response_ids_BT,
+         batch.routed_experts_BLSA),
+        num_micro,
+    )  # fmt: skip
+    dtype = moe_lib.routing_dtype(model_config.num_experts)
 
     def body(_, xs):
-        return None, response_log_probs(
+        *tokens, routing_BLSA = xs
+        lp_BT, ent_BT, *stats = response_log_probs(
             model_config,
             params,
-            *xs,
+            *tokens,
             temperature=temperature,
             chunk_size=chunk_size,
             calculate_entropy=calculate_entropy,
+            router_stats=record_routing,
+            routing_BLSA=routing_BLSA,
         )
+        experts_BLSA = (
+            stats[0].experts_LmBTA.transpose(1, 0, 2, 3).astype(dtype) if record_routing else None
+        )
+        return None, (lp_BT, ent_BT, experts_BLSA)
 
-    _, (lp_MbT, ent_MbT) = jax.lax.scan(body, None, inputs)
+    _, (lp_MbT, ent_MbT, experts_MbLSA) = jax.lax.scan(body, None, inputs)
     lp_BT = lp_MbT.reshape(num_rows, -1)
-    return lp_BT, None if ent_MbT is None else ent_MbT.reshape(num_rows, -1)
+    out = lp_BT, None if ent_MbT is None else ent_MbT.reshape(num_rows, -1)
+    if record_routing:
+        return *out, experts_MbLSA.reshape(num_rows, *experts_MbLSA.shape[2:])
+    return out
 
 
 def _num_chunks(num_rows: int, chunk: int, field: str) -> int:
@@ -494,6 +531,8 @@ def train_step(
     # Qwen3-MoE checkpoints' config.json).
     is_moe = model_config.num_moe_layers > 0
 
+    replayed = batch.routed_experts_BLSA is not None
+
     def loss_fn(params, micro: TrainBatch, key):
         lp_BT, ent_BT, *stats = response_log_probs(
             model_config,
@@ -505,6 +544,7 @@ def train_step(
             chunk_size=lc.chunk_size,
             calculate_entropy=_wants_entropy(lc),
             router_stats=is_moe,
+            routing_BLSA=micro.routed_experts_BLSA,
         )
         value, metrics = _objective(
             lc,
@@ -516,7 +556,7 @@ def train_step(
             rows=mini_batch_size,
             rng=key,
         )
-        return value, {**metrics, **(moe_metrics(stats[0]) if is_moe else {})}
+        return value, {**metrics, **(moe_metrics(stats[0], replayed=replayed) if is_moe else {})}
 
     def body(grads, xs):
         micro, m = xs
@@ -539,7 +579,9 @@ def train_step(
 @flax.struct.dataclass
 class PackedMicro:
     """One micro-batch of packing.Packed on device: R rows of L tokens, and N response slots for
-    each of G groups of R / G consecutive rows (a slot indexes its group's positions flattened)."""
+    each of G groups of R / G consecutive rows (a slot indexes its group's positions flattened).
+    `routing_RLmLA`: with router replay, the experts of each packed token in each of the Lm MoE
+    layers (packing.pack's), else None."""
 
     tokens_RL: jax.Array
     positions_RL: jax.Array
@@ -548,6 +590,7 @@ class PackedMicro:
     slot_pos_GN: jax.Array
     slot_label_GN: jax.Array
     slot_bt_GN: jax.Array
+    routing_RLmLA: jax.Array | None = None
 
 
 def packed_log_probs(
@@ -559,6 +602,7 @@ def packed_log_probs(
     chunk_size: int,
     calculate_entropy: bool,
     num_bt: int,
+    router_stats: bool = False,
 ):
     """Log-probs (and entropy) of every response slot of a packed micro-batch: [G, N] each.
 
@@ -566,21 +610,31 @@ def packed_log_probs(
     most `chunk_size` rows), and chunks holding no response token (slot_bt_GN = B x T, the
     empty slots after each group's used ones) are skipped: about the response tokens' cost,
     never the prompt positions' or the padding's. Empty slots' values are 0. `num_bt`: B x T
-    of the [B, T] layout the slots index (the empty slots' slot_bt)."""
-    h_RLD = model_lib.hidden_states_packed(
-        model_config,
-        params,
-        micro.tokens_RL,
-        micro.positions_RL,
-        micro.segments_RL,
-        micro.prefixes_RL,
-    )
+    of the [B, T] layout the slots index (the empty slots' slot_bt). The tokens route to
+    `micro.routing_RLmLA` when set (router replay); with `router_stats` the MoE layers'
+    ``moe.RouterStats`` over the packed tokens come third."""
+    stats = None
+    if router_stats or micro.routing_RLmLA is not None:
+        routing = None if micro.routing_RLmLA is None else micro.routing_RLmLA.transpose(1, 0, 2, 3)
+        h_RLD, stats = model_lib.hidden_states_packed_and_routing(
+            model_config, params, micro.tokens_RL, micro.positions_RL, micro.segments_RL,
+            micro.prefixes_RL, routing,
+        )  # fmt: skip
+    else:
+        h_RLD = model_lib.hidden_states_packed(
+            model_config,
+            params,
+            micro.tokens_RL,
+            micro.positions_RL,
+            micro.segments_RL,
+            micro.prefixes_RL,
+        )
     R, L, D = h_RLD.shape
     G = micro.slot_pos_GN.shape[0]  # row groups: each gathers from its own rows (device-local)
     h_GxD = h_RLD.reshape(G, (R // G) * L, D)
     h_GND = jnp.take_along_axis(h_GxD, micro.slot_pos_GN[..., None], axis=1)
     slots = h_GND.shape[0] * h_GND.shape[1]
-    return loss_lib.logprobs_and_entropy_from_hidden(
+    out = loss_lib.logprobs_and_entropy_from_hidden(
         h_GND,
         functools.partial(model_lib.unembed, model_config, params),
         micro.slot_label_GN,
@@ -589,6 +643,7 @@ def packed_log_probs(
         calculate_entropy=calculate_entropy,
         valid=micro.slot_bt_GN < num_bt,
     )
+    return (*out, stats) if router_stats else out
 
 
 def scatter_slots(values_GN, slot_bt_GN, shape_BT):
@@ -668,9 +723,10 @@ def packed_micro_grads(
     # This micro-batch's sequences: those with a response token in it (an empty response has
     # no slot, so it counts in no micro-batch; its geo_mean loss is 0 all the same).
     micro_rows = jnp.sum(jnp.max(in_micro_BT, axis=1))
+    is_moe = model_config.num_moe_layers > 0  # router metrics, as train_step's
 
     def loss_fn(params):
-        lp_GN, ent_GN = packed_log_probs(
+        lp_GN, ent_GN, *stats = packed_log_probs(
             model_config,
             policy_params(base, params),
             micro,
@@ -678,13 +734,17 @@ def packed_micro_grads(
             chunk_size=lc.chunk_size,
             calculate_entropy=_wants_entropy(lc),
             num_bt=mask_all_BT.size,
+            router_stats=is_moe,
         )
         lp_BT = scatter_slots(lp_GN, micro.slot_bt_GN, shape)
         ent_BT = None if ent_GN is None else scatter_slots(ent_GN, micro.slot_bt_GN, shape)
-        return _objective(
+        value, metrics = _objective(
             lc, lp_BT, ent_BT, batch, mask_BT, num_tokens=num_tokens, rows=rows,
             micro_rows=micro_rows, rng=rng,
         )  # fmt: skip
+        if is_moe:
+            metrics |= moe_metrics(stats[0], replayed=micro.routing_RLmLA is not None)
+        return value, metrics
 
     (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
     return jax.tree.map(jnp.add, grads, g), metrics

@@ -42,7 +42,10 @@ class HostRollout:
     def take(self, rows) -> HostRollout:
         return HostRollout(*(None if x is None else x[rows] for x in dataclasses.astuple(self)))
 
-    def pack(self, max_tokens: int, *, row_multiple: int, row_len: int) -> packing.Packed:
+    def pack(
+        self, max_tokens: int, *, row_multiple: int, row_len: int, routing_BLSA=None
+    ) -> packing.Packed:
+        """packing.pack of these rows (`routing_BLSA`: their recorded experts, router replay)."""
         return packing.pack(
             self.prompt_ids_BP,
             self.prompt_mask_BP,
@@ -51,6 +54,7 @@ class HostRollout:
             max_tokens=max_tokens,
             row_multiple=row_multiple,
             row_len=row_len,
+            routing_BLSA=routing_BLSA,
         )
 
 

@@ -205,6 +205,7 @@ def _train(
     steps = setup.total_steps(run, len(train_set))
     # verl's total_training_steps: the schedule's horizon even when the epochs end the run first
     last_step = setup.total_training_steps(run, len(train_set))
+    run.check_model_for_router_replay(model_config.num_moe_layers)
     eos_ids, pad_id = loading.special_ids(tokenizer, model_config)
     tx, schedule = setup.make_optimizer(run, last_step)
     layout = setup.state_layout(run, model_config, mesh, rules, tx)

@@ -78,6 +78,9 @@ class Micro:
       slot_label_GN: int32, that response token (0 on empty slots).
       slot_bt_GN: int32, b * T + t of that token in the [B, T] layout; B * T on empty slots.
       num_tokens: real tokens in the micro-batch (for metrics and the budget).
+      routing_RLmLA: with `pack(routing_BLSA=...)` (router replay), the experts of each packed
+        token in each of the Lm MoE layers (A = experts per token), the padding's the no-route
+        value (the dtype's largest, moe.no_route); else None.
     """
 
     tokens_RL: np.ndarray
@@ -88,6 +91,7 @@ class Micro:
     slot_label_GN: np.ndarray
     slot_bt_GN: np.ndarray
     num_tokens: int
+    routing_RLmLA: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +109,12 @@ class Packed:
         return np.array([m.num_tokens for m in self.micros], np.int64)
 
     def micro(self, m: int) -> dict[str, np.ndarray]:
-        """The arrays of micro-batch m, as the jitted functions take them."""
+        """The arrays of micro-batch m, as the jitted functions take them (routing_RLmLA only
+        when recorded)."""
         fields = dataclasses.asdict(self.micros[m])
         del fields["num_tokens"]
+        if fields["routing_RLmLA"] is None:
+            del fields["routing_RLmLA"]
         return fields
 
 
@@ -191,6 +198,7 @@ def pack(
     row_multiple: int = 1,
     row_len: int | None = None,
     share_prompts: bool = True,
+    routing_BLSA: np.ndarray | None = None,
 ) -> Packed:
     """Packs B left-padded prompts + right-padded responses into token-budget micro-batches.
 
@@ -205,6 +213,10 @@ def pack(
         to LEN_BUCKET.
       share_prompts: sequences with the same prompt tokens share one copy of the prompt in a
         row (their responses attend to it); False packs every sequence whole.
+      routing_BLSA: optional [B, Lm, W + T, A] experts of every token of a left-padded prompt
+        of W >= its length followed by the response (router replay: TrainBatch's
+        routed_experts_BLSA), laid out as the packed tokens (Micro.routing_RLmLA). A shared
+        prompt takes its first sequence's: the same tokens, routed the same.
 
     Returns:
       The Packed micro-batches; each response token appears exactly once, in one row, after
@@ -273,6 +285,11 @@ def pack(
         slot_pos = np.zeros((groups, slots), np.int32)
         slot_label = np.zeros((groups, slots), np.int32)
         slot_bt = np.full((groups, slots), B * T, np.int32)
+        routing = None
+        if routing_BLSA is not None:
+            Lm, A, dtype = routing_BLSA.shape[1], routing_BLSA.shape[3], routing_BLSA.dtype
+            routing = np.full((size, Lm, row_len, A), np.iinfo(dtype).max, dtype)
+            width = routing_BLSA.shape[2] - T  # the routing's prompt columns
         num_tokens = 0
         for g in range(groups):
             n = 0  # slots used in group g
@@ -288,6 +305,8 @@ def pack(
                     tokens[r, span] = prompt
                     positions[r, span] = np.arange(p_len)
                     segments[r, span] = prefixes[r, span] = prompt_seg
+                    if routing is not None:
+                        routing[r, :, span] = routing_BLSA[units[u][0], :, width - p_len : width]
                     last_prompt = at + p_len - 1
                     at += p_len
                     for b in units[u]:
@@ -299,6 +318,8 @@ def pack(
                         positions[r, span] = p_len + np.arange(k_len)
                         segments[r, span] = seg
                         prefixes[r, span] = prompt_seg
+                        if routing is not None:
+                            routing[r, :, span] = routing_BLSA[b, :, width : width + k_len]
                         # Response token t is predicted by the position before it: the prompt's
                         # last token for t = 0, then the response's own token t - 1.
                         pred = np.r_[last_prompt, at + np.arange(k_len - 1)][:k_len]
@@ -309,5 +330,5 @@ def pack(
                         n += k_len
                 num_tokens += at
         micros.append(Micro(tokens, positions, segments, prefixes, slot_pos, slot_label, slot_bt,
-                            num_tokens))  # fmt: skip
+                            num_tokens, routing))  # fmt: skip
     return Packed(tuple(micros))

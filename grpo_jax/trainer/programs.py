@@ -36,7 +36,8 @@ class Programs:
         key = actor.update_key(trainer.seed, state.step).
       log_probs / log_probs_entropy: (params, batch) -> (log_probs_BT, entropy_BT or None),
         padded micro-batches of `logprob_rows` sequences; the second also returns the entropy
-        (the old-log-prob pass logs it).
+        (the old-log-prob pass logs it), and with actor.router_replay.mode="R2" a third, the
+        experts it routed every token to (actor.compute_log_probs(record_routing=True)).
       packed_grads: (params, grads, micro, mini_batch, rng=key) -> (grads, metrics) for one
         packed micro-batch (actor.use_dynamic_bsz); grads donated; key = fold_in(update key, m)
         for micro-batch m.
@@ -111,13 +112,14 @@ def make_programs(
     update = update_for(model_config, donate_argnums=0)
     common = dict(temperature=r.temperature, chunk_size=loss_config.chunk_size)
 
-    def log_probs_fn(calculate_entropy):
+    def log_probs_fn(calculate_entropy, record_routing=False):
         return jax.jit(
             functools.partial(
                 actor.compute_log_probs,
                 model_config,
                 micro_batch_size=logprob_rows,
                 calculate_entropy=calculate_entropy,
+                record_routing=record_routing,
                 **common,
             )
         )
@@ -142,7 +144,8 @@ def make_programs(
         loss_config=loss_config,
         update=update,
         log_probs=log_probs_fn(False),
-        log_probs_entropy=log_probs_fn(True),
+        # router replay R2 records the routing in the old-log-prob pass
+        log_probs_entropy=log_probs_fn(True, a.router_replay.mode == "R2"),
         packed_grads=packed_grads,
         apply=apply,
         packed_log_probs=packed_log_probs_fn(False),

@@ -198,8 +198,9 @@ def rollout_sampling(run: config_lib.RunConfig) -> engines.SamplingParams:
     """The training rollout's sampling settings (rollout.*)."""
     r = run.rollout
     return engines.SamplingParams(
-        r.n, run.data.max_response_length, r.temperature, r.top_p, r.top_k
-    )
+        r.n, run.data.max_response_length, r.temperature, r.top_p, r.top_k,
+        record_routing=r.enable_rollout_routing_replay,
+    )  # fmt: skip
 
 
 def overlong_penalty(
@@ -356,11 +357,28 @@ def select_groups(
         distributed.to_host(batch.rollout.log_probs)[rows],
         mesh,
         _host_or_none(batch.rollout.num_turns, rows),
+        _routing_or_none(batch, rows),
     ), row_stats=stats)
 
 
 def _host_or_none(x, rows=slice(None)):
     return None if x is None else distributed.to_host(x)[rows]
+
+
+def _routing_or_none(batch: batch_lib.RolloutBatch, rows=slice(None), width: int | None = None):
+    """The rollout's recorded experts (Rollout.routed_experts) of `rows` on the host, their
+    prompt columns cut or left-padded to `width` (default: the host prompts'), or None."""
+    routed = _host_or_none(batch.rollout.routed_experts, rows)
+    if routed is None:
+        return None
+    width = batch.host.prompt_ids_BP.shape[1] if width is None else width
+    num_prompt = routed.shape[2] - batch.host.response_ids_BT.shape[1]
+    prompt_BLPA, response_BLRA = routed[:, :, :num_prompt], routed[:, :, num_prompt:]
+    # the dropped columns are left padding; new ones route by their own router (moe.no_route,
+    # the dtype's largest value)
+    pad = ((0, 0), (0, 0), (max(0, width - num_prompt), 0), (0, 0))
+    prompt_BLPA = np.pad(prompt_BLPA, pad, constant_values=np.iinfo(routed.dtype).max)
+    return np.concatenate([prompt_BLPA[:, :, -width:], response_BLRA], axis=2)
 
 
 def _rebuild(
@@ -372,8 +390,10 @@ def _rebuild(
     log_probs_BT,
     mesh,
     num_turns_B=None,
+    routed_BLSA=None,
 ) -> batch_lib.RolloutBatch:
-    """A RolloutBatch over `host`'s rows, the rollout re-placed from the host arrays."""
+    """A RolloutBatch over `host`'s rows, the rollout re-placed from the host arrays (with
+    `routed_BLSA`, the recorded experts over host's prompt columns and the responses)."""
     put = functools.partial(distributed.to_device, mesh=mesh)
     n = like.group_size
     rollout = like.rollout.replace(
@@ -385,6 +405,7 @@ def _rebuild(
         group_ids=put(np.repeat(np.arange(len(texts) // n, dtype=np.int32), n)),
         loss_mask=None if host.loss_mask_BT is None else put(host.loss_mask_BT),
         num_turns=None if num_turns_B is None else put(np.asarray(num_turns_B, np.int32)),
+        routed_experts=None if routed_BLSA is None else put(routed_BLSA),
     )
     return dataclasses.replace(
         like, rollout=rollout, host=host, texts=texts, examples=examples, result=result
@@ -412,6 +433,8 @@ def concat(parts: Sequence[batch_lib.RolloutBatch], mesh) -> batch_lib.RolloutBa
         [_host_or_none(p.rollout.num_turns) for p in parts])
     stats = {k: np.concatenate([np.asarray(p.row_stats[k]) for p in parts])
              for k in parts[0].row_stats}
+    routed = None if parts[0].rollout.routed_experts is None else np.concatenate(
+        [_routing_or_none(p, width=width) for p in parts])
     return dataclasses.replace(_rebuild(
         parts[0],
         host,
@@ -421,6 +444,7 @@ def concat(parts: Sequence[batch_lib.RolloutBatch], mesh) -> batch_lib.RolloutBa
         log_probs,
         mesh,
         turns,
+        routed,
     ), row_stats=stats)
 
 

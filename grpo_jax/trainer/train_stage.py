@@ -38,18 +38,29 @@ def train_batch(rollout: sampler.Rollout, *, prompt_width: int, bucket: int) -> 
     width = sampler.bucket_length(prompt_width, bucket)
     short = max(0, width - rollout.prompt_ids.shape[1])  # e.g. batches joined by concat()
 
-    def prompt_columns(x):
-        return jnp.pad(x, ((0, 0), (short, 0)))[:, -width:]
+    def prompt_columns(x, axis=1, fill=0):
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (short, 0)
+        return jax.lax.slice_in_dim(jnp.pad(x, pad, constant_values=fill), -width, None, axis=axis)
 
     valid = rollout.response_mask
     # the loss's tokens: those the policy sampled (multi-turn: not the tool responses)
     mask = valid if rollout.loss_mask is None else valid * rollout.loss_mask
+    routing = None
+    if rollout.routed_experts is not None:  # router replay R3: the prompt's columns as the ids'
+        num_prompt = rollout.prompt_ids.shape[1]
+        fill = jnp.iinfo(rollout.routed_experts.dtype).max  # moe.no_route
+        routing = jnp.concatenate([
+            prompt_columns(rollout.routed_experts[:, :, :num_prompt], axis=2, fill=fill),
+            rollout.routed_experts[:, :, num_prompt:],
+        ], axis=2)  # fmt: skip
     return actor.TrainBatch(
         input_ids_BS=jnp.concatenate([prompt_columns(rollout.prompt_ids), rollout.response_ids], 1),
         attention_mask_BS=jnp.concatenate([prompt_columns(rollout.prompt_mask), valid], 1),
         response_ids_BT=rollout.response_ids,
         response_mask_BT=mask,
         advantages_BT=jnp.zeros(mask.shape, jnp.float32),
+        routed_experts_BLSA=routing,
     )
 
 
@@ -66,7 +77,13 @@ def _micro_like(micro: actor.PackedMicro, rows: int, row_len: int) -> actor.Pack
 
     def like(name):
         x = getattr(micro, name)
-        return jax.ShapeDtypeStruct(shapes[name[-2:]], x.dtype, sharding=x.sharding)
+        if x is None:
+            return None
+        if name == "routing_RLmLA":
+            shape = (rows, x.shape[1], row_len, x.shape[3])
+        else:
+            shape = shapes[name[-2:]]
+        return jax.ShapeDtypeStruct(shape, x.dtype, sharding=x.sharding)
 
     return actor.PackedMicro(**{f.name: like(f.name) for f in dataclasses.fields(micro)})
 
@@ -130,6 +147,7 @@ def log_probs(
     batch).
     """
     needed = run.needs_old_log_probs or ref_params is not None
+    record = run.actor.router_replay.mode == "R2" and run.needs_old_log_probs
     if run.algorithm.rollout_correction.bypass_mode:
         if rollout_log_probs_BT is None:
             raise ValueError(
@@ -137,14 +155,25 @@ def log_probs(
                 "log-probs as the old ones, but this rollout has none"
             )
         batch = batch.replace(old_log_probs_BT=rollout_log_probs_BT)
-    packed = None
-    if run.log_prob_use_dynamic_bsz and needed:
-        packed = host.pack(progs.logprob_tokens, row_multiple=progs.dp, row_len=progs.row_len)
+    packs = {}
+
+    def packed_for(replay: bool) -> packing.Packed:
+        # router replay: the policy's pass packs the recorded experts, the reference's none
+        if replay not in packs:
+            routing = distributed.to_host(batch.routed_experts_BLSA) if replay else None
+            packs[replay] = host.pack(progs.logprob_tokens, row_multiple=progs.dp,
+                                      row_len=progs.row_len, routing_BLSA=routing)  # fmt: skip
+        return packs[replay]
 
     def run_pass(params, with_entropy):
-        if packed is None:
-            fn = progs.log_probs_entropy if with_entropy else progs.log_probs
-            return fn(params, batch)
+        # with_entropy: the old-log-prob pass (the policy's: router replay applies); else the
+        # reference's, which routes by its own routers (verl)
+        replay = with_entropy and batch.routed_experts_BLSA is not None
+        if not (run.log_prob_use_dynamic_bsz and needed):
+            if with_entropy:
+                return progs.log_probs_entropy(params, batch)
+            return progs.log_probs(params, batch.replace(routed_experts_BLSA=None))
+        packed = packed_for(replay)
         fn = progs.packed_log_probs_entropy if with_entropy else progs.packed_log_probs
         lp_BT = jnp.zeros(batch.response_mask_BT.shape, jnp.float32)
         ent_BT = jnp.zeros_like(lp_BT)
@@ -165,7 +194,9 @@ def log_probs(
     old_BT, ref_BT = batch.old_log_probs_BT, None
     if run.needs_old_log_probs:
         policy = actor.policy_params(base_params, state.params)
-        old_BT, ent_BT = perf.timed(timing, "old_log_prob", run_pass, policy, True)
+        old_BT, ent_BT, *routed = perf.timed(timing, "old_log_prob", run_pass, policy, True)
+        if record:  # router replay R2: the update replays the old pass's routing
+            batch = batch.replace(routed_experts_BLSA=routed[0])
         out["actor/entropy"] = float(
             loss_lib.agg_loss(
                 ent_BT,
@@ -356,6 +387,7 @@ def update(
     updates = []
     mini = progs.mini_rows
     packs = {}
+    routing = None  # router replay: the batch's recorded experts on the host, for packing
     lr = jnp.float32(lr)
     unshuffled = batch, host
     parts = None
@@ -369,7 +401,7 @@ def update(
                 seed=run.actor.data_loader_seed, parts=parts, shuffle=run.actor.shuffle,
             )  # fmt: skip
             batch, host = _take_rows(*unshuffled, order)
-            packs = {}
+            packs, routing = {}, None
         for i in range(run.mini_batches_per_step):
             key = actor.update_key(run.trainer.seed, state.step)
             if not run.actor.use_dynamic_bsz:
@@ -379,15 +411,18 @@ def update(
                 continue
             if i not in packs:  # the same slices in every epoch (unless shuffled)
                 rows = host.rows(i * mini, (i + 1) * mini)
+                if routing is None and batch.routed_experts_BLSA is not None:
+                    routing = distributed.to_host(batch.routed_experts_BLSA)
                 packs[i] = rows.pack(
-                    progs.update_tokens, row_multiple=progs.dp, row_len=progs.row_len
-                )
+                    progs.update_tokens, row_multiple=progs.dp, row_len=progs.row_len,
+                    routing_BLSA=None if routing is None else routing[i * mini : (i + 1) * mini],
+                )  # fmt: skip
             packed = packs[i]
             # The [B, T] fields only: the packed micro-batches carry the tokens, so the
             # program's shapes do not depend on the prompt width.
             mini_batch = jax.tree.map(
                 lambda x, i=i: x[i * mini : (i + 1) * mini],
-                batch.replace(input_ids_BS=None, attention_mask_BS=None),
+                batch.replace(input_ids_BS=None, attention_mask_BS=None, routed_experts_BLSA=None),
             )
             grads = jax.tree.map(jnp.zeros_like, state.params)
             micro_metrics, loss = [], jnp.zeros((), jnp.float32)
