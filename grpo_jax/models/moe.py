@@ -228,13 +228,16 @@ _STAND_IN = contextvars.ContextVar("grpo_jax_moe_capacity_stand_in", default=Fal
 @contextlib.contextmanager
 def capacity_stand_in():
     """While tracing inside, the experts run as ``_capacity_swiglu``: a memory stand-in for the
-    grouped matmul whose outputs are NOT the model's (planning only). Enter it before the
-    first trace of a jitted function: jit caches traces, and the switch is not in the key."""
+    grouped matmul whose outputs are NOT the model's (planning only). jit's trace caches do not
+    key on the switch (a nested jitted function traced outside would be reused inside), so
+    entering and leaving it clears them."""
+    jax.clear_caches()
     token = _STAND_IN.set(True)
     try:
         yield
     finally:
         _STAND_IN.reset(token)
+        jax.clear_caches()
 
 
 def _capacity_swiglu(x_XD, weights_XA, experts_XA, gate_EDF, up_EDF, down_EFD):
