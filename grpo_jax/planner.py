@@ -57,6 +57,7 @@ gradient passes also the optimizer state, which is not an argument there; during
 passes the step's batch).
 """
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -72,7 +73,7 @@ from flax import linen as nn
 from grpo_jax import config as config_lib
 from grpo_jax import errors, sampler, sharding
 from grpo_jax import model as model_lib
-from grpo_jax.models import attention, gguf, lora, paged_kernel
+from grpo_jax.models import attention, gguf, lora, moe, paged_kernel
 from grpo_jax.models import paged as paged_model
 from grpo_jax.rollout import paged
 from grpo_jax.trainer import actor as actor_lib
@@ -578,6 +579,14 @@ class Planner:
         `tpu_topology`), not on CPU devices standing in for it."""
         return compiles_natively(self.mesh, self.backend)
 
+    @property
+    def moe_stand_in(self) -> bool:
+        """The MoE experts are planned with ``moe.capacity_stand_in``: compiled on CPU devices
+        for a GPU or TPU, where XLA:CPU's ragged_dot (a dense masked dot over every expert, E
+        times the buffers) is not the accelerator's grouped matmul. A `tpu_topology` plan
+        compiles the real one."""
+        return self.cfg.num_experts > 0 and self.backend in ("gpu", "tpu") and not self.native
+
     def compiler_options(self) -> dict:
         """XLA options of the planner's compiles (on CPU devices) for an accelerator's plan.
 
@@ -612,7 +621,8 @@ class Planner:
         # Each compile takes seconds to minutes; the report and the searches reuse results.
         # Traced inside use_mesh so that the model's activation constraints see the mesh.
         if key not in self._compiled:
-            with sharding.use_mesh(self.mesh, self.rules):
+            stand_in = moe.capacity_stand_in() if self.moe_stand_in else contextlib.nullcontext()
+            with sharding.use_mesh(self.mesh, self.rules), stand_in:
                 self._compiled[key] = compile_fn(*key[1:])
         return self._compiled[key]
 
@@ -1113,7 +1123,7 @@ def plan(
             f"K={p.cfg.num_kv_heads} H={p.cfg.head_dim} F={p.cfg.intermediate_size} "
             f"V={p.cfg.vocab_size} ({p.num_params / 1e9:.2f}B) params={p.cfg.param_dtype} "
             f"compute={p.cfg.dtype} remat={p.cfg.remat} attention={p.cfg.attention_impl}"
-            f"{_attention_note(p)}"
+            f"{_attention_note(p)}{_moe_note(p)}"
         ),
         (
             f"mesh: {dict(p.mesh.shape)} on {p.mesh.devices.size} x {p.mesh.devices.flat[0].platform}"
@@ -1329,6 +1339,23 @@ def _attention_note(p: Planner) -> str:
     if p.backend in ("gpu", "tpu") and p.cfg.attention_impl == "blockwise":
         return f" (for {p.backend}: the linear-memory blockwise kernel, compiled here on CPU)"
     return ""
+
+
+def _moe_note(p: Planner) -> str:
+    c = p.cfg
+    if not c.num_experts:
+        return ""
+    experts = (
+        f" | MoE: {c.num_moe_layers} layers of E={c.num_experts} experts, top-"
+        f"{c.num_experts_per_tok}, F={c.moe_intermediate_size}"
+    )
+    if p.moe_stand_in:
+        return experts + (
+            f" (for {p.backend}: a grouped matmul; XLA:CPU's ragged_dot is a dense masked dot "
+            "over every expert, so planned with a balanced-capacity stand-in of the grouped "
+            "matmul's buffers, [E, C, D] @ [E, D, F] with C = assignments / E)"
+        )
+    return experts
 
 
 _PAGED_ATTENTION = {

@@ -280,3 +280,87 @@ def test_train_step_logs_router_metrics_of_the_rollout_batch():
     for layer in range(2):
         hi, lo = metrics[f"actor/moe_load_max/{layer}"], metrics[f"actor/moe_load_min/{layer}"]
         assert 1.0 >= float(hi) >= 1 / 8 >= float(lo) >= 0.0
+
+
+@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 2, 2)], ids=["data 8", "data 2 fsdp 2 tp 2"])
+def test_the_paged_engine_samples_a_moe_model_as_the_sampler_does(mesh_shape):
+    # The engine vmaps each shard's programs over the shard axis (spmd_axis_name), with the
+    # expert weights unbatched: the grouped matmuls run under that vmap and in the shard_map.
+    from test_paged import _EOS, _assert_same_rollout, _on_mesh, _prompts
+
+    from grpo_jax.rollout import paged
+
+    config = _tiny_moe()
+    params = model.init_params(config, jax.random.key(4))
+    mesh = sharding.make_mesh(mesh_shape)
+    ids, mask = _prompts([5, 9, 2, 7, 3, 11, 4, 6], config.vocab_size, seed=3)
+    kw = dict(n=2, max_new_tokens=8, temperature=1.0, eos_token_ids=(_EOS,))
+    with sharding.use_mesh(mesh, sharding.LOGICAL_RULES):
+        sparams, sids, smask = _on_mesh(config, params, mesh, ids, mask)
+        stats = {}
+        out = paged.sample_paged(config, sparams, sids, smask, jax.random.key(2), max_num_seqs=2,
+                                 page_size=4, stats=stats, **kw)  # fmt: skip
+    assert stats["shards"] == mesh.shape["data"] * mesh.shape["fsdp"] > 1
+    ref = sampler.sample(config, params, ids, mask, jax.random.key(2), **kw)
+    _assert_same_rollout(config, params, ids, mask, jax.random.key(2), ref, out,
+                         temperature=1.0, top_k=-1, top_p=1.0)  # fmt: skip
+
+
+def _experts_memory(mesh, num_tokens: int, *, stand_in=False):
+    """Compiled temporaries (bytes a device) of the experts' forward and gradient on
+    `num_tokens` tokens split over the mesh's batch axes, with the tiny model's expert sizes."""
+    config = _tiny_moe()
+    E, D, F, A = config.num_experts, config.hidden_size, config.moe_intermediate_size, 2
+    rules = sharding.LOGICAL_RULES
+    Ps, Sds = jax.sharding.PartitionSpec, jax.ShapeDtypeStruct
+    tokens = jax.sharding.NamedSharding(mesh, Ps(sharding.BATCH_AXES))
+    w_sh = jax.sharding.NamedSharding(mesh, Ps("fsdp", "sequence", "tensor"))
+    d_sh = jax.sharding.NamedSharding(mesh, Ps("fsdp", "tensor", "sequence"))
+
+    def loss(x_XD, weights_XA, experts_XA, gate, up, down):
+        return jnp.sum(moe.grouped_swiglu(x_XD, weights_XA, experts_XA, gate, up, down) ** 2)
+
+    args = (
+        Sds((num_tokens, D), jnp.float32, sharding=tokens),
+        Sds((num_tokens, A), jnp.float32, sharding=tokens),
+        Sds((num_tokens, A), jnp.int32, sharding=tokens),
+        Sds((E, D, F), jnp.float32, sharding=w_sh),
+        Sds((E, D, F), jnp.float32, sharding=w_sh),
+        Sds((E, F, D), jnp.float32, sharding=d_sh),
+    )
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 3, 4, 5)))
+    with sharding.use_mesh(mesh, rules), moe.capacity_stand_in() if stand_in else _null():
+        compiled = grad.lower(*args).compile()
+    return compiled.memory_analysis().temp_size_in_bytes, compiled.as_text()
+
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def test_each_device_computes_only_its_own_tokens_experts():
+    # Per device the experts' temporaries are those of its own X / 8 tokens (plus the layer's
+    # gathered expert weights), not of the global batch: no token-sized all-gather.
+    config = _tiny_moe()
+    E, D, F = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    one = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    eight = sharding.make_mesh((1, 8, 1))
+    local, _ = _experts_memory(one, 256)
+    sharded, hlo = _experts_memory(eight, 8 * 256)
+    whole, _ = _experts_memory(one, 8 * 256)
+    weights = 2 * 3 * E * D * F * 4  # the gathered weights and their gradients, float32
+    assert sharded <= local + weights < whole / 4
+    gathered = [line for line in hlo.splitlines() if "all-gather(" in line]
+    assert gathered and all(f"[{E}," in line.split("=")[1] for line in gathered), gathered
+
+
+def test_the_planning_stand_in_has_a_grouped_matmuls_buffers():
+    # XLA:CPU's ragged_dot is a dense masked dot over all E experts (temporaries ~ Y x E x F);
+    # the stand-in's are those of Y rows (Y x F), as a GPU's or TPU's grouped matmul.
+    config = _tiny_moe()
+    one = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    dense, _ = _experts_memory(one, 1024)
+    stand_in, _ = _experts_memory(one, 1024, stand_in=True)
+    assert stand_in < dense / (config.num_experts / 3)

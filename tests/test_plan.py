@@ -178,6 +178,21 @@ def test_tiny_moe_plan_fits_with_experts_split_over_fsdp():
     assert "FITS in 1.0 GiB" in report
 
 
+def test_moe_plans_for_an_accelerator_use_the_grouped_matmuls_memory_stand_in():
+    # On CPU devices standing in for a GPU or TPU the experts are planned with the stand-in's
+    # buffers (XLA:CPU's ragged_dot is a dense masked dot over every expert); planned for the
+    # CPU itself they are XLA:CPU's own, E times bigger.
+    run = _run(_smoke_config())
+    gpu = planner.from_run(run, model_name="tiny-moe", backend="gpu")
+    cpu = planner.from_run(run, model_name="tiny-moe")
+    assert gpu.moe_stand_in and not cpu.moe_stand_in
+    assert not planner.from_run(run, model_name="tiny", backend="gpu").moe_stand_in
+    micro = run.actor.ppo_micro_batch_size_per_gpu
+    assert gpu.train(micro).temp < cpu.train(micro).temp
+    assert "balanced-capacity stand-in" in planner._moe_note(gpu)
+    assert "stand-in" not in planner._moe_note(cpu)
+
+
 def test_missing_model_is_a_clear_error():
     c = _smoke_config()
     with pytest.raises(ValueError, match="give --model"):

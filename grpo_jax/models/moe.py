@@ -11,6 +11,20 @@ Design:
     GMM on TPU is the same contraction): the X·A (token, expert) assignments are sorted by
     expert, so each expert's rows are contiguous and ``group_sizes`` says how many each has.
     No capacity factor and no dropped tokens: the result equals HF's per-expert loop.
+  * Under a mesh the experts are computed where the tokens are (verl's FSDP MoE): a
+    ``shard_map`` gives each device its own tokens (X split as the rules split ``batch``, then
+    ``seq``) and the layer's expert weights whole, all-gathered from their ``expert`` /
+    ``expert_embed`` split (their gradients summed back onto it), but for each expert's width
+    F, split as the rules split ``mlp`` with the outputs summed over those devices. The sort and
+    the grouped matmuls are then each device's X / devices tokens, never the global batch
+    (which GSPMD cannot partition: it would replicate the sorted assignments).
+  * The paged engine vmaps its shards' programs with the weights unbatched, which jax 0.10's
+    ragged_dot cannot batch: a ``custom_vmap`` runs the batch's tokens as one set of tokens,
+    under a ``custom_vjp`` that keeps the gradient ragged_dot's own.
+  * XLA:CPU lowers ragged_dot to a dense masked dot over every expert (temporaries E times a
+    grouped matmul's); GPU and TPU compilers have a grouped matmul. The planner, compiling on
+    CPU devices for those, traces inside ``capacity_stand_in``: batched dense matmuls over the
+    assignments padded to a balanced capacity, with the grouped matmul's buffers.
   * Router replay (verl's ``actor.router_replay``): ``route`` takes the experts to use instead
     of its own top-k, and then weights them by the current router's probabilities, renormalised
     as above; the routing then follows the recorded one (the rollout's, R3, or the old-log-prob
@@ -32,7 +46,12 @@ assignments, Lm MoE layers.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
+
 import flax
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,24 +105,186 @@ def grouped_swiglu(x_XD, weights_XA, experts_XA, gate_EDF, up_EDF, down_EFD):
     """sum_a weights[x, a] * down_e(silu(gate_e(x)) * up_e(x)), e = experts[x, a].
 
     Every assignment is one row of three grouped matmuls (``ragged_dot``) over the rows sorted
-    by expert; the rows go back to token order before the weighted sum.
+    by expert; the rows go back to token order before the weighted sum. Under a mesh each
+    device computes its own tokens' experts (``_local_experts``); vmappable over leading axes
+    (``_batchable_swiglu``).
 
     Returns:
       y_XD in x's dtype.
     """
-    X, A = experts_XA.shape
-    E = gate_EDF.shape[0]
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return _experts(x_XD, weights_XA, experts_XA, gate_EDF, up_EDF, down_EFD)
+    tokens = _token_axes(mesh, x_XD.shape[0])
+    (mlp,) = nn.logical_to_mesh_axes(("mlp",))
+    if set(_names(mlp)) & set(_names(tokens)):
+        raise ValueError(
+            f"the logical rules split the experts' width (`mlp` -> {mlp}) over a mesh axis "
+            f"that also splits the tokens ({tokens}); map `mlp` in config.mesh.rules to an "
+            "axis that splits neither `batch` nor `seq`"
+        )
+    # The weights enter whole but for their width: GSPMD all-gathers them from their
+    # `expert` / `expert_embed` split (one layer at a time, inside the layer scan) and sums
+    # their gradients back onto it. (An explicit all_gather in here could not name the FSDP
+    # axis under the paged engine's vmap, whose spmd_axis_name holds it.)
+    Ps = jax.sharding.PartitionSpec
+    rows, w_in, w_out = Ps(tokens), Ps(None, None, mlp), Ps(None, mlp, None)
+    local = functools.partial(_local_experts, mlp=mlp)
+    per_device = jax.shard_map(
+        local, in_specs=(rows, rows, rows, w_in, w_in, w_out), out_specs=rows,
+        check_vma=False,  # the grouped matmuls' custom rules carry no vma
+    )  # fmt: skip
+    return per_device(x_XD, weights_XA, experts_XA, gate_EDF, up_EDF, down_EFD)
+
+
+def _names(axes) -> tuple[str, ...]:
+    """The mesh axis names of one PartitionSpec entry (None, a name or a tuple of names)."""
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def _token_axes(mesh, num_tokens: int) -> tuple[str, ...]:
+    """The mesh axes that split the token axis X (B·T flattened row-major): the rules' `batch`
+    axes, then their `seq` axes (Ulysses), each kept while the product still divides X (a decode
+    step's X = B rows is not split over `sequence`; those devices then repeat its experts)."""
+    batch, seq = nn.logical_to_mesh_axes(("batch", "seq"))
+    axes, size = [], 1
+    for name in (*_names(batch), *_names(seq)):
+        if num_tokens % (size * mesh.shape[name]) == 0:
+            axes.append(name)
+            size *= mesh.shape[name]
+    return tuple(axes)
+
+
+def _local_experts(x_XD, weights_XA, experts_XA, gate_EDF, up_EDF, down_EFD, *, mlp):
+    """One device's tokens through the layer's whole experts (verl's FSDP MoE), with this
+    device's share of each expert's width F (`mlp`): the partial outputs are summed over
+    those devices (Megatron's row-parallel down projection)."""
+    y_XD = _experts(x_XD, weights_XA, experts_XA, gate_EDF, up_EDF, down_EFD)
+    return y_XD if mlp is None else jax.lax.psum(y_XD, mlp)
+
+
+def _experts(x_XD, weights_XA, experts_XA, gate_EDF, up_EDF, down_EFD):
+    """The grouped matmuls on one device, or their planning stand-in (``capacity_stand_in``)."""
+    args = (x_XD, weights_XA, experts_XA, gate_EDF, up_EDF, down_EFD)
+    if _STAND_IN.get():
+        return _capacity_swiglu(*args)
+    return _differentiable_swiglu(*args)
+
+
+@jax.custom_vjp
+def _differentiable_swiglu(x_XD, weights_XA, experts_XA, gate_EDF, up_EDF, down_EFD):
+    """``_sorted_swiglu``, vmappable (its primal is ``_batchable_swiglu``) and differentiable
+    (``custom_vmap`` alone has no reverse mode): the gradient is ``_sorted_swiglu``'s own. A
+    gradient taken under vmap with unbatched weights still meets ragged_dot's batching rule;
+    only the paged engine vmaps, and it takes none."""
+    return _batchable_swiglu(x_XD, weights_XA, experts_XA, gate_EDF, up_EDF, down_EFD)
+
+
+def _swiglu_fwd(*args):
+    return jax.vjp(_sorted_swiglu, *args)
+
+
+def _swiglu_bwd(vjp_fn, dy_XD):
+    return vjp_fn(dy_XD)
+
+
+_differentiable_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
+@jax.custom_batching.custom_vmap
+def _batchable_swiglu(x_XD, weights_XA, experts_XA, gate_EDF, up_EDF, down_EFD):
+    """``_sorted_swiglu`` with a batching rule: jax 0.10's ragged_dot batches only when all three
+    operands (weights and group sizes too) are batched along axis 0 ("ragged_dot vmap over any
+    dim but 0 - NYI"), and the paged engine vmaps its shards' programs with the weights
+    unbatched."""
+    return _sorted_swiglu(x_XD, weights_XA, experts_XA, gate_EDF, up_EDF, down_EFD)
+
+
+@_batchable_swiglu.def_vmap
+def _batchable_swiglu_rule(axis_size, in_batched, *args):
+    def batched(a, b):
+        return a if b else jnp.broadcast_to(a, (axis_size, *a.shape))
+
+    tokens, weights = args[:3], args[3:]
+    if any(in_batched[3:]):  # one layer's experts per batch entry: a loop over the entries
+        args = tuple(batched(a, b) for a, b in zip(args, in_batched))
+        return jax.lax.map(lambda a: _batchable_swiglu(*a), args), True
+    # Tokens are independent: the batch's tokens are one set of tokens for the same experts
+    # (calling the function again handles vmaps further out).
+    flat = tuple(
+        batched(a, b).reshape(axis_size * a.shape[int(b)], *a.shape[1 + int(b):])
+        for a, b in zip(tokens, in_batched)
+    )  # fmt: skip
+    y_XD = _batchable_swiglu(*flat, *weights)
+    return y_XD.reshape(axis_size, -1, y_XD.shape[-1]), True
+
+
+def _sort_by_expert(experts_XA, num_experts: int):
+    """(order_Y, sizes_E): the assignments in expert order (stable) and each expert's count."""
     expert_Y = experts_XA.reshape(-1)
     order_Y = jnp.argsort(expert_Y, stable=True)
-    sizes_E = jnp.bincount(expert_Y, length=E).astype(jnp.int32)
+    return order_Y, jnp.bincount(expert_Y, length=num_experts).astype(jnp.int32)
+
+
+def _unsort(y_YD, order_Y, weights_XA):
+    """The rows of y_YD back to (token, assignment) order (a gather by the inverse permutation),
+    weighted and summed over the assignments: y_XD."""
+    X, A = weights_XA.shape
+    y_XAD = jnp.take(y_YD, jnp.argsort(order_Y), axis=0).reshape(X, A, -1)
+    return jnp.einsum("XAD,XA->XD", y_XAD, weights_XA.astype(y_XAD.dtype))
+
+
+def _sorted_swiglu(x_XD, weights_XA, experts_XA, gate_EDF, up_EDF, down_EFD):
+    """The grouped matmuls proper (``ragged_dot``) over the assignments sorted by expert."""
+    A = experts_XA.shape[1]
+    order_Y, sizes_E = _sort_by_expert(experts_XA, gate_EDF.shape[0])
     x_YD = jnp.take(x_XD, order_Y // A, axis=0)
     gate_YF = jax.lax.ragged_dot(x_YD, gate_EDF, sizes_E)
     up_YF = jax.lax.ragged_dot(x_YD, up_EDF, sizes_E)
     h_YF = jax.nn.silu(gate_YF) * up_YF
-    y_YD = jax.lax.ragged_dot(h_YF, down_EFD, sizes_E)
-    # Back to (token, assignment) order: a gather by the inverse permutation.
-    y_XAD = jnp.take(y_YD, jnp.argsort(order_Y), axis=0).reshape(X, A, -1)
-    return jnp.einsum("XAD,XA->XD", y_XAD, weights_XA.astype(y_XAD.dtype))
+    return _unsort(jax.lax.ragged_dot(h_YF, down_EFD, sizes_E), order_Y, weights_XA)
+
+
+# Planning (grpo_jax/planner.py): XLA:CPU lowers ragged_dot to a dense dot of every row with
+# every expert, masked ([Y, E, F] temporaries), where GPU and TPU compilers run a grouped
+# matmul ([Y, F]); compiled on CPU devices for those, the experts run as `_capacity_swiglu`.
+_STAND_IN = contextvars.ContextVar("grpo_jax_moe_capacity_stand_in", default=False)
+
+
+@contextlib.contextmanager
+def capacity_stand_in():
+    """While tracing inside, the experts run as ``_capacity_swiglu``: a memory stand-in for the
+    grouped matmul whose outputs are NOT the model's (planning only). jit's trace caches do not
+    key on the switch (a nested jitted function traced outside would be reused inside), so
+    entering and leaving it clears them."""
+    jax.clear_caches()
+    token = _STAND_IN.set(True)
+    try:
+        yield
+    finally:
+        _STAND_IN.reset(token)
+        jax.clear_caches()
+
+
+def _capacity_swiglu(x_XD, weights_XA, experts_XA, gate_EDF, up_EDF, down_EFD):
+    """The buffers of a grouped matmul without one: the sorted assignments padded to a balanced
+    capacity C = ceil(Y / E) rows an expert and run as batched dense matmuls [E, C, D] @
+    [E, D, F]. Same rows in and out as ``_sorted_swiglu`` (Y x D, Y x F), but each row meets
+    the expert of its slot, not its own: the values are meaningless."""
+    E, D = gate_EDF.shape[:2]
+    A = experts_XA.shape[1]
+    order_Y, _ = _sort_by_expert(experts_XA, E)
+    Y = order_Y.shape[0]
+    C = -(-Y // E)
+    x_ECD = jnp.pad(jnp.take(x_XD, order_Y // A, axis=0), ((0, E * C - Y), (0, 0)))
+    x_ECD = x_ECD.reshape(E, C, D)
+    h_ECF = jax.nn.silu(jnp.einsum("ECD,EDF->ECF", x_ECD, gate_EDF)) * jnp.einsum(
+        "ECD,EDF->ECF", x_ECD, up_EDF
+    )
+    y_YD = jnp.einsum("ECF,EFD->ECD", h_ECF, down_EFD).reshape(E * C, D)[:Y]
+    return _unsort(y_YD, order_Y, weights_XA)
 
 
 def sparse_ffn(
