@@ -496,6 +496,13 @@ def test_turns_wait_out_of_their_slots_and_reuse_their_pages(tiny):
         np.testing.assert_array_equal(np.asarray(tokens), got_ids[b, drawn])
         np.testing.assert_allclose(np.asarray(lp), logp[b, drawn], atol=1e-5)
 
+    # No program compiles per turn: the same call with answers coming in another order adds
+    # no entry to any paged program's cache, and gives the same rollout.
+    sizes = {name: fn._cache_size() for name, fn in paged._programs().items()}
+    again = run(delay=lambda row: 0.2 if row % 2 else 0.0, max_num_seqs=6)
+    assert {name: fn._cache_size() for name, fn in paged._programs().items()} == sizes
+    np.testing.assert_array_equal(np.asarray(again[0].response_ids), got_ids)
+
     # Row 0's answers come late: the others decode, and finish, while it waits.
     slow = run(delay=lambda row: 0.5 if row == 0 else 0.0, max_num_seqs=2)
     # prompts bucketed to 64 tokens: 8 pages; a response 5: rows lose their kept pages
