@@ -93,7 +93,9 @@ class Rollout:
       routed_experts: [B,Lm,Tb+R,A] or None (verl's name): with `sample(record_routing=True)`
         the experts the rollout routed each prompt and response token to in each of the Lm
         MoE layers (A = num_experts_per_tok), in `moe.routing_dtype` (uint8 up to 255 experts);
-        `moe.no_route` where none was recorded (the last response column, never fed back).
+        `moe.no_route` where no token was fed through the model (`fed_tokens`: the padding,
+        and a row's last token, which is drawn, never fed back). The paged engine
+        (`rollout.paged.sample_paged`) records the same.
         Router replay R3 (actor.router_replay.mode) replays them in the trainer's passes.
         Memory: B x Lm x (Tb + R) x A bytes (uint8); Qwen3-30B-A3B (Lm = 48, A = 8), 512 rows
         of 4,096 tokens: 805 MB (int32 would be 3.2 GB).
@@ -695,6 +697,11 @@ def _rollout(
     if st.record_routing:  # the prompt's experts (shared by its n rows), then the response's
         prompt_BLmTA = jnp.repeat(state.routing_PLmTA, st.n, axis=0)
         routed = jnp.concatenate([prompt_BLmTA, out[3]], axis=2)
+        # Only the tokens fed through the model as a row's context keep theirs (the slots of
+        # finished rows feed padding until they are compacted away: that depends on the
+        # schedule), as the paged engine records them.
+        fed_BT = fed_tokens(jnp.repeat(prompt_mask_PT, st.n, axis=0), out[1])
+        routed = jnp.where(fed_BT[:, None, :, None], routed, moe.no_route(st.config.num_experts))
     return Rollout(
         prompt_ids=jnp.repeat(prompt_ids_PT, st.n, axis=0),
         prompt_mask=jnp.repeat(prompt_mask_PT, st.n, axis=0),
@@ -705,6 +712,15 @@ def _rollout(
         weights_version=weights_version,
         routed_experts=routed,
     )
+
+
+def fed_tokens(prompt_mask_BT, response_mask_BR):
+    """bool [B, Tb + R]: the tokens a rollout fed through the model as context, those whose
+    experts `Rollout.routed_experts` records: the real prompt tokens and every response token
+    followed by another (a row's last token is drawn, never fed)."""
+    prompt_BT = prompt_mask_BT > 0
+    followed_BR = jnp.pad(response_mask_BR[:, 1:] > 0, ((0, 0), (0, 1)))
+    return jnp.concatenate([prompt_BT, followed_BR], axis=1)
 
 
 def _sample_whole(st: _Static, params, prompt_ids_PT, prompt_mask_PT, rng, weights_version):

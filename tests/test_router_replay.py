@@ -76,20 +76,26 @@ def _own_experts(config_, params, batch):
     return np.asarray(stats.experts_LmBTA).transpose(1, 0, 2, 3)
 
 
+def _fed(attention_mask_BS):
+    """The tokens a rollout fed through the model: real and followed by a real one (a row's
+    last token is drawn, never fed; the prompt's last is followed by the response's first)."""
+    real_BS = np.asarray(attention_mask_BS).astype(bool)
+    return real_BS & np.pad(real_BS[:, 1:], ((0, 0), (0, 1)))
+
+
 def test_rollout_records_the_experts_the_forward_chooses(rolled):
     config_, params, rollout, batch = rolled
     routed = np.asarray(batch.routed_experts_BLSA)
     assert routed.dtype == np.uint8 and moe.no_route(config_.num_experts) == 255
-    # Every real token but the last response column (never fed back) has its experts, the
-    # same the trainer's forward picks under the same weights.
-    real_BS = np.asarray(batch.attention_mask_BS).astype(bool)
-    recorded_BS = real_BS.copy()
-    recorded_BS[:, -1] = False
+    # Every token fed through the model has its experts, the same the trainer's forward picks
+    # under the same weights; the others (padding, each row's last token) have none.
+    fed_BS = _fed(batch.attention_mask_BS)
+    assert fed_BS[:, -1].sum() == 0 and (~fed_BS & np.asarray(batch.attention_mask_BS)).any()
+    routed_BSLA = routed.transpose(0, 2, 1, 3)
     np.testing.assert_array_equal(
-        routed.transpose(0, 2, 1, 3)[recorded_BS],
-        _own_experts(config_, params, batch).transpose(0, 2, 1, 3)[recorded_BS],
+        routed_BSLA[fed_BS], _own_experts(config_, params, batch).transpose(0, 2, 1, 3)[fed_BS]
     )
-    assert (routed[:, :, -1] == 255).all()
+    assert (routed_BSLA[~fed_BS] == 255).all()
     # The prompt is prefilled once per group: its rows' prompt experts are the same.
     prompt = routed[:, :, :8].reshape(2, 4, *routed.shape[1:2], 8, -1)
     assert (prompt == prompt[:, :1]).all()
@@ -222,6 +228,64 @@ def test_native_engine_records_through_the_grouped_sampler_and_refuses_paging(ro
     paging = engines.NativeEngine(config_, mesh, max_num_seqs=4, **kwargs)
     with pytest.raises(ValueError, match="rollout.max_num_seqs=4.*does not record"):
         paging.sample(params, ids_PT, mask_PT, jax.random.key(0), sp)
+
+
+_PAGED = {  # max_num_seqs, page_size, max_num_batched_tokens, segment_steps, spare pages
+    # (None: the default pool, which never preempts; else one row's full length and as many
+    # pages more: rows grow, and the newest are preempted and recomputed)
+    "all rows at once": (1024, 16, 8192, 16, None),
+    "one slot, chunks of 4": (1, 2, 4, 2, None),
+    "4 slots, pages of 4, tight": (4, 4, 8, 3, 1),
+    "6 slots, pages of 2, tight": (6, 2, 16, 2, 2),
+}
+
+
+@pytest.fixture(scope="module")
+def mixed():
+    """Prompts of 1 (nothing to prefill) to 30 tokens, n = 3, an EOS drawn mid-way: (config,
+    params, ids, mask, sampling kwargs, the grouped sampler's recorded rollout)."""
+    from test_paged import _prompts
+
+    config_ = _tiny_moe()
+    params = model.init_params(config_, jax.random.key(3))
+    ids, mask = _prompts([5, 9, 1, 17, 3, 30], config_.vocab_size, seed=1)
+    kw = dict(n=3, max_new_tokens=20, temperature=1.0, eos_token_ids=(5,), record_routing=True)
+    ref = sampler.sample(config_, params, ids, mask, jax.random.key(7), **kw)
+    return config_, params, ids, mask, kw, ref
+
+
+@pytest.mark.parametrize("schedule", list(_PAGED), ids=list(_PAGED))
+def test_the_paged_engine_records_the_grouped_samplers_experts(mixed, schedule):
+    # The prefill's chunks record the prompt's tokens, shared by the group's rows, and each
+    # decode step the token a row feeds; a preempted row records its recomputed tokens again.
+    from test_paged import _one_row_pages
+
+    from grpo_jax.rollout import paged
+
+    config_, params, ids, mask, kw, ref = mixed
+    seqs, page, batched, segment, spare = _PAGED[schedule]
+    num_pages = None if spare is None else spare + _one_row_pages(
+        ids, mask, page_size=page, max_new_tokens=kw["max_new_tokens"])  # fmt: skip
+    stats = {}
+    out = paged.sample_paged(
+        config_, params, ids, mask, jax.random.key(7), max_num_seqs=seqs, page_size=page,
+        max_num_batched_tokens=batched, segment_steps=segment, num_pages=num_pages,
+        stats=stats, **kw,
+    )  # fmt: skip
+    if spare is not None:
+        assert stats["preemptions"] > 0 and stats["replayed_tokens"] > 0
+    for field in ("response_ids", "response_mask", "routed_experts"):
+        np.testing.assert_array_equal(getattr(out, field), getattr(ref, field), err_msg=field)
+    np.testing.assert_allclose(out.log_probs, ref.log_probs, atol=1e-5)
+    # Recording is per call's shapes: other prompts of the bucket compile no new program.
+    sizes = {name: fn._cache_size() for name, fn in paged._programs().items()}
+    other = paged.sample_paged(
+        config_, params, np.roll(ids, 1, axis=0), np.roll(mask, 1, axis=0), jax.random.key(8),
+        max_num_seqs=seqs, page_size=page, max_num_batched_tokens=batched,
+        segment_steps=segment, num_pages=num_pages, **kw,
+    )  # fmt: skip
+    assert {name: fn._cache_size() for name, fn in paged._programs().items()} == sizes
+    assert other.routed_experts.shape == ref.routed_experts.shape
 
 
 @pytest.mark.reference("verl")

@@ -112,6 +112,7 @@ def paged_forward(
     spans: paged_kernel.Spans | None = None,
     attention: str = "xla",
     interpret: bool | None = None,
+    routing: bool = False,
 ):
     """T tokens of each of B sequences through the model over the paged cache.
 
@@ -135,10 +136,13 @@ def paged_forward(
         "pallas" needs them.
       attention: "xla" or "pallas" (T = 1 only; a `layout="pallas"` pool), see the module doc.
       interpret: the kernel's Pallas interpret mode (`paged_kernel.attend`).
+      routing: also return the experts each token was routed to (router replay R3).
 
     Returns:
       (x_DX, pool): the final residual stream feature-major, [D, B * T] (row-major over (B, T);
-      ``decode.head_logits_fm`` gives logits), and the updated pool.
+      ``decode.head_logits_fm`` gives logits), and the updated pool; with `routing`, also
+      experts_LmXA, int32 [Lm, B * T, A]: each token's experts in each of the Lm MoE layers
+      (Lm = 0 for a dense model).
     """
     c = config
     dt = c.dtype
@@ -169,7 +173,14 @@ def paged_forward(
     cos_HX, sin_HX = cos_BTH.reshape(X, H).T, sin_BTH.reshape(X, H).T
     x_DX = decode.embed_fm(c, params, tokens_BT.reshape(X))
     page_X, column_X = write_page_BT.reshape(X), write_column_BT.reshape(X)
-    new_k, new_v = [], []
+    new_k, new_v, experts = [], [], []
+
+    def out_mlp(w, x_DX, o_XX):
+        x_DX, experts_XA = decode.out_mlp_fm_routed(c, w, x_DX, o_XX)
+        if experts_XA is not None:
+            experts.append(experts_XA)
+        return x_DX
+
     for layer, w in enumerate(params.layers):
         q_NHX, k_KHX, v_KHX = decode.qkv_fm(c, w, x_DX, cos_HX, sin_HX)
         k_pool, v_pool = pool.k[layer], pool.v[layer]
@@ -196,7 +207,7 @@ def paged_forward(
                 interpret=interpret,
             )  # fmt: skip
             o_XX = o_BNH.transpose(1, 2, 0).reshape(N * H, X)
-            x_DX = decode.out_mlp_fm(c, w, x_DX, o_XX)
+            x_DX = out_mlp(w, x_DX, o_XX)
             continue
         # Queries [N, H, B*T] -> [B, K, T*R, H] (head n = k * R + r, as the model's GQA).
         q_BKQH = q_NHX.reshape(K, R, H, B, T).transpose(3, 0, 4, 1, 2).reshape(B, K, T * R, H)
@@ -212,8 +223,13 @@ def paged_forward(
             )  # fmt: skip
         # [B, K, T, R, H] -> [N * H, B * T]
         o_XX = o_BKTRH.transpose(1, 3, 4, 0, 2).reshape(N * H, X)
-        x_DX = decode.out_mlp_fm(c, w, x_DX, o_XX)
-    return x_DX, KVPool(k=tuple(new_k), v=tuple(new_v), layout=pool.layout)
+        x_DX = out_mlp(w, x_DX, o_XX)
+    pool = KVPool(k=tuple(new_k), v=tuple(new_v), layout=pool.layout)
+    if not routing:
+        return x_DX, pool
+    A = c.num_experts_per_tok
+    experts_LmXA = jnp.stack(experts) if experts else jnp.zeros((0, X, A), jnp.int32)
+    return x_DX, pool, experts_LmXA
 
 
 PAGE_BUCKETS = 8  # branches of a decode step's attention (`page_buckets`)

@@ -87,6 +87,16 @@ stay by response position (the appended positions included), so the tokens do no
 when the futures complete. `stats` adds `paused_turns`, `appended_tokens` and `dropped_holds`;
 the trace adds ("pause", rows), ("resume", rows) and ("finish", rows).
 
+Router replay (`record_routing`, a MoE model; actor.router_replay.mode='R3'). The rollout also
+records the experts of every token fed through the model, in `sampler.sample`'s
+`Rollout.routed_experts` layout ([B, Lm, Tb + R, A], `moe.no_route` where nothing was fed): the
+state holds each shard's [Bd, Lm, Tb + R, A]; a prefill chunk (`_prefill_routed`, the program
+`prefill` becomes) writes its tokens' experts into the prompt columns of its group's n rows,
+and each decode step the experts of the token a slot feeds, at column Tb + t - 1 (the prompt's
+last at t = 0). A recomputed token (a preempted row, a turn's dropped pages) writes again the
+experts it had, and a turn's appended tokens are recorded when they are fed. Off, the state has
+no such field and every program is the one without it.
+
 Kernels (`attention`, `models.paged_kernel.resolve`). On a TPU with a bfloat16 model a decode
 step's attention is JAX's Pallas TPU paged-attention kernel (`models.paged_kernel`): it reads
 only each row's pages, over a pool in the kernel's layout ([K, pages, page_size, H] a layer,
@@ -124,7 +134,7 @@ import numpy as np
 
 from grpo_jax import model as model_lib
 from grpo_jax import sampler
-from grpo_jax.models import decode, paged, paged_kernel
+from grpo_jax.models import decode, moe, paged, paged_kernel
 
 # verl 0.9.1's rollout.max_num_seqs / max_num_batched_tokens defaults (vLLM's names).
 MAX_NUM_SEQS = 256
@@ -169,6 +179,8 @@ class _Settings:
     # The kernel's Pallas interpret mode (`paged_kernel.attend`); None: unless JAX's backend
     # is a TPU. False where a program is compiled for TPUs from another backend (the planner).
     interpret: bool | None = None
+    # Record each fed token's experts (`PagedState.routing_DBLmTA`; router replay R3).
+    record_routing: bool = False
 
 
 @flax.struct.dataclass
@@ -198,6 +210,10 @@ class PagedState:
     ids_DBR: jax.Array
     mask_DBR: jax.Array
     log_probs_DBR: jax.Array
+    # With record_routing (else None): [Bd, Lm, Tb + R, A] in moe.routing_dtype, the experts
+    # of each token the row fed through the model (`sampler.Rollout.routed_experts`' layout:
+    # Tb bucketed prompt columns, left-padded, then the response), moe.no_route elsewhere.
+    routing_DBLmTA: jax.Array | None = None
 
 
 @contextlib.contextmanager
@@ -256,11 +272,19 @@ def _step(st: _Settings, dparams, pages_used, pool, s: PagedState):
         own_start_B=s.prompt_pages_DS,
         own_len_B=jnp.where(s.active_DS, s.plen_DS + 1, zero),
     )
-    x_DS, pool = paged.paged_forward(
+    x_DS, pool, *experts = paged.paged_forward(
         st.config, dparams, pool, s.tok_DS[:, None], s.pos_DS[:, None], page_S[:, None],
         (w_S % P)[:, None], s.page_table_DSM, None, pages_used, spans=spans,
-        attention=st.attention, interpret=st.interpret,
+        attention=st.attention, interpret=st.interpret, routing=st.record_routing,
     )  # fmt: skip
+    if st.record_routing:
+        # The fed token is the prompt's last (t = 0, prompt column Tb - 1) or the response's
+        # t - 1 (column Tb + t - 1). A replayed token records again: the same experts.
+        Tb = s.routing_DBLmTA.shape[2] - R
+        rows_S = jnp.where(s.active_DS, s.row_DS, B)
+        experts_SLmA = experts[0].transpose(1, 0, 2).astype(s.routing_DBLmTA.dtype)
+        s = dataclasses.replace(s, routing_DBLmTA=s.routing_DBLmTA.at[
+            rows_S, :, Tb + s.t_DS - 1].set(experts_SLmA, mode="drop"))  # fmt: skip
     logits_SV = decode.head_logits_fm(st.config, dparams, x_DS)
     step_keys_S = jax.vmap(jax.random.fold_in)(s.keys_DS, s.t_DS)
     tokens_S, values_S = sampler.select_tokens(
@@ -319,7 +343,8 @@ def _decode(st: _Settings, dparams, pool, state: PagedState, page_table_DSM, max
     return pool, state, steps
 
 
-def _prefill_shard(st: _Settings, dparams, pool, tokens_GC, pos_GC, valid_GC, page_table_GM):
+def _prefill_shard(st: _Settings, dparams, pool, tokens_GC, pos_GC, valid_GC, page_table_GM,
+                   routing: bool = False):  # fmt: skip
     P = pool.page_size
     M = page_table_GM.shape[1]
     page_GC = jnp.where(
@@ -327,11 +352,11 @@ def _prefill_shard(st: _Settings, dparams, pool, tokens_GC, pos_GC, valid_GC, pa
     )
     slots = jnp.arange(M * P, dtype=jnp.int32)
     valid_GCS = slots[None, None] <= pos_GC[:, :, None]
-    _, pool = paged.paged_forward(
+    _, pool, *experts = paged.paged_forward(
         st.config, dparams, pool, tokens_GC, pos_GC, page_GC, pos_GC % P, page_table_GM,
-        valid_GCS,
+        valid_GCS, routing=routing,
     )  # fmt: skip
-    return pool
+    return (pool, *experts) if routing else pool
 
 
 def _prefill(st: _Settings, dparams, pool, tokens_DGC, pos_DGC, valid_DGC, page_table_DGM):
@@ -339,6 +364,32 @@ def _prefill(st: _Settings, dparams, pool, tokens_DGC, pos_DGC, valid_DGC, page_
     into their shard's pages; a chunk attends to its prompt's slots up to itself."""
     prefill = _over_shards(st, functools.partial(_prefill_shard, st), (None, 0, 0, 0, 0, 0))
     return prefill(dparams, pool, tokens_DGC, pos_DGC, valid_DGC, page_table_DGM)
+
+
+def _prefill_routed(st: _Settings, dparams, pool, state: PagedState, tokens_DGC, pos_DGC,
+                    valid_DGC, page_table_DGM, rows_DGN, prompt_len_DG):  # fmt: skip
+    """`_prefill` that also records the chunks' experts (st.record_routing) into the prompt
+    columns of their groups' rows: rows_DGN (Bd: none) of prompts of prompt_len_DG tokens."""
+
+    def shard(dparams, pool, s: PagedState, tokens_GC, pos_GC, valid_GC, page_table_GM,
+              rows_GN, prompt_len_G):  # fmt: skip
+        pool, experts_LmXA = _prefill_shard(st, dparams, pool, tokens_GC, pos_GC, valid_GC,
+                                            page_table_GM, routing=True)  # fmt: skip
+        (G, C), (B, N) = tokens_GC.shape, (s.ids_DBR.shape[0], rows_GN.shape[1])
+        Lm, A = experts_LmXA.shape[0], experts_LmXA.shape[-1]
+        Tb = s.routing_DBLmTA.shape[2] - st.max_new_tokens
+        # prompt position pos of a prompt of len tokens is column Tb - len + pos (left-padded)
+        col_GNC = jnp.broadcast_to((Tb - prompt_len_G[:, None] + pos_GC)[:, None], (G, N, C))
+        rows_GNC = jnp.where(valid_GC[:, None], rows_GN[:, :, None], B)
+        experts_GNCLmA = jnp.broadcast_to(
+            experts_LmXA.reshape(Lm, G, 1, C, A).transpose(1, 2, 3, 0, 4), (G, N, C, Lm, A)
+        ).astype(s.routing_DBLmTA.dtype)
+        routing = s.routing_DBLmTA.at[rows_GNC, :, col_GNC].set(experts_GNCLmA, mode="drop")
+        return pool, dataclasses.replace(s, routing_DBLmTA=routing)
+
+    prefill = _over_shards(st, shard, (None, 0, 0, 0, 0, 0, 0, 0, 0))
+    return prefill(dparams, pool, state, tokens_DGC, pos_DGC, valid_DGC, page_table_DGM,
+                   rows_DGN, prompt_len_DG)  # fmt: skip
 
 
 def _admit_shard(state: PagedState, slot_A, row_A, key_row_A, tok_A, pos_A, prompt_len_A,
@@ -400,11 +451,18 @@ def _read_rows(state: PagedState, row_DA):
 
 
 def _init_state(st: _Settings, rng, *, shards: int, num_slots: int, num_pages_row: int,
-                rows: int) -> PagedState:  # fmt: skip
-    S, R = num_slots, st.max_new_tokens
+                rows: int, prompt_width: int = 0) -> PagedState:  # fmt: skip
+    """The empty slots and outputs of D shards; with st.record_routing, routing of
+    `prompt_width` (Tb) prompt columns and R response columns, moe.no_route throughout."""
+    S, R, c = num_slots, st.max_new_tokens, st.config
 
     def shard(_):
         zeros = jnp.zeros((S,), jnp.int32)
+        routing = None
+        if st.record_routing:
+            E = c.num_experts
+            routing = jnp.full((rows, c.num_moe_layers, prompt_width + R, c.num_experts_per_tok),
+                               moe.no_route(E), moe.routing_dtype(E))  # fmt: skip
         return PagedState(
             rng_D=rng,
             tok_DS=zeros,
@@ -421,6 +479,7 @@ def _init_state(st: _Settings, rng, *, shards: int, num_slots: int, num_pages_ro
             ids_DBR=jnp.full((rows, R), st.pad_token_id, jnp.int32),
             mask_DBR=jnp.zeros((rows, R), jnp.int32),
             log_probs_DBR=jnp.zeros((rows, R), jnp.float32),
+            routing_DBLmTA=routing,
         )
 
     return _over_shards(st, shard)(jnp.arange(shards))
@@ -445,9 +504,13 @@ def _init_pool(st: _Settings, shards: int, num_pages: int, page_size: int) -> pa
 
 
 def _outputs(state: PagedState):
-    """The [D, Bd, R] outputs as [B, R] (shard d holds rows d * Bd ... (d + 1) * Bd - 1)."""
+    """The [D, Bd, R] outputs as [B, R] (shard d holds rows d * Bd ... (d + 1) * Bd - 1), and
+    the routing as [B, Lm, Tb + R, A] (None unless recorded)."""
+    routing = state.routing_DBLmTA
+    if routing is not None:
+        routing = routing.reshape(-1, *routing.shape[2:])
     return tuple(x.reshape(-1, x.shape[-1])
-                 for x in (state.ids_DBR, state.mask_DBR, state.log_probs_DBR))  # fmt: skip
+                 for x in (state.ids_DBR, state.mask_DBR, state.log_probs_DBR)) + (routing,)
 
 
 def peak_program(config: model_lib.ModelConfig, plan: PoolPlan, *, shards: int,
@@ -490,9 +553,10 @@ def _programs():
     return {
         "decode_params": jax.jit(model_lib.decode_params, static_argnums=0),
         "init": jax.jit(_init_state, static_argnums=0, static_argnames=(
-            "shards", "num_slots", "num_pages_row", "rows")),  # fmt: skip
+            "shards", "num_slots", "num_pages_row", "rows", "prompt_width")),  # fmt: skip
         "pool": jax.jit(_init_pool, static_argnums=(0, 1, 2, 3)),
         "prefill": jax.jit(_prefill, static_argnums=0, donate_argnums=2),
+        "prefill_routed": jax.jit(_prefill_routed, static_argnums=0, donate_argnums=(2, 3)),
         "admit": jax.jit(_admit, static_argnums=0, donate_argnums=1),
         "append": jax.jit(_append, static_argnums=0, donate_argnums=1),
         "read_rows": jax.jit(_read_rows),
@@ -600,6 +664,7 @@ def sample_paged(
     attention: str = "auto",
     stats: dict | None = None,
     turns: Turns | None = None,
+    record_routing: bool = False,
 ) -> sampler.Rollout:
     """`sampler.sample` with continuous batching over a paged KV pool (see the module doc).
 
@@ -617,6 +682,11 @@ def sample_paged(
         and rows in flight) and `trace`, the calls in order.
       turns: multi-turn rows (`Turns`, see the module doc): a row that stops asks
         `turns.ended`, and may wait for tokens to append and go on.
+      record_routing: also record each token's experts in `Rollout.routed_experts` (a MoE
+        model; router replay R3), as `sampler.sample` does: the prefill's chunks record the
+        prompt's tokens into the columns of its group's n rows, each decode step the token a
+        row feeds (the prompt's last, a drawn token, a recomputed one after a preemption, a
+        turn's appended ones), so every token fed through the model has its experts.
 
     Returns:
       The same `Rollout` as `sampler.sample` (rows of a prompt adjacent).
@@ -634,6 +704,8 @@ def sample_paged(
         eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
     )  # fmt: skip
     sampler.check_logprobs_mode(logprobs_mode)
+    if record_routing and not config.num_moe_layers:
+        raise ValueError("record_routing=True needs a mixture-of-experts model (num_experts > 0)")
     if segment_steps < 1:
         raise ValueError(f"segment_steps={segment_steps} must be >= 1")
     ids_np, mask_np = sampler.bucket_prompts(ids_np, mask_np, pad_token_id=pad_token_id)
@@ -652,7 +724,8 @@ def sample_paged(
     )  # fmt: skip
     attention = paged_kernel.resolve(attention, kv_dtype=config.dtype)
     st = _Settings(config, max_new_tokens, float(temperature), float(top_p), int(top_k),
-                   eos_token_ids, int(pad_token_id), logprobs_mode, axes, attention)  # fmt: skip
+                   eos_token_ids, int(pad_token_id), logprobs_mode, axes, attention,
+                   record_routing=bool(record_routing))  # fmt: skip
     run = _Schedule(st, plan, prompts, n, segment_steps, shards, mesh, turns)
     programs = _programs()
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
@@ -661,10 +734,10 @@ def sample_paged(
         state = programs["init"](
             st, sampler.as_typed_key(jnp.asarray(rng)), shards=shards,
             num_slots=plan.max_num_seqs, num_pages_row=plan.prompt_pages + plan.response_pages,
-            rows=plan.rows,
+            rows=plan.rows, prompt_width=width if record_routing else 0,
         )  # fmt: skip
         pool, state = run(programs, dparams, pool, state)
-        ids_BR, mask_BR, log_probs_BR = programs["outputs"](state)
+        ids_BR, mask_BR, log_probs_BR, routed = programs["outputs"](state)
     if stats is not None:
         stats.update(dataclasses.asdict(plan), shards=shards, **run.counts, trace=run.trace)
     rollout = sampler.Rollout(
@@ -675,6 +748,7 @@ def sample_paged(
         log_probs=log_probs_BR,
         group_ids=jnp.repeat(jnp.arange(num_prompts, dtype=jnp.int32), n),
         weights_version=jnp.int32(weights_version),
+        routed_experts=routed,
     )
     if isinstance(prompt_ids, jax.Array):  # back on the prompts' batch sharding
         rollout = jax.tree.map(
@@ -966,15 +1040,24 @@ class _Shard:
             return None
         self.note_use()
         batch = [np.stack(x) for x in (tokens, pos, valid, tables)]
+        if self.st.record_routing:  # the rows whose prompt columns record the experts
+            g_G = np.asarray(groups, np.int32) - self.g0
+            batch += [g_G[:, None] * self.n + np.arange(self.n, dtype=np.int32),
+                      np.asarray([len(self.prompts[g]) for g in g_G], np.int32)]  # fmt: skip
         return [np.concatenate([x, y[len(tokens) :]]) for x, y in zip(batch, self.idle_prefill())
                 ] + [tuple(groups)]  # fmt: skip
 
     def idle_prefill(self):
-        """A prefill batch that only writes the trash page."""
+        """A prefill batch that only writes the trash page (with st.record_routing, and the
+        rows of no group: the shard's row count)."""
         C, G, Mp = self.plan.chunk, self.plan.chunk_rows, self.plan.prompt_pages
         pos = np.broadcast_to(np.arange(C, dtype=np.int32), (G, C))
-        return [np.zeros((G, C), np.int32), pos, np.zeros((G, C), bool),
-                np.zeros((G, Mp), np.int32)]  # fmt: skip
+        batch = [np.zeros((G, C), np.int32), pos, np.zeros((G, C), bool),
+                 np.zeros((G, Mp), np.int32)]  # fmt: skip
+        if self.st.record_routing:
+            batch += [np.full((G, self.n), self.plan.rows, np.int32),
+                      np.zeros((G,), np.int32)]  # fmt: skip
+        return batch
 
     def admissions(self):
         """Waiting rows whose prompts are prefilled into free slots, with the pages of their
@@ -1157,8 +1240,12 @@ class _Schedule:
                 self.counts["prefill_calls"] += 1
                 self.trace.append(("prefill", sum((b[-1] for b in batches if b), ())))
                 arrays = [b[:-1] if b else sh.idle_prefill() for b, sh in zip(batches, shards)]
-                pool = programs["prefill"](self.st, dparams, pool,
-                                           *self._put([np.stack(x) for x in zip(*arrays)]))
+                arrays = self._put([np.stack(x) for x in zip(*arrays)])
+                if self.st.record_routing:
+                    pool, state = programs["prefill_routed"](self.st, dparams, pool, state,
+                                                             *arrays)  # fmt: skip
+                else:
+                    pool = programs["prefill"](self.st, dparams, pool, *arrays)
             for sh in shards:  # the running rows' next pages first, as vLLM schedules
                 sh.grow()
             admits = [sh.admissions() for sh in shards]
