@@ -1443,9 +1443,6 @@ class RunConfig:
                    "0.32's --enable-return-routed-experts answers on its token-in-token-out "
                    "/inference/v1/generate only, which the sidecar does not use); use "
                    "rollout.name=jax, or mode='R2' (recorded in the old-log-prob pass)")
-            c.need(not r.multi_turn.enable, "rollout.multi_turn.enable", r.multi_turn.enable,
-                   "cannot record the experts with actor.router_replay.mode='R3' (the agent "
-                   "loop's turns are sampled separately); use mode='R2' or 'disabled'")
         if mode == "R2":
             bypass = self.algorithm.rollout_correction.bypass_mode
             c.need(not bypass, "algorithm.rollout_correction.bypass_mode", bypass,

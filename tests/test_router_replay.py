@@ -214,20 +214,19 @@ def test_dynamic_sampling_keeps_each_rows_experts(rolled):
         assert (routed[:, :2] == 255).all()
 
 
-def test_native_engine_records_through_the_grouped_sampler_and_refuses_paging(rolled):
+def test_native_engine_records_through_either_sampler(rolled):
+    # 8 rows: all at once through the grouped sampler (8 slots), or paged through 4 / 3
     from grpo_jax.rollout import engines
 
     config_, params, rollout, _ = rolled
     ids_PT, mask_PT = (np.asarray(x)[::4, -6:] for x in (rollout.prompt_ids, rollout.prompt_mask))
     mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
     sp = engines.SamplingParams(n=4, max_new_tokens=12, temperature=1.0, record_routing=True)
-    kwargs = dict(eos_ids=(5,), pad_id=0)
-    engine = engines.NativeEngine(config_, mesh, max_num_seqs=8, **kwargs)
-    again = engine.sample(params, ids_PT, mask_PT, jax.random.key(0), sp)
-    np.testing.assert_array_equal(again.routed_experts, rollout.routed_experts)
-    paging = engines.NativeEngine(config_, mesh, max_num_seqs=4, **kwargs)
-    with pytest.raises(ValueError, match="rollout.max_num_seqs=4.*does not record"):
-        paging.sample(params, ids_PT, mask_PT, jax.random.key(0), sp)
+    for slots in (8, 4, 3):
+        engine = engines.NativeEngine(config_, mesh, max_num_seqs=slots, eos_ids=(5,), pad_id=0)
+        again = engine.sample(params, ids_PT, mask_PT, jax.random.key(0), sp)
+        np.testing.assert_array_equal(again.response_ids, rollout.response_ids)
+        np.testing.assert_array_equal(again.routed_experts, rollout.routed_experts)
 
 
 _PAGED = {  # max_num_seqs, page_size, max_num_batched_tokens, segment_steps, spare pages
@@ -321,9 +320,10 @@ def test_config_names_the_field_and_what_to_do():
     run.check_model_for_router_replay(2)
 
 
-def _run(tmp_path, name, *, mode: str, packed: bool):
+def _run(tmp_path, name, *, mode: str, packed: bool, max_num_seqs: int = 256):
     """Two steps of a random tiny Qwen3-MoE (char tokenizer, arithmetic prompts) through
-    loop.train: returns its metric rows."""
+    loop.train (4 rollout rows a step: max_num_seqs below that pages them): returns its metric
+    rows."""
     tok = qwen3_like_tokenizer()
     mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
     run = config.RunConfig(
@@ -336,7 +336,7 @@ def _run(tmp_path, name, *, mode: str, packed: bool):
         ),
         rollout=config.RolloutConfig(
             n=2, log_prob_micro_batch_size_per_gpu=4, log_prob_use_dynamic_bsz=False,
-            enable_rollout_routing_replay=mode == "R3",
+            enable_rollout_routing_replay=mode == "R3", max_num_seqs=max_num_seqs,
         ),
         reward=config.RewardConfig(num_workers=0),
         trainer=config.TrainerConfig(total_training_steps=2, progress_bar=False, tensorboard=False,
@@ -374,6 +374,88 @@ def test_tiny_moe_trains_two_steps_with_and_without_replay(tmp_path, packed):
     # The first step's rollout is sampled by the same weights whatever the mode.
     first = [history[0]["response_length/mean"] for history in rows.values()]
     assert first == [first[0]] * 3
+
+
+def test_multi_turn_rows_record_their_tool_turns_experts():
+    # A multi-turn rollout decodes through the paged engine: a tool turn's tokens, fed into
+    # the waiting row's kept pages, record their experts as drawn tokens do. Every fed token's
+    # experts are those the trainer's forward picks over the whole conversation, whatever the
+    # slots and the pool (small: waiting rows lose their pages and recompute them).
+    from test_multi_turn import qwen_tool_tokenizer
+    from test_multi_turn_paged import EchoTool, _agent
+
+    from grpo_jax.data import prompts
+    from grpo_jax.rollout import engines, multi_turn, paged
+
+    tok = qwen_tool_tokenizer()
+    config_ = _tiny_moe(vocab_size=len(tok))
+    params = model.init_params(config_, jax.random.key(3))
+    # A turn ends on <|im_end|> or a lowercase letter or digit, so turns are short.
+    stops = list("abcdefghijklmnopqrstuvwxyz0123456789")
+    eos = (tok.eos_token_id, *tok.convert_tokens_to_ids(stops))
+    examples = [prompts.Example(({"role": "user", "content": q},), ground_truth="0")
+                for q in ("1+6?", "30+4?")]  # fmt: skip
+    ps = prompts.encode(tok, examples, max_prompt_length=128, filter_overlong_prompts=False,
+                        truncation="error", chat_template_kwargs=None)  # fmt: skip
+    batch = prompts.make_batch(ps, range(len(examples)), pad_token_id=0)
+    mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    sp = engines.SamplingParams(2, 120, 1.0, record_routing=True)
+    routed, schedules, real = [], [], paged.sample_paged
+
+    def spy(*args, **kwargs):
+        schedules.append({})
+        return real(*args, stats=schedules[-1], **kwargs)
+
+    for slots, num_pages in ((4, None), (2, 24)):
+        engine = engines.NativeEngine(config_, mesh, eos_ids=eos, pad_id=0, max_num_seqs=slots,
+                                      num_pages=num_pages)  # fmt: skip
+        agent = _agent(tok, eos, EchoTool(lambda n: 0.0),
+                       multi_turn.Settings(max_assistant_turns=3))  # fmt: skip
+        try:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(paged, "sample_paged", spy)
+                out = agent.sample(engine, params, batch, jax.random.key(11), sp)
+        finally:
+            agent.close()
+        r = out.rollout
+        assert out.row_stats["tool_calls"].sum() >= 2
+        train = train_stage.train_batch(r, prompt_width=batch.prompt_ids_PT.shape[1], bucket=8)
+        fed_BS = _fed(train.attention_mask_BS)
+        tool_BT = (np.asarray(r.response_mask) > 0) & (np.asarray(r.loss_mask) == 0)
+        assert (fed_BS[:, -tool_BT.shape[1] :] & tool_BT).sum() > 0  # tool tokens were fed
+        got_BSLA = np.asarray(train.routed_experts_BLSA).transpose(0, 2, 1, 3)
+        own_BSLA = _own_experts(config_, params, train).transpose(0, 2, 1, 3)
+        np.testing.assert_array_equal(got_BSLA[fed_BS], own_BSLA[fed_BS])
+        assert (got_BSLA[~fed_BS] == 255).all()
+        routed.append(np.asarray(r.routed_experts))
+    assert schedules[1]["dropped_holds"] > 0 and schedules[1]["replayed_tokens"] > 0
+    np.testing.assert_array_equal(routed[0], routed[1])
+
+
+def test_r3_through_the_paged_engine_trains_as_through_the_grouped_sampler(tmp_path):
+    # rollout.max_num_seqs=3 < 4 rows: every step's rollout decodes through the paged engine,
+    # which records the experts; the old-log-prob pass replays them under the rollout's own
+    # weights, so its log-probs are the rollout's, and the run is the grouped sampler's.
+    from grpo_jax.rollout import paged
+
+    calls, real = [], paged.sample_paged
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["record_routing"])
+        return real(*args, **kwargs)
+
+    grouped = _run(tmp_path, "grouped", mode="R3", packed=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(paged, "sample_paged", spy)
+        paging = _run(tmp_path, "paged", mode="R3", packed=False, max_num_seqs=3)
+    assert calls == [True, True]
+    for a, b in zip(paging, grouped, strict=True):
+        # a wrongly placed expert would move the log-probs and count as a mismatch
+        assert a["training/rollout_probs_diff_max"] < 1e-6
+        assert a["actor/router_replay_mismatch"] == 0.0
+        for key in ("response_length/mean", "actor/router_replay_mismatch"):
+            assert a[key] == b[key], key
+        np.testing.assert_allclose(a["actor/pg_loss"], b["actor/pg_loss"], rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.slow

@@ -107,7 +107,8 @@ class NativeEngine:
     same rollout; `num_pages`, rollout.num_gpu_blocks_override, sizes each shard's pool); up
     to that, all rows at once through `sampler.sample`. Multi-turn rollouts (`turns`, from
     rollout.multi_turn.Agent) always take the paged engine, whose rows wait on their tools out
-    of their slots and keep their KV pages between turns.
+    of their slots and keep their KV pages between turns. Both record the experts of every
+    token (`SamplingParams.record_routing`, router replay R3) alike.
     """
 
     def __init__(
@@ -203,19 +204,11 @@ class NativeEngine:
             # (max_num_seqs is per shard, as vLLM's is per rollout replica).
             if turns is not None or paged.pages(ids.shape[0] * sp.n, paged.shard_layout(ids)[2],
                                                 self.max_num_seqs):  # fmt: skip
-                if sp.record_routing:
-                    raise ValueError(
-                        f"rollout.max_num_seqs={self.max_num_seqs}: this step's "
-                        f"{ids.shape[0] * sp.n} rows would decode through the paged engine "
-                        "(or a multi-turn rollout, which always does), which does not record "
-                        "the MoE experts actor.router_replay.mode='R3' replays (the grouped "
-                        "sampler does): raise rollout.max_num_seqs to the rows per data shard, "
-                        "or use actor.router_replay.mode='R2'"
-                    )
                 return paged.sample_paged(
                     self.model_config, params, ids, mask, rng, max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=self.max_num_batched_tokens,
-                    num_pages=self.num_pages, turns=turns, **kwargs,
+                    num_pages=self.num_pages, turns=turns, record_routing=sp.record_routing,
+                    **kwargs,
                 )  # fmt: skip
             return sampler.sample(
                 self.model_config, params, ids, mask, rng, record_routing=sp.record_routing,

@@ -192,18 +192,20 @@ class Agent:
             prompt = prompts.prompt_ids_PT[p][prompts.prompt_mask_PT[p] == 1].tolist()
             kwargs = dict(prompts.examples[p].extra_info or {}).get("tools_kwargs") or {}
             trajectories += [_Trajectory(list(prompt), kwargs) for _ in range(n)]
+        routed = None
         if isinstance(engine, engines.NativeEngine):
-            version = self._paged(engine, params, prompts, rng, sp, trajectories,
-                                  policy_version)  # fmt: skip
+            version, routed = self._paged(engine, params, prompts, rng, sp, trajectories,
+                                          policy_version)  # fmt: skip
         else:
             version = self._lockstep(engine, params, rng, sp, trajectories, policy_version)
-        return self._collect(trajectories, prompts, n, limit, version, engine)
+        return self._collect(trajectories, prompts, n, limit, version, engine, routed)
 
     def _paged(self, engine, params, prompts, rng, sp, trajectories, policy_version):
         """Every trajectory a row of one paged-engine call (continuous batching): a row whose
         turn calls tools waits out of its slot, with its KV pages, while the others decode;
         the tool turn's tokens are then appended and fed into its pages. Returns the weights
-        version."""
+        version and, with sp.record_routing, the experts of every token (Rollout.routed_experts
+        over the prompts' columns: the engine's bucket cut to them, all left padding)."""
         limit = sp.max_new_tokens
         workers = min(len(trajectories), self.runner.max_workers)
         with concurrent.futures.ThreadPoolExecutor(workers, "grpo_jax-tool-turn") as pool:
@@ -221,7 +223,10 @@ class Agent:
                     f"({int(valid[b].sum())} tokens vs {k}, done={t.done})"
                 )
             t.log_probs = [float(x) for x in lp[b, :k]]  # the appended turns' are 0
-        return out.weights_version
+        routed = out.routed_experts
+        if routed is not None:
+            routed = routed[:, :, routed.shape[2] - limit - prompts.prompt_ids_PT.shape[1]:]
+        return out.weights_version, routed
 
     def _lockstep(self, engine, params, rng, sp, trajectories, policy_version):
         """One engine call per round for every unfinished trajectory, each prefilling its
@@ -304,7 +309,8 @@ class Agent:
         t.user_turns += 1
         return delta
 
-    def _collect(self, trajectories, prompts, n, limit, version, engine) -> AgentRollout:
+    def _collect(self, trajectories, prompts, n, limit, version, engine,
+                 routed=None) -> AgentRollout:  # fmt: skip
         B = len(trajectories)
         ids = np.full((B, limit), self.pad_id, np.int32)
         valid = np.zeros((B, limit), np.int32)
@@ -330,6 +336,7 @@ class Agent:
             weights_version=jax.numpy.asarray(0 if version is None else version, jax.numpy.int32),
             loss_mask=put(loss),
             num_turns=put(turns),
+            routed_experts=routed,
         )
         examples = tuple(
             dataclasses.replace(
