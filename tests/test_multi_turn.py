@@ -260,7 +260,10 @@ ADD_SCHEMA = {
 
 
 class AddTool(tool_base.BaseTool):
+    executed = 0  # calls this process ran (an instance's count)
+
     async def execute(self, instance_id, parameters, **kwargs):
+        self.executed += 1
         total = int(parameters["a"]) + int(parameters["b"])
         return tool_base.ToolResponse(text=str(total)), 0.0, {}
 
@@ -305,14 +308,16 @@ class LoopRun(NamedTuple):
 
 
 def _tool_run(tmp_path, *, steps=2, warmup=60, save_freq=-1, algorithm=None, lora_rank=0,
-              base=None, loss_mode="vanilla", trainer=None, **mt) -> LoopRun:
-    """The loop on tool rows (two mini-batches, packed); `base`: the params to start from
-    (with lora_rank, the frozen base) instead of the random model's."""
+              base=None, base_leaves=None, loss_mode="vanilla", trainer=None, devices=None,
+              tool=None, **mt) -> LoopRun:
+    """The loop on tool rows (two mini-batches, packed) on a data-parallel mesh of `devices`
+    (default: one). `base` (params) or `base_leaves` (their leaves on the host): the model to
+    start from (with lora_rank, the frozen base) instead of the random one."""
     from grpo_jax import loading, sharding
     from grpo_jax.trainer import loop, train_stage
 
     tok = demo_task.char_tokenizer()
-    mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    mesh = sharding.make_mesh((-1, 1, 1), devices=devices or jax.devices()[:1])
     run = config.RunConfig(
         data=config.DataConfig(train_batch_size=4, max_prompt_length=48, max_response_length=128,
                                val_batch_size=4),
@@ -348,10 +353,14 @@ def _tool_run(tmp_path, *, steps=2, warmup=60, save_freq=-1, algorithm=None, lor
         mp.setattr(train_stage, "train_stage", recording)
         model_config, params = loading.model(spec, tok, mesh, sharding.LOGICAL_RULES,
                                              max_positions=256)
+        if base_leaves is not None:  # placed as the random params (every process holds all)
+            base = jax.tree.unflatten(jax.tree.structure(params), [
+                jax.make_array_from_callback(x.shape, like.sharding, lambda i, x=x: x[i])
+                for x, like in zip(base_leaves, jax.tree.leaves(params), strict=True)])
         result = loop.train(run, model_config=model_config,
                             params=params if base is None else base, tokenizer=tok,
                             train_data=tool_rows(64), reward_fn=tool_use_reward, mesh=mesh,
-                            tools=[add_tool()])
+                            tools=[tool or add_tool()])
     return LoopRun(result, batches)
 
 
@@ -518,6 +527,74 @@ def test_a_resumed_multi_turn_run_is_the_run_that_was_not_stopped(two_steps, tmp
         assert got.get(key) == want.get(key), key
     for key in ("actor/pg_loss", "actor/entropy", "rollout_corr/rollout_is_mean"):
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
+
+
+def train_tools_and_summarise(workdir: str, devices, base_path: str) -> dict:
+    """2 steps of the tool loop from the model saved at `base_path` (two_steps' final one,
+    which calls the tool) on a data-parallel mesh of `devices`: the metrics, a fingerprint of
+    the final params and the tool calls this process ran."""
+    with np.load(base_path) as f:
+        leaves = [f[f"arr_{i}"] for i in range(len(f.files))]
+    tool = add_tool()
+    out = _tool_run(workdir, warmup=0, base_leaves=leaves, devices=devices, tool=tool)
+    params = [distributed.to_host(x) for x in jax.tree.leaves(out.result.state.params)]
+    return {
+        "history": out.result.history,
+        "param_sums": [float(np.sum(x, dtype=np.float64)) for x in params],
+        "param_abs": [float(np.sum(np.abs(x), dtype=np.float64)) for x in params],
+        "executed": tool.executed,
+    }
+
+
+_WORKER = """
+import sys
+pid, port, workdir, base_path = int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+from grpo_jax import distributed
+assert distributed.maybe_initialize(
+    coordinator_address=f"localhost:{port}", num_processes=2, process_id=pid)
+import jax
+import test_multi_turn as t
+import workers
+workers.answer(t.train_tools_and_summarise(workdir, jax.devices(), base_path))
+"""
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 CPU devices (tests/conftest.py)")
+def test_two_processes_run_their_own_tool_calls_and_train_as_one(two_steps, tmp_path,
+                                                                  monkeypatch):
+    """Two JAX processes (2 CPU devices each, one 4-device mesh): each runs the tool calls of
+    its own rows only, and together they train as one process on 4 devices does through the
+    same lockstep turns (the paged engine schedules from one process, so several take the
+    lockstep rounds)."""
+    import numerics
+    import workers
+
+    base_path = str(tmp_path / "base.npz")
+    np.savez(base_path, *[np.asarray(x) for x in jax.tree.leaves(two_steps.result.state.params)])
+    two = workers.run(_WORKER, tmp_path / "workers", args=(tmp_path / "two", base_path),
+                      timeout=900)  # fmt: skip
+
+    def lockstep(self, engine, params, prompts, rng, sp, trajectories, policy_version):
+        return self._lockstep(engine, params, rng, sp, trajectories, policy_version,
+                              range(len(trajectories)))  # fmt: skip
+
+    monkeypatch.setattr(multi_turn.Agent, "_paged", lockstep)
+    one = train_tools_and_summarise(str(tmp_path / "one"), jax.devices()[:4], base_path)
+    # every call ran once, in the process that holds its row
+    assert two[0]["executed"] > 0 and two[1]["executed"] > 0
+    assert two[0]["executed"] + two[1]["executed"] == one["executed"]
+    numerics.assert_close(two[0]["param_sums"], one["param_sums"], ulps=256,
+                          scale=one["param_abs"], err_msg="param sums")  # fmt: skip
+    rows = [(g, w) for g, w in zip(two[0]["history"], one["history"], strict=True)
+            if "actor/pg_loss" in w]
+    assert len(rows) == 2
+    for g, w in rows:
+        for k, v in w.items():
+            if k.startswith(("timing", "perf/", "actor/perf/")) or not isinstance(v, float | int):
+                continue
+            numerics.assert_close(g[k], v, ulps=64, scale=max(abs(v), 1.0), err_msg=k)
+        assert w["multi_turn/tool_calls/mean"] > 0
+    assert two[0]["param_sums"] == two[1]["param_sums"]  # both processes end alike
 
 
 def test_prompt_messages_keep_their_tool_calls():
