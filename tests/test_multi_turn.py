@@ -1,7 +1,10 @@
 """Multi-turn rollouts with tools (rollout/multi_turn.py, rollout/chat_turns.py): token in,
 token out, the loss mask, verl's termination rules, and the trainer on such rollouts."""
 
+import json
 import os
+import re
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +12,7 @@ import numpy as np
 import pytest
 from test_tools import SCHEMA  # calc(answer: string)
 
-from grpo_jax import config, sampler
+from grpo_jax import config, distributed, sampler
 from grpo_jax.data import demo_task, prompts
 from grpo_jax.rollout import chat_turns, engines, multi_turn
 from grpo_jax.tools import base as tool_base
@@ -257,7 +260,10 @@ ADD_SCHEMA = {
 
 
 class AddTool(tool_base.BaseTool):
+    executed = 0  # calls this process ran (an instance's count)
+
     async def execute(self, instance_id, parameters, **kwargs):
+        self.executed += 1
         total = int(parameters["a"]) + int(parameters["b"])
         return tool_base.ToolResponse(text=str(total)), 0.0, {}
 
@@ -288,12 +294,30 @@ def final_sum_reward(data_source, solution_str, ground_truth, extra_info=None):
     return float(tail.strip() == f"#### {ground_truth}")
 
 
-def _tool_run(tmp_path, *, steps=2, warmup=60, save_freq=-1, **mt):
+def tool_use_reward(data_source, solution_str, ground_truth, extra_info=None):
+    """final_sum_reward, plus 1 for a trajectory that got a tool response: the warmed-up model
+    calls the tool in some samples of a group only, so DAPO's filter keeps some groups and
+    drops others."""
+    used = float("</tool_response>" in solution_str)
+    return used + final_sum_reward(data_source, solution_str, ground_truth, extra_info)
+
+
+class LoopRun(NamedTuple):
+    result: Any  # loop.TrainResult
+    batches: list  # the RolloutBatch each step trained on (trainer/batch.py)
+
+
+def _tool_run(tmp_path, *, steps=2, warmup=60, save_freq=-1, algorithm=None, lora_rank=0,
+              base=None, base_leaves=None, loss_mode="vanilla", trainer=None, devices=None,
+              tool=None, **mt) -> LoopRun:
+    """The loop on tool rows (two mini-batches, packed) on a data-parallel mesh of `devices`
+    (default: one). `base` (params) or `base_leaves` (their leaves on the host): the model to
+    start from (with lora_rank, the frozen base) instead of the random one."""
     from grpo_jax import loading, sharding
-    from grpo_jax.trainer import loop
+    from grpo_jax.trainer import loop, train_stage
 
     tok = demo_task.char_tokenizer()
-    mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    mesh = sharding.make_mesh((-1, 1, 1), devices=devices or jax.devices()[:1])
     run = config.RunConfig(
         data=config.DataConfig(train_batch_size=4, max_prompt_length=48, max_response_length=128,
                                val_batch_size=4),
@@ -302,28 +326,78 @@ def _tool_run(tmp_path, *, steps=2, warmup=60, save_freq=-1, **mt):
         # context and the loss reads the loss mask through the slots
         actor=config.ActorConfig(ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=4,
                                  use_dynamic_bsz=True, ppo_max_token_len_per_gpu=512,
-                                 optim=config.OptimConfig(lr=1e-3)),
+                                 optim=config.OptimConfig(lr=1e-3),
+                                 policy_loss=config.PolicyLossConfig(loss_mode=loss_mode)),
         rollout=config.RolloutConfig(
             n=2, log_prob_micro_batch_size_per_gpu=8,
             multi_turn=config.MultiTurnConfig(enable=True, max_assistant_turns=2, **mt)),
+        algorithm=algorithm or config.AlgorithmConfig(),
         reward=config.RewardConfig(num_workers=0),
         warmup=config.WarmupConfig(steps=warmup, batch_size=16, lr=3e-3),
+        model=config.ModelSpec(source="random", tokenizer="char", path=None,
+                               lora_rank=lora_rank, lora_alpha=2.0 * max(1, lora_rank)),
         trainer=config.TrainerConfig(total_training_steps=steps, save_freq=save_freq,
                                      test_freq=-1, val_before_train=False, progress_bar=False,
-                                     tensorboard=False, default_local_dir=str(tmp_path)),
+                                     tensorboard=False, default_local_dir=str(tmp_path),
+                                     **(trainer or {})),
     )  # fmt: skip
     spec = config.ModelSpec(source="random", tokenizer="char", path=None)
-    with sharding.use_mesh(mesh):
+    batches = []
+    real_train_stage = train_stage.train_stage
+
+    def recording(ctx, state, ref_params, rollout_batch, lr, **kw):
+        batches.append(rollout_batch)
+        return real_train_stage(ctx, state, ref_params, rollout_batch, lr, **kw)
+
+    with sharding.use_mesh(mesh), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train_stage, "train_stage", recording)
         model_config, params = loading.model(spec, tok, mesh, sharding.LOGICAL_RULES,
                                              max_positions=256)
-        return loop.train(run, model_config=model_config, params=params, tokenizer=tok,
-                          train_data=tool_rows(64), reward_fn=final_sum_reward, mesh=mesh,
-                          tools=[add_tool()])
+        if base_leaves is not None:  # placed as the random params (every process holds all)
+            base = jax.tree.unflatten(jax.tree.structure(params), [
+                jax.make_array_from_callback(x.shape, like.sharding, lambda i, x=x: x[i])
+                for x, like in zip(base_leaves, jax.tree.leaves(params), strict=True)])
+        result = loop.train(run, model_config=model_config,
+                            params=params if base is None else base, tokenizer=tok,
+                            train_data=tool_rows(64), reward_fn=tool_use_reward, mesh=mesh,
+                            tools=[tool or add_tool()])
+    return LoopRun(result, batches)
+
+
+# DAPO's dynamic sampling and token-level rollout correction (IS and rejection), on every run
+# of the synchronous fixture (its resume included)
+DAPO_TOKEN_IS = config.AlgorithmConfig(
+    filter_groups=config.FilterGroupsConfig(enable=True),
+    rollout_correction=config.RolloutCorrectionConfig(
+        rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1",
+        rollout_rs_threshold="0.5_2.0"),
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def two_steps(tmp_path_factory):
-    return _tool_run(tmp_path_factory.mktemp("mt_full"), save_freq=1)
+    """The warmed-up model trained 2 steps, DAPO and token-level rollout correction on,
+    checkpointed each step."""
+    return _tool_run(tmp_path_factory.mktemp("mt_full"), save_freq=1, algorithm=DAPO_TOKEN_IS)
+
+
+@pytest.fixture(scope="module")
+def async_lora(two_steps, tmp_path_factory):
+    """Asynchronous rollouts (one step ahead) with LoRA adapters on two_steps' final model (a
+    model that calls the tool), bypass mode with verl's bypass loss (token-level IS against
+    the engine's log-probs inside the loss) and DAPO's filter; 3 steps. Also returns a host
+    copy of the base taken before the run."""
+    base = two_steps.result.state.params
+    before = [np.array(x) for x in jax.tree.leaves(base)]
+    out = _tool_run(
+        tmp_path_factory.mktemp("mt_async_lora"), steps=3, warmup=0, base=base, lora_rank=8,
+        loss_mode="bypass_mode", trainer=dict(async_rollout=True),
+        algorithm=config.AlgorithmConfig(
+            filter_groups=config.FilterGroupsConfig(enable=True),
+            rollout_correction=config.RolloutCorrectionConfig(
+                bypass_mode=True, rollout_is="token", rollout_is_threshold=2.0)),
+    )  # fmt: skip
+    return out, base, before
 
 
 def _step_rows(result):
@@ -331,7 +405,7 @@ def _step_rows(result):
 
 
 def test_loop_trains_on_multi_turn_rollouts(two_steps):
-    rows = _step_rows(two_steps)
+    rows = _step_rows(two_steps.result)
     assert len(rows) == 2
     for r in rows:
         # the warmed-up model calls the tool (a random one never writes a call): 3 to 6 of a
@@ -342,20 +416,185 @@ def test_loop_trains_on_multi_turn_rollouts(two_steps):
         # token in, token out: the trainer's log-probs of the sampled tokens, recomputed on
         # whole trajectories (tool turns as context), are the engine's
         assert r["training/rollout_probs_diff_max"] < 1e-3, r["training/rollout_probs_diff_max"]
+        # so rollout correction's weights are 1 and it rejects nothing; a tool token (rollout
+        # log-prob 0) under the loss would pull the mean below 1 and be rejected
+        assert abs(r["rollout_corr/rollout_is_mean"] - 1) < 1e-3
+        assert r["rollout_corr/rollout_rs_masked_fraction"] == 0
         assert r["response_length/mean"] > r["multi_turn/tool_response_tokens/mean"] > 0
+    # DAPO: groups were dropped, and every group trained on has rewards that vary
+    assert sum(r.get("training/filter_groups/evicted_samples", 0) for r in rows) > 0
+    for b in two_steps.batches:
+        scores_GN = np.asarray(b.result.scores_B, np.float64).reshape(-1, 2)
+        assert len(scores_GN) == 4 and (scores_GN.std(1) > 0).all(), scores_GN
+
+
+TOOL_TURN = re.compile(r"<\|user\|><tool_response>(.*)</tool_response><\|assistant\|>", re.S)
+CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+
+
+def _check_tool_turns_are_context(tok, batch) -> int:
+    """In a trained batch, the loss mask is 0 exactly on the tool turns: each run of masked
+    tokens is one tool turn of the demo template, answering the call of the model turn just
+    before it (the sum, for a well-formed call), with rollout log-prob 0; the model's turns
+    hold no user turn. Returns the number of well-formed calls answered."""
+    r = batch.rollout
+    ids, valid, loss, lp = (distributed.to_host(x) for x in (
+        r.response_ids, r.response_mask, r.loss_mask, r.log_probs))  # fmt: skip
+    answered = 0
+    for b in range(len(ids)):
+        k = int(valid[b].sum())
+        assert valid[b, :k].all() and not valid[b, k:].any() and not loss[b, k:].any()
+        runs = np.split(np.arange(k), np.flatnonzero(np.diff(loss[b, :k])) + 1)
+        assert loss[b, 0] == 1  # a response starts with the model's turn
+        for prev, seg in zip([None, *runs[:-1]], runs):
+            text = tok.decode(ids[b, seg], skip_special_tokens=False)
+            if loss[b, seg[0]]:
+                assert "<|user|>" not in text, text
+                continue
+            match = TOOL_TURN.fullmatch(text)
+            assert match, text
+            assert (lp[b, seg] == 0).all()
+            (call, *_) = CALL.findall(tok.decode(ids[b, prev], skip_special_tokens=False))
+            try:
+                call = json.loads(call)
+                a, c = call["arguments"]["a"], call["arguments"]["b"]
+            except (ValueError, KeyError, TypeError):
+                continue  # a malformed call: answered with an error text
+            if call.get("name") == "add" and all(type(x) is int for x in (a, c)):
+                assert match.group(1) == str(a + c), (text, call)
+                answered += 1
+    return answered
+
+
+def test_trained_batches_hold_the_loss_mask_on_the_models_tokens(two_steps, async_lora):
+    tok = demo_task.char_tokenizer()
+    (lora_run, _, _) = async_lora
+    for run in (two_steps, lora_run):
+        assert len(run.batches) == len(_step_rows(run.result))
+        assert sum(_check_tool_turns_are_context(tok, b) for b in run.batches) > 0
+
+
+def test_async_lora_bypass_multi_turn(async_lora):
+    """Asynchronous multi-turn rollouts with LoRA and bypass mode: each batch after the first
+    was sampled one step ahead, by the merged adapters of the step before; only the adapters
+    train."""
+    from grpo_jax.models import lora
+
+    run, base, before = async_lora
+    rows = _step_rows(run.result)
+    assert [r["async/staleness"] for r in rows] == [0, 1, 1]
+    # a batch sampled one step ahead missed that step's two updates (two mini-batches)
+    assert [r["async/policy_version_lag"] for r in rows] == [0, 2, 2]
+    assert max(r["multi_turn/tool_calls/mean"] for r in rows) > 0
+    for r in rows:
+        assert "timing_s/old_log_prob" not in r  # bypass: the engine's log-probs are the old
+        # the bypass loss's weights, current policy over the engine's log-probs of the sampled
+        # tokens; a tool token (log-prob 0) under the loss would weigh exp(its log-prob) << 1
+        assert abs(r["rollout_corr/rollout_is_mean"] - 1) < 0.1, r["rollout_corr/rollout_is_mean"]
+    # DAPO's filter ran in the background sampler too: every group trained on varies
+    for b in run.batches:
+        scores_GN = np.asarray(b.result.scores_B, np.float64).reshape(-1, 2)
+        assert (scores_GN.std(1) > 0).all(), scores_GN
+    # LoRA: the state holds the adapters only and they trained; the base is untouched
+    adapters = run.result.state.params
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(adapters)]
+    assert paths and all(p.endswith(("['lora_a']", "['lora_b']")) for p in paths), paths[:3]
+    assert lora.split(base)[1] is None
+    b_max = max(float(np.abs(np.asarray(x)).max()) for p, x in
+                jax.tree_util.tree_leaves_with_path(adapters) if "lora_b" in str(p[-1]))
+    assert b_max > 0  # B starts at zeros (PEFT's init)
+    for x, y in zip(jax.tree.leaves(base), before, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), y)
 
 
 def test_a_resumed_multi_turn_run_is_the_run_that_was_not_stopped(two_steps, tmp_path):
     """Stopped after step 1 and resumed from its checkpoint, step 2 samples the same
-    trajectories (tools included) and trains the same: its metrics are the uninterrupted run's."""
-    _tool_run(tmp_path, steps=1, save_freq=1)
-    resumed = _step_rows(_tool_run(tmp_path, steps=2, save_freq=1))
-    want = _step_rows(two_steps)[-1]
+    trajectories (tools included), keeps the same groups (DAPO) and trains the same.
+
+    What the samples decide is equal exactly. The engine's log-probs are not bitwise: the
+    paged engine's schedule follows when the tool calls answer, and its log-probs agree across
+    schedules to float rounding (test_multi_turn_paged.py), so what reads them (rollout
+    correction's weights, hence the loss and step 1's update) agrees to rounding too."""
+    _tool_run(tmp_path, steps=1, save_freq=1, algorithm=DAPO_TOKEN_IS)
+    resumed = _step_rows(_tool_run(tmp_path, steps=2, save_freq=1,
+                                   algorithm=DAPO_TOKEN_IS).result)
+    want = _step_rows(two_steps.result)[-1]
     got = resumed[-1]
     assert got["step"] == want["step"] == 2
-    for key in ("actor/pg_loss", "multi_turn/tool_calls/mean", "num_turns/mean",
-                "response_length/mean", "critic/score/mean", "actor/entropy"):
-        assert got[key] == want[key], key
+    for key in ("multi_turn/tool_calls/mean", "num_turns/mean", "response_length/mean",
+                "critic/score/mean", "critic/advantages/mean",
+                "training/filter_groups/evicted_samples"):
+        assert got.get(key) == want.get(key), key
+    for key in ("actor/pg_loss", "actor/entropy", "rollout_corr/rollout_is_mean"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
+
+
+def train_tools_and_summarise(workdir: str, devices, base_path: str) -> dict:
+    """2 steps of the tool loop from the model saved at `base_path` (two_steps' final one,
+    which calls the tool) on a data-parallel mesh of `devices`: the metrics, a fingerprint of
+    the final params and the tool calls this process ran."""
+    with np.load(base_path) as f:
+        leaves = [f[f"arr_{i}"] for i in range(len(f.files))]
+    tool = add_tool()
+    out = _tool_run(workdir, warmup=0, base_leaves=leaves, devices=devices, tool=tool)
+    params = [distributed.to_host(x) for x in jax.tree.leaves(out.result.state.params)]
+    return {
+        "history": out.result.history,
+        "param_sums": [float(np.sum(x, dtype=np.float64)) for x in params],
+        "param_abs": [float(np.sum(np.abs(x), dtype=np.float64)) for x in params],
+        "executed": tool.executed,
+    }
+
+
+_WORKER = """
+import sys
+pid, port, workdir, base_path = int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+from grpo_jax import distributed
+assert distributed.maybe_initialize(
+    coordinator_address=f"localhost:{port}", num_processes=2, process_id=pid)
+import jax
+import test_multi_turn as t
+import workers
+workers.answer(t.train_tools_and_summarise(workdir, jax.devices(), base_path))
+"""
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 CPU devices (tests/conftest.py)")
+def test_two_processes_run_their_own_tool_calls_and_train_as_one(two_steps, tmp_path,
+                                                                  monkeypatch):
+    """Two JAX processes (2 CPU devices each, one 4-device mesh): each runs the tool calls of
+    its own rows only, and together they train as one process on 4 devices does through the
+    same lockstep turns (the paged engine schedules from one process, so several take the
+    lockstep rounds)."""
+    import numerics
+    import workers
+
+    base_path = str(tmp_path / "base.npz")
+    np.savez(base_path, *[np.asarray(x) for x in jax.tree.leaves(two_steps.result.state.params)])
+    two = workers.run(_WORKER, tmp_path / "workers", args=(tmp_path / "two", base_path),
+                      timeout=900)  # fmt: skip
+
+    def lockstep(self, engine, params, prompts, rng, sp, trajectories, policy_version):
+        return self._lockstep(engine, params, rng, sp, trajectories, policy_version,
+                              range(len(trajectories)))  # fmt: skip
+
+    monkeypatch.setattr(multi_turn.Agent, "_paged", lockstep)
+    one = train_tools_and_summarise(str(tmp_path / "one"), jax.devices()[:4], base_path)
+    # every call ran once, in the process that holds its row
+    assert two[0]["executed"] > 0 and two[1]["executed"] > 0
+    assert two[0]["executed"] + two[1]["executed"] == one["executed"]
+    numerics.assert_close(two[0]["param_sums"], one["param_sums"], ulps=256,
+                          scale=one["param_abs"], err_msg="param sums")  # fmt: skip
+    rows = [(g, w) for g, w in zip(two[0]["history"], one["history"], strict=True)
+            if "actor/pg_loss" in w]
+    assert len(rows) == 2
+    for g, w in rows:
+        for k, v in w.items():
+            if k.startswith(("timing", "perf/", "actor/perf/")) or not isinstance(v, float | int):
+                continue
+            numerics.assert_close(g[k], v, ulps=64, scale=max(abs(v), 1.0), err_msg=k)
+        assert w["multi_turn/tool_calls/mean"] > 0
+    assert two[0]["param_sums"] == two[1]["param_sums"]  # both processes end alike
 
 
 def test_prompt_messages_keep_their_tool_calls():

@@ -38,14 +38,19 @@ and the tool outputs, never on slots, the pool or which tool answered first
 (tests/test_multi_turn_paged.py: greedy, the lockstep path's rollout token for token; sampled,
 the same across slot counts, pool sizes and tool delays).
 
-Any other engine (the vLLM sidecar, which takes and returns token ids) runs the turns in
-lockstep: each round samples one turn of every unfinished trajectory in one engine call (n = 1
-per trajectory, the rows padded to a size of a halving ladder so a run compiles few shapes),
+Any other engine (the vLLM sidecar, which takes and returns token ids), and the native engine
+in a run of several JAX processes (the paged engine schedules from one process), runs the turns
+in lockstep: each round samples one turn of every unfinished trajectory in one engine call (n =
+1 per trajectory, the rows padded to a size of a halving ladder so a run compiles few shapes),
 then runs every tool call of the round concurrently, so a trajectory waiting on a slow tool
 holds back the next round, and each round prefills every whole context again (vLLM's prefix
 cache makes that cheap). A trajectory's keys there are fold_in(rng, round) and its row in the
 round's call: a batch's rollout is still a function of its prompts and rng (an exact resume
-samples it again).
+samples it again). With several processes every process follows every trajectory (the engine's
+outputs are gathered to all), but each runs the tool calls of its own rows only (its block of
+the prompts, `PromptBatch.rows`), and the outcomes are exchanged before the tool turns are
+appended, so all processes build the same trajectories (tests/test_multi_turn.py: two processes
+train as one process does through the same lockstep rounds).
 
 Rewards follow verl: the reward function scores the whole response's text (tool turns
 included), and a verl-style scorer finds the trajectory's "tool_rewards" (each call's
@@ -180,25 +185,43 @@ class Agent:
         policy_version: int | None = None,
     ) -> AgentRollout:
         """sp.n trajectories per prompt of `prompts`, each up to sp.max_new_tokens response
-        tokens over all its turns."""
-        if prompts.rows is not None:
-            raise ValueError(
-                "rollout.multi_turn with several JAX processes is not supported yet: run one "
-                "process (rollout.multi_turn.enable=False for multi-process data)"
-            )
+        tokens over all its turns.
+
+        With several JAX processes (`prompts.rows`: this process holds its block of the
+        prompts) every process follows every trajectory, but runs only the tool calls of its
+        own rows (`_lockstep`)."""
         n, limit = sp.n, sp.max_new_tokens
+        ids_PT, mask_PT = prompts.prompt_ids_PT, prompts.prompt_mask_PT
+        own = range(len(prompts.examples) * n)  # the rows whose tool calls this process runs
+        if prompts.rows is not None:
+            if engine.mesh is None:
+                raise ValueError(
+                    f"rollout engine {type(engine).__name__} samples a whole batch in one "
+                    f"process; with {jax.process_count()} JAX processes use rollout.name=jax "
+                    "(the native sampler on the global mesh)"
+                )
+            ids_PT, mask_PT = distributed.gather_rows(ids_PT), distributed.gather_rows(mask_PT)
+            own = range(prompts.rows[0] * n, prompts.rows[1] * n)
         trajectories = []
         for p in range(len(prompts.examples)):
-            prompt = prompts.prompt_ids_PT[p][prompts.prompt_mask_PT[p] == 1].tolist()
+            prompt = ids_PT[p][mask_PT[p] == 1].tolist()
             kwargs = dict(prompts.examples[p].extra_info or {}).get("tools_kwargs") or {}
             trajectories += [_Trajectory(list(prompt), kwargs) for _ in range(n)]
         routed = None
-        if isinstance(engine, engines.NativeEngine):
+        # the paged engine schedules from one process; several take the lockstep rounds
+        if isinstance(engine, engines.NativeEngine) and prompts.rows is None:
             version, routed = self._paged(engine, params, prompts, rng, sp, trajectories,
                                           policy_version)  # fmt: skip
         else:
-            version = self._lockstep(engine, params, rng, sp, trajectories, policy_version)
-        return self._collect(trajectories, prompts, n, limit, version, engine, routed)
+            if sp.record_routing:
+                raise ValueError(
+                    "actor.router_replay.mode='R3' with rollout.multi_turn records the experts "
+                    "on the native paged engine in one process only; with several JAX processes "
+                    "(or the vLLM sidecar) use actor.router_replay.mode='R2'"
+                )
+            version = self._lockstep(engine, params, rng, sp, trajectories, policy_version, own)
+        return self._collect(trajectories, prompts.examples, ids_PT, mask_PT, n, limit, version,
+                             engine, routed)  # fmt: skip
 
     def _paged(self, engine, params, prompts, rng, sp, trajectories, policy_version):
         """Every trajectory a row of one paged-engine call (continuous batching): a row whose
@@ -228,20 +251,21 @@ class Agent:
             routed = routed[:, :, routed.shape[2] - limit - prompts.prompt_ids_PT.shape[1]:]
         return out.weights_version, routed
 
-    def _lockstep(self, engine, params, rng, sp, trajectories, policy_version):
+    def _lockstep(self, engine, params, rng, sp, trajectories, policy_version, own):
         """One engine call per round for every unfinished trajectory, each prefilling its
-        whole context (the vLLM sidecar's path). Returns the weights version."""
+        whole context (the vLLM sidecar's path, and several processes'); this process runs the
+        tool calls of the rows in `own`. Returns the weights version."""
         limit = sp.max_new_tokens
         sizes = round_sizes(len(trajectories), self.unit)
         turn_sp = dataclasses.replace(sp, n=1)
         version = None
         for turn in itertools.count():
-            active = [t for t in trajectories if not t.done]
+            active = [b for b, t in enumerate(trajectories) if not t.done]
             if not active:
                 break
             size = min(s for s in sizes if s >= len(active))
             rows = active + [active[-1]] * (size - len(active))
-            ids, mask = _left_pad([t.context for t in rows], self.pad_id)
+            ids, mask = _left_pad([trajectories[b].context for b in rows], self.pad_id)
             out = engine.sample(params, ids, mask, jax.random.fold_in(rng, turn), turn_sp,
                                 policy_version)
             version = out.weights_version
@@ -249,14 +273,15 @@ class Agent:
             new_mask = distributed.to_host(out.response_mask)
             new_lp = distributed.to_host(out.log_probs)
             calls_of = []
-            for j, t in enumerate(active):
+            for j, b in enumerate(active):
+                t = trajectories[b]
                 k = min(int(new_mask[j].sum()), limit - len(t.response))
                 t.append(new_ids[j, :k], 1, new_lp[j, :k])
                 t.assistant_turns += 1
                 calls = self._next_calls(t, new_ids[j, :k], limit)
                 if calls:
-                    calls_of.append((t, calls))
-            self._run_tools(calls_of, limit)
+                    calls_of.append((b, calls))
+            self._run_tools(trajectories, calls_of, limit, own)
         return version
 
     def _next_calls(self, t: _Trajectory, turn_ids, limit: int):
@@ -278,13 +303,20 @@ class Agent:
             return None
         return list(calls)[: s.max_parallel_calls]
 
-    def _run_tools(self, calls_of, limit: int) -> None:
-        """Runs a round's calls (all trajectories' at once) and appends the tool turns."""
+    def _run_tools(self, trajectories, calls_of, limit: int, own: range) -> None:
+        """Runs a round's calls (`calls_of`: (row, calls), all trajectories' at once) and
+        appends the tool turns. Only the rows in `own` run here; with several processes each
+        runs its own and every process gets every row's outcomes (gathered in row order)."""
         if not calls_of:
             return
-        results = self.runner.run_calls([(calls, t.tools_kwargs) for t, calls in calls_of])
-        for (t, calls), outcomes in zip(calls_of, results, strict=True):
-            self._tool_turn(t, calls, outcomes, limit)
+        mine = [(b, calls) for b, calls in calls_of if b in own]
+        results = self.runner.run_calls([(calls, trajectories[b].tools_kwargs)
+                                         for b, calls in mine])  # fmt: skip
+        outcomes = dict(zip([b for b, _ in mine], results, strict=True))
+        if len(own) < len(trajectories):  # several processes (the same branch on all)
+            outcomes = dict(distributed.gather_objects(list(outcomes.items())))
+        for b, calls in calls_of:
+            self._tool_turn(trajectories[b], calls, outcomes[b], limit)
 
     def _tool_turn(self, t: _Trajectory, calls, outcomes, limit: int) -> list[int] | None:
         """Records a turn's tool outcomes and appends the tool turn's tokens (returned), or
@@ -309,7 +341,7 @@ class Agent:
         t.user_turns += 1
         return delta
 
-    def _collect(self, trajectories, prompts, n, limit, version, engine,
+    def _collect(self, trajectories, examples, ids_PT, mask_PT, n, limit, version, engine,
                  routed=None) -> AgentRollout:  # fmt: skip
         B = len(trajectories)
         ids = np.full((B, limit), self.pad_id, np.int32)
@@ -325,10 +357,10 @@ class Agent:
         def put(x):
             return jax.numpy.asarray(x) if mesh is None else distributed.to_device(x, mesh)
 
-        P = len(prompts.examples)
+        P = len(examples)
         rollout = sampler.Rollout(
-            prompt_ids=put(np.repeat(prompts.prompt_ids_PT, n, 0).astype(np.int32)),
-            prompt_mask=put(np.repeat(prompts.prompt_mask_PT, n, 0).astype(np.int32)),
+            prompt_ids=put(np.repeat(ids_PT, n, 0).astype(np.int32)),
+            prompt_mask=put(np.repeat(mask_PT, n, 0).astype(np.int32)),
             response_ids=put(ids),
             response_mask=put(valid),
             log_probs=put(lp),
@@ -338,11 +370,11 @@ class Agent:
             num_turns=put(turns),
             routed_experts=routed,
         )
-        examples = tuple(
+        row_examples = tuple(
             dataclasses.replace(
-                prompts.examples[b // n],
+                examples[b // n],
                 extra_info={
-                    **dict(prompts.examples[b // n].extra_info or {}),
+                    **dict(examples[b // n].extra_info or {}),
                     "tool_rewards": list(t.tool_rewards),
                     "turn_scores": [],
                     "num_turns": int(turns[b]),
@@ -360,7 +392,7 @@ class Agent:
             "cut_by_length": np.array([t.cut == "length" for t in trajectories]),
             "cut_by_turns": np.array([t.cut == "turns" for t in trajectories]),
         }
-        return AgentRollout(rollout, examples, row_stats)
+        return AgentRollout(rollout, row_examples, row_stats)
 
 
 class _Turns:
