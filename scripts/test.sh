@@ -21,5 +21,8 @@ variant=0
 bash scripts/test_cpu_variants.sh isa-sse42 -- tests/test_packing.py tests/test_train_step.py \
   tests/test_multiprocess.py -k "every_agg_mode or micro_batches or reinforce or two_processes" \
   || variant=$?
-python -m pytest -q -ra tests "$@"
+# Two worker processes (GRPO_JAX_TEST_WORKERS), each test file in one of them (module fixtures
+# are built once): much of a test's time is single-threaded (XLA compiles, subprocess start-up,
+# waiting on a server), so two files at a time keep both cores busy.
+python -m pytest -q -ra -n "${GRPO_JAX_TEST_WORKERS:-2}" --dist loadfile tests "$@"
 exit $variant

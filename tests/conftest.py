@@ -111,6 +111,19 @@ def pytest_configure(config):
     )
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Carries what the end-of-run summary needs on each report: under pytest-xdist the tests run
+    in worker processes and the summary is printed by the controller, which sees only reports."""
+    outcome = yield
+    report = outcome.get_result()
+    name = dict(report.user_properties).get("reference")
+    if name and name in reference.VERSIONS:
+        report.user_properties.append(("reference_version", reference.VERSIONS[name]))
+    if call.when == "teardown":  # after the module fixture has measured the mappings
+        report.user_properties.append(("peak_mappings", _PEAK_MAPPINGS[0]))
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         marker = item.get_closest_marker("reference")
@@ -154,21 +167,29 @@ def pytest_terminal_summary(terminalreporter):
             limit = f.read().strip()
     except OSError:
         limit = "unknown"
+    peak = max([_PEAK_MAPPINGS[0]] + [
+        value for reports in terminalreporter.stats.values() for report in reports
+        for key, value in getattr(report, "user_properties", ()) if key == "peak_mappings"
+    ])  # fmt: skip
     terminalreporter.write_line(
-        f"memory mappings at a module's end: at most {_PEAK_MAPPINGS[0]} "
+        f"memory mappings at a module's end: at most {peak} "
         f"(vm.max_map_count {limit}; conftest._release_compiled_programs)"
     )
 
 
 def _reference_lines(terminalreporter):
     outcomes = collections.defaultdict(collections.Counter)
+    versions = dict(reference.VERSIONS)
     for kind in ("passed", "failed", "skipped", "error"):
         for report in terminalreporter.stats.get(kind, []):
-            name = dict(getattr(report, "user_properties", ())).get("reference")
+            properties = dict(getattr(report, "user_properties", ()))
+            name = properties.get("reference")
+            if "reference_version" in properties:
+                versions.setdefault(name, properties["reference_version"])
             # One count per test: its call, or the phase that decided it (setup skip or error).
             if name and (report.when == "call" or kind in ("skipped", "error")):
                 outcomes[name][kind] += 1
     for name in sorted(outcomes):
         counts = ", ".join(f"{n} {kind}" for kind, n in sorted(outcomes[name].items()))
-        version = reference.VERSIONS.get(name, "not run")
+        version = versions.get(name, "not run")
         terminalreporter.write_line(f"{_REFERENCE_TITLES.get(name, name)}: {counts} ({version})")
