@@ -405,7 +405,9 @@ def test_registered_estimator_runs_through_the_dispatcher_under_jit():
     adv, _ = run(*ARGS)
     expected_B = 2 * np.array([-1.0, 0.0, -2.0, 3.0, -1.0, 2.0, -1.0])
     np.testing.assert_allclose(np.asarray(adv), expected_B[:, None] * MASK, rtol=1e-6)
-    assert advantage.adv_estimator_names()[-1] == "test_batch_mean_baseline"
+    # registered names follow the built-in ones (other test files may register theirs too)
+    names = advantage.adv_estimator_names()
+    assert "test_batch_mean_baseline" in names[len(advantage.ADV_ESTIMATORS):]
     assert "test_batch_mean_baseline" not in advantage.ADV_ESTIMATORS
 
 

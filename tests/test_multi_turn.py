@@ -575,8 +575,9 @@ def test_two_processes_run_their_own_tool_calls_and_train_as_one(two_steps, tmp_
                       timeout=900)  # fmt: skip
 
     def lockstep(self, engine, params, prompts, rng, sp, trajectories, policy_version):
-        return self._lockstep(engine, params, rng, sp, trajectories, policy_version,
-                              range(len(trajectories)))  # fmt: skip
+        version = self._lockstep(engine, params, rng, sp, trajectories, policy_version,
+                                 range(len(trajectories)))  # fmt: skip
+        return version, None  # no routing recorded (a dense model)
 
     monkeypatch.setattr(multi_turn.Agent, "_paged", lockstep)
     one = train_tools_and_summarise(str(tmp_path / "one"), jax.devices()[:4], base_path)
