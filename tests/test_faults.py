@@ -138,11 +138,13 @@ def _env(jax_cache: str) -> dict:
     return env
 
 
-def _train_cmd(workdir: str, *extra: str, prefix: tuple[str, ...] = ()) -> list[str]:
+def _train_cmd(
+    workdir: str, *extra: str, prefix: tuple[str, ...] = (), base: tuple[str, ...] = BASE_OVERRIDES
+) -> list[str]:
     args = [
         "--config=configs/demo.py:tiny",
         f"--config.trainer.default_local_dir={workdir}",
-        *BASE_OVERRIDES,
+        *base,
         *extra,
     ]
     return [sys.executable, *prefix, *(args if prefix else ["train.py", *args])]
@@ -190,8 +192,9 @@ def _params(workdir: str) -> dict[str, np.ndarray]:
     return safetensors_np.load_file(os.path.join(workdir, "hf", "model.safetensors"))
 
 
-def _assert_same_run(workdir: str, ref: str) -> None:
-    """Metrics (minus timing) and final params of `workdir` equal those of `ref`, bitwise."""
+def _assert_same_run(workdir: str, ref: str, *, revalidates: bool = True) -> None:
+    """Metrics (minus timing) and final params of `workdir` equal those of `ref`, bitwise.
+    `revalidates`: the run validates before training (BASE_OVERRIDES), so after each resume."""
     with open(ref + ".digest") as f:
         assert f.read() == _source_digest(), (
             "train.py, grpo_jax/ or configs/ changed while this test ran (a shared checkout being "
@@ -201,7 +204,8 @@ def _assert_same_run(workdir: str, ref: str) -> None:
     # trainer.val_before_train: each resume validates first, in a row under the resumed step
     # (verl); at most one per step, and the training rows are those of the uninterrupted run.
     revals = [r for r in rows if r["step"] > 0 and "training/global_step" not in r]
-    assert revals and all(k == "step" or k.startswith("val-") for r in revals for k in r)
+    assert bool(revals) == revalidates
+    assert all(k == "step" or k.startswith("val-") for r in revals for k in r)
     assert len({r["step"] for r in revals}) == len(revals), "a resume validation row twice"
     rows = [r for r in rows if r not in revals]
     assert [r["step"] for r in rows] == list(range(STEPS + 1)), "duplicate or missing rows"
@@ -246,15 +250,21 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
+def _uninterrupted(cmd: list[str], workdir: str, jax_cache: str) -> list[dict]:
+    """Runs `cmd` (on `workdir`) to the end, to compare others with: its metrics rows. Records
+    the code it ran (`_assert_same_run` checks that the compared runs ran the same)."""
+    with open(workdir + ".digest", "w") as f:
+        f.write(_source_digest())
+    rc, log = _run(cmd, workdir + ".log", jax_cache)
+    assert rc == 0, log[-4000:]
+    return metrics.read(workdir)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, jax_cache):
     """The uninterrupted run every other run is compared with (also fills the compile cache)."""
     workdir = str(tmp_path_factory.mktemp("reference") / "run")
-    with open(workdir + ".digest", "w") as f:
-        f.write(_source_digest())
-    rc, log = _run(_train_cmd(workdir), workdir + ".log", jax_cache)
-    assert rc == 0, log[-4000:]
-    rows = metrics.read(workdir)
+    rows = _uninterrupted(_train_cmd(workdir), workdir, jax_cache)
     assert [r["step"] for r in rows] == list(range(STEPS + 1))
     assert rows[0]["warmup/steps"] == 2
     rows = rows[1:]
@@ -288,47 +298,38 @@ def _read(path: str) -> str:
         return f.read()
 
 
-def test_exact_resume_after_random_sigkills(reference, tmp_path, jax_cache):
-    """SIGKILL mid-step, mid-checkpoint-write and right after a save; restart each time; the
-    finished run must be bitwise equal to `reference` (no duplicate, missing or orphan rows).
+def _kill_and_resume(
+    tmp_path, workdir: str, schedule, jax_cache: str, *, base=BASE_OVERRIDES
+) -> tuple[list[str], int]:
+    """Launches train.py on `workdir` once per (kind, k, delay) of `schedule`, kills each launch
+    as its kind says, and checks that every restart resumed from the newest checkpoint that was
+    final at the last kill. Returns the kinds of the kills and the steps lost beyond a save.
 
-    The kill schedule is drawn from a fixed seed. Each kill records the newest finalised
-    checkpoint; the restart must resume from exactly that step (0 steps lost beyond the save).
+    Kinds: "step": `delay` s after this launch wrote the metrics row of step >= k, i.e. inside
+    the next step. "save": `delay` s after this launch's first checkpoint temporary directory
+    appeared (leftovers of an earlier kill have other inodes and do not count); it must still
+    be there after the kill, i.e. the write was really interrupted. "exit_after_save":
+    EXIT_AFTER_SAVE (the checkpoint is final, its metrics row not written). "none": the launch
+    runs to the end.
     """
-    rng = random.Random(8)
-    workdir = str(tmp_path / "run")
-    # "step": `delay` s after this launch wrote the metrics row of step >= k, i.e. inside the
-    # next step. "save": `delay` s after this launch's first checkpoint temporary directory
-    # appeared (leftovers of an earlier kill have other inodes and do not count); it must still
-    # be there after the kill, i.e. the write was really interrupted.
-    # "exit_after_save": EXIT_AFTER_SAVE (the checkpoint is final, its metrics row not written).
-    schedule = [
-        ("step", rng.randint(1, 2), rng.uniform(0.0, 0.1)),
-        ("save", None, rng.uniform(0.0, 0.03)),
-        ("exit_after_save", None, None),
-        ("step", 3, rng.uniform(0.0, 0.05)),
-        ("none", None, None),
-    ]
     kills, lost, expected_resume = [], 0, None
     for launch, (kind, k, delay) in enumerate(schedule):
         log_path = str(tmp_path / f"launch{launch}.log")
         stale = _tmp_dirs(workdir)
         prefix = ("-c", EXIT_AFTER_SAVE) if kind == "exit_after_save" else ()
-        proc = _launch(_train_cmd(workdir, prefix=prefix), log_path, jax_cache)
+        proc = _launch(_train_cmd(workdir, prefix=prefix, base=base), log_path, jax_cache)
         killed, at_kill = False, []
         # Rows after the resumed step are this launch's (older ones are truncated on resume).
         first_new = max(k or 0, (expected_resume or 0) + 1)
         while proc.poll() is None and kind in ("step", "save"):
-            if kind == "step":
+            if kind == "save":
+                killed = bool(_tmp_dirs(workdir) - stale)
+            else:
                 resumed = expected_resume is None or "resumed from step" in _read(log_path)
                 rows = metrics.read(workdir) if resumed else []
-                if rows and rows[-1]["step"] >= first_new:
-                    time.sleep(delay)
-                    killed = True
-            elif _tmp_dirs(workdir) - stale:
-                time.sleep(delay)
-                killed = True
+                killed = bool(rows) and rows[-1]["step"] >= first_new
             if killed:
+                time.sleep(delay)
                 at_kill = _complete_steps(workdir)
                 proc.send_signal(signal.SIGKILL)
                 break
@@ -359,6 +360,26 @@ def test_exact_resume_after_random_sigkills(reference, tmp_path, jax_cache):
             assert expected_resume is None or expected_resume in at_kill, at_kill
         kills.append(kind)
         expected_resume = max(at_kill) if at_kill else None
+    return kills, lost
+
+
+def test_exact_resume_after_random_sigkills(reference, tmp_path, jax_cache):
+    """SIGKILL mid-step, mid-checkpoint-write and right after a save; restart each time; the
+    finished run must be bitwise equal to `reference` (no duplicate, missing or orphan rows).
+
+    The kill schedule is drawn from a fixed seed. Each kill records the newest finalised
+    checkpoint; the restart must resume from exactly that step (0 steps lost beyond the save).
+    """
+    rng = random.Random(8)
+    workdir = str(tmp_path / "run")
+    schedule = [
+        ("step", rng.randint(1, 2), rng.uniform(0.0, 0.1)),
+        ("save", None, rng.uniform(0.0, 0.03)),
+        ("exit_after_save", None, None),
+        ("step", 3, rng.uniform(0.0, 0.05)),
+        ("none", None, None),
+    ]
+    kills, lost = _kill_and_resume(tmp_path, workdir, schedule, jax_cache)
     assert kills == ["step", "save", "exit_after_save", "step"]
     _assert_same_run(workdir, reference)
     FIGURES["kills survived"] += len(kills)
@@ -375,11 +396,7 @@ def test_exact_resume_of_async_rollouts_after_sigkills(tmp_path, jax_cache):
     and inside step 4 (with step 4's batch sampled during step 3's update); the restarted run
     must equal an uninterrupted async run bitwise, with no sample lost or used twice."""
     ref = str(tmp_path / "reference")
-    with open(ref + ".digest", "w") as f:
-        f.write(_source_digest())
-    rc, log = _run(_train_cmd(ref, *ASYNC_OVERRIDES), ref + ".log", jax_cache)
-    assert rc == 0, log[-4000:]
-    rows = metrics.read(ref)[1:]
+    rows = _uninterrupted(_train_cmd(ref, *ASYNC_OVERRIDES), ref, jax_cache)[1:]
     assert [r["async/staleness"] for r in rows] == [0, 1, 0, 1]  # none after a save
     assert [r["training/epoch"] for r in rows] == [0, 0, 1, 1]
     rng = random.Random(15)
