@@ -26,10 +26,10 @@ import pytest
 
 import train
 from configs import demo
-from grpo_jax import advantage, config, loading, loss
+from grpo_jax import advantage, config, errors, loading, loss
 from grpo_jax.data import demo_task, prompts, readers
 from grpo_jax.rewards import functions as reward_fns
-from grpo_jax.trainer import actor, metrics
+from grpo_jax.trainer import actor, metrics, warmup
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -485,6 +485,19 @@ def test_malformed_rows_rejected_with_line_numbers(tmp_path):
     bad_lines = [i + 1 for i, (_, why) in enumerate(ROWS) if why is not None]
     assert f"{len(bad_lines)} malformed row(s)" in msg and "data.on_malformed='skip'" in msg
     assert [int(n) for n in re.findall(r"line (\d+): ", msg)] == bad_lines
+
+
+def test_a_warm_up_batch_beyond_the_train_set_names_warmup_batch_size():
+    """It once failed in the warm-up's first batch, naming data.train_batch_size."""
+    tok = demo_task.char_tokenizer()
+    examples = [prompts.Example(f"{i}+1=", str(i + 1), answer=str(i + 1)) for i in range(10)]
+    train_set = prompts.encode(tok, examples, max_prompt_length=8,
+                               filter_overlong_prompts=False, truncation="error")  # fmt: skip
+    run = config.RunConfig(warmup=config.WarmupConfig(steps=1, batch_size=16))
+    with pytest.raises(errors.InputError, match="warmup.batch_size=16 exceeds the 10 training"):
+        warmup.warm_up(run, None, None, train_set, tok, None, eos_id=0, pad_id=0, micro_rows=16,
+                       model_config=None)  # fmt: skip
+    TRIED["config values"] += 1
 
 
 def test_malformed_rows_rejected_by_train_py_before_the_model(tmp_path):

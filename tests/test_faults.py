@@ -21,12 +21,16 @@ The reward is `digit_reward` (a dense, text-dependent score) so that advantages,
 updates are non-zero from the first step: with the demo's sparse reward a random model scores 0,
 every advantage is 0 and the comparison would hold even if resume were broken. The train set
 has 10 prompts, so 4 steps of 4 prompts cross an epoch boundary and the reshuffle matters.
+The multi-turn kill test runs test_multi_turn.py's tool loop instead (`_multi_turn_overrides`:
+the tiny model warmed up to call an add tool, trajectories of tool calls on the paged engine),
+and kills one launch while a tool call runs.
 
 Figures for the issue (printed with `pytest -s`): kills survived, corrupt checkpoints recovered,
 steps lost beyond the last save. The vLLM sidecar's restart with back-off is covered by
 tests/test_vllm.py.
 """
 
+import asyncio
 import errno
 import glob
 import hashlib
@@ -45,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import test_multi_turn
 from safetensors import numpy as safetensors_np
 
 from grpo_jax.trainer import actor, checkpoint, metrics
@@ -138,11 +143,13 @@ def _env(jax_cache: str) -> dict:
     return env
 
 
-def _train_cmd(workdir: str, *extra: str, prefix: tuple[str, ...] = ()) -> list[str]:
+def _train_cmd(
+    workdir: str, *extra: str, prefix: tuple[str, ...] = (), base: tuple[str, ...] = BASE_OVERRIDES
+) -> list[str]:
     args = [
         "--config=configs/demo.py:tiny",
         f"--config.trainer.default_local_dir={workdir}",
-        *BASE_OVERRIDES,
+        *base,
         *extra,
     ]
     return [sys.executable, *prefix, *(args if prefix else ["train.py", *args])]
@@ -190,8 +197,9 @@ def _params(workdir: str) -> dict[str, np.ndarray]:
     return safetensors_np.load_file(os.path.join(workdir, "hf", "model.safetensors"))
 
 
-def _assert_same_run(workdir: str, ref: str) -> None:
-    """Metrics (minus timing) and final params of `workdir` equal those of `ref`, bitwise."""
+def _assert_same_run(workdir: str, ref: str, *, revalidates: bool = True) -> None:
+    """Metrics (minus timing) and final params of `workdir` equal those of `ref`, bitwise.
+    `revalidates`: the run validates before training (BASE_OVERRIDES), so after each resume."""
     with open(ref + ".digest") as f:
         assert f.read() == _source_digest(), (
             "train.py, grpo_jax/ or configs/ changed while this test ran (a shared checkout being "
@@ -201,7 +209,8 @@ def _assert_same_run(workdir: str, ref: str) -> None:
     # trainer.val_before_train: each resume validates first, in a row under the resumed step
     # (verl); at most one per step, and the training rows are those of the uninterrupted run.
     revals = [r for r in rows if r["step"] > 0 and "training/global_step" not in r]
-    assert revals and all(k == "step" or k.startswith("val-") for r in revals for k in r)
+    assert bool(revals) == revalidates
+    assert all(k == "step" or k.startswith("val-") for r in revals for k in r)
     assert len({r["step"] for r in revals}) == len(revals), "a resume validation row twice"
     rows = [r for r in rows if r not in revals]
     assert [r["step"] for r in rows] == list(range(STEPS + 1)), "duplicate or missing rows"
@@ -246,15 +255,21 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
+def _uninterrupted(cmd: list[str], workdir: str, jax_cache: str) -> list[dict]:
+    """Runs `cmd` (on `workdir`) to the end, to compare others with: its metrics rows. Records
+    the code it ran (`_assert_same_run` checks that the compared runs ran the same)."""
+    with open(workdir + ".digest", "w") as f:
+        f.write(_source_digest())
+    rc, log = _run(cmd, workdir + ".log", jax_cache)
+    assert rc == 0, log[-4000:]
+    return metrics.read(workdir)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, jax_cache):
     """The uninterrupted run every other run is compared with (also fills the compile cache)."""
     workdir = str(tmp_path_factory.mktemp("reference") / "run")
-    with open(workdir + ".digest", "w") as f:
-        f.write(_source_digest())
-    rc, log = _run(_train_cmd(workdir), workdir + ".log", jax_cache)
-    assert rc == 0, log[-4000:]
-    rows = metrics.read(workdir)
+    rows = _uninterrupted(_train_cmd(workdir), workdir, jax_cache)
     assert [r["step"] for r in rows] == list(range(STEPS + 1))
     assert rows[0]["warmup/steps"] == 2
     rows = rows[1:]
@@ -288,47 +303,51 @@ def _read(path: str) -> str:
         return f.read()
 
 
-def test_exact_resume_after_random_sigkills(reference, tmp_path, jax_cache):
-    """SIGKILL mid-step, mid-checkpoint-write and right after a save; restart each time; the
-    finished run must be bitwise equal to `reference` (no duplicate, missing or orphan rows).
+def _calls_running(tool_log: str, pid: int) -> int:
+    """Tool calls process `pid` started and did not finish (LoggedAddTool's log)."""
+    try:
+        with open(tool_log) as f:
+            lines = f.read().split()
+    except FileNotFoundError:
+        return 0
+    return lines.count(f"{pid}:start") - lines.count(f"{pid}:end")
 
-    The kill schedule is drawn from a fixed seed. Each kill records the newest finalised
-    checkpoint; the restart must resume from exactly that step (0 steps lost beyond the save).
+
+def _kill_and_resume(
+    tmp_path, workdir: str, schedule, jax_cache: str, *, base=BASE_OVERRIDES, tool_log=None
+) -> tuple[list[str], int]:
+    """Launches train.py on `workdir` once per (kind, k, delay) of `schedule`, kills each launch
+    as its kind says, and checks that every restart resumed from the newest checkpoint that was
+    final at the last kill. Returns the kinds of the kills and the steps lost beyond a save.
+
+    Kinds: "step": `delay` s after this launch wrote the metrics row of step >= k, i.e. inside
+    the next step. "save": `delay` s after this launch's first checkpoint temporary directory
+    appeared (leftovers of an earlier kill have other inodes and do not count); it must still
+    be there after the kill, i.e. the write was really interrupted. "exit_after_save":
+    EXIT_AFTER_SAVE (the checkpoint is final, its metrics row not written). "none": the launch
+    runs to the end. "tool": as "step", but `delay` s after a tool call of this launch started
+    (LoggedAddTool's `tool_log`), and the call must still be running at the kill.
     """
-    rng = random.Random(8)
-    workdir = str(tmp_path / "run")
-    # "step": `delay` s after this launch wrote the metrics row of step >= k, i.e. inside the
-    # next step. "save": `delay` s after this launch's first checkpoint temporary directory
-    # appeared (leftovers of an earlier kill have other inodes and do not count); it must still
-    # be there after the kill, i.e. the write was really interrupted.
-    # "exit_after_save": EXIT_AFTER_SAVE (the checkpoint is final, its metrics row not written).
-    schedule = [
-        ("step", rng.randint(1, 2), rng.uniform(0.0, 0.1)),
-        ("save", None, rng.uniform(0.0, 0.03)),
-        ("exit_after_save", None, None),
-        ("step", 3, rng.uniform(0.0, 0.05)),
-        ("none", None, None),
-    ]
     kills, lost, expected_resume = [], 0, None
     for launch, (kind, k, delay) in enumerate(schedule):
         log_path = str(tmp_path / f"launch{launch}.log")
         stale = _tmp_dirs(workdir)
         prefix = ("-c", EXIT_AFTER_SAVE) if kind == "exit_after_save" else ()
-        proc = _launch(_train_cmd(workdir, prefix=prefix), log_path, jax_cache)
+        proc = _launch(_train_cmd(workdir, prefix=prefix, base=base), log_path, jax_cache)
         killed, at_kill = False, []
         # Rows after the resumed step are this launch's (older ones are truncated on resume).
         first_new = max(k or 0, (expected_resume or 0) + 1)
-        while proc.poll() is None and kind in ("step", "save"):
-            if kind == "step":
+        while proc.poll() is None and kind in ("step", "tool", "save"):
+            if kind == "save":
+                killed = bool(_tmp_dirs(workdir) - stale)
+            else:
                 resumed = expected_resume is None or "resumed from step" in _read(log_path)
                 rows = metrics.read(workdir) if resumed else []
-                if rows and rows[-1]["step"] >= first_new:
-                    time.sleep(delay)
-                    killed = True
-            elif _tmp_dirs(workdir) - stale:
-                time.sleep(delay)
-                killed = True
+                killed = bool(rows) and rows[-1]["step"] >= first_new
+                if kind == "tool":
+                    killed = killed and _calls_running(tool_log, proc.pid) > 0
             if killed:
+                time.sleep(delay)
                 at_kill = _complete_steps(workdir)
                 proc.send_signal(signal.SIGKILL)
                 break
@@ -357,8 +376,30 @@ def test_exact_resume_after_random_sigkills(reference, tmp_path, jax_cache):
             assert _tmp_dirs(workdir) - stale, "the save finished before the kill; lower delay"
             # Nothing is deleted before the newer checkpoint is complete.
             assert expected_resume is None or expected_resume in at_kill, at_kill
+        if kind == "tool":
+            assert _calls_running(tool_log, proc.pid) > 0, "the call ended first; lower delay"
         kills.append(kind)
         expected_resume = max(at_kill) if at_kill else None
+    return kills, lost
+
+
+def test_exact_resume_after_random_sigkills(reference, tmp_path, jax_cache):
+    """SIGKILL mid-step, mid-checkpoint-write and right after a save; restart each time; the
+    finished run must be bitwise equal to `reference` (no duplicate, missing or orphan rows).
+
+    The kill schedule is drawn from a fixed seed. Each kill records the newest finalised
+    checkpoint; the restart must resume from exactly that step (0 steps lost beyond the save).
+    """
+    rng = random.Random(8)
+    workdir = str(tmp_path / "run")
+    schedule = [
+        ("step", rng.randint(1, 2), rng.uniform(0.0, 0.1)),
+        ("save", None, rng.uniform(0.0, 0.03)),
+        ("exit_after_save", None, None),
+        ("step", 3, rng.uniform(0.0, 0.05)),
+        ("none", None, None),
+    ]
+    kills, lost = _kill_and_resume(tmp_path, workdir, schedule, jax_cache)
     assert kills == ["step", "save", "exit_after_save", "step"]
     _assert_same_run(workdir, reference)
     FIGURES["kills survived"] += len(kills)
@@ -375,11 +416,7 @@ def test_exact_resume_of_async_rollouts_after_sigkills(tmp_path, jax_cache):
     and inside step 4 (with step 4's batch sampled during step 3's update); the restarted run
     must equal an uninterrupted async run bitwise, with no sample lost or used twice."""
     ref = str(tmp_path / "reference")
-    with open(ref + ".digest", "w") as f:
-        f.write(_source_digest())
-    rc, log = _run(_train_cmd(ref, *ASYNC_OVERRIDES), ref + ".log", jax_cache)
-    assert rc == 0, log[-4000:]
-    rows = metrics.read(ref)[1:]
+    rows = _uninterrupted(_train_cmd(ref, *ASYNC_OVERRIDES), ref, jax_cache)[1:]
     assert [r["async/staleness"] for r in rows] == [0, 1, 0, 1]  # none after a save
     assert [r["training/epoch"] for r in rows] == [0, 0, 1, 1]
     rng = random.Random(15)
@@ -401,6 +438,106 @@ def test_exact_resume_of_async_rollouts_after_sigkills(tmp_path, jax_cache):
         assert rc == (0 if after_row is None else -signal.SIGKILL), log[-3000:]
     _assert_same_run(workdir, ref)
     FIGURES["kills survived"] += 2
+
+
+class LoggedAddTool(test_multi_turn.AddTool):
+    """test_multi_turn's add tool, `config["sleep_s"]` slower, logging "<pid>:start" and
+    "<pid>:end" around each call to `config["log"]`: the kill test sees a call in flight."""
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        with open(self.config["log"], "a") as f:
+            f.write(f"{os.getpid()}:start\n")
+        await asyncio.sleep(self.config["sleep_s"])
+        try:
+            return await super().execute(instance_id, parameters, **kwargs)
+        finally:
+            with open(self.config["log"], "a") as f:
+                f.write(f"{os.getpid()}:end\n")
+
+
+def _multi_turn_overrides(directory) -> tuple[str, ...]:
+    """test_multi_turn's tool loop as train.py overrides, in place of BASE_OVERRIDES: 10 sums
+    whose warm-up answer is a call of the add tool (LoggedAddTool, through a verl tool YAML, calls
+    logged to directory/tool_calls.log), the model warmed up 60 steps to write such calls, then
+    4 prompts x 2 trajectories of at most 2 model turns on the paged engine, one mini-batch (no
+    old-log-prob pass, so no rollout correction: the update never reads the engine's log-probs,
+    docs/rollouts.md), packed micro-batches, the KL loss against the warmed-up reference."""
+    rows = os.path.join(directory, "tool_rows.jsonl")
+    with open(rows, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in test_multi_turn.tool_rows(10))
+    tools = os.path.join(directory, "tools.yaml")
+    tool = {"type": "native", "log": os.path.join(directory, "tool_calls.log"), "sleep_s": 0.3}
+    with open(tools, "w") as f:
+        json.dump({"tools": [{"class_name": "test_faults.LoggedAddTool", "config": tool,
+                              "tool_schema": test_multi_turn.ADD_SCHEMA}]}, f)  # JSON is YAML
+    return (
+        f"--config.trainer.total_training_steps={STEPS}",
+        "--config.data.source=files",
+        f"--config.data.path={rows}",  # 2 steps per epoch: step 3 starts epoch 1
+        f"--config.data.val_path={rows}",
+        "--config.data.train_batch_size=4",
+        "--config.data.max_prompt_length=48",
+        "--config.data.max_response_length=128",
+        "--config.rollout.n=2",
+        "--config.rollout.multi_turn.enable=True",
+        "--config.rollout.multi_turn.max_assistant_turns=2",
+        f"--config.rollout.multi_turn.tool_config_path={tools}",
+        "--config.rollout.log_prob_micro_batch_size_per_gpu=8",
+        "--config.actor.ppo_mini_batch_size=4",
+        "--config.actor.ppo_micro_batch_size_per_gpu=4",
+        "--config.actor.use_dynamic_bsz=True",
+        "--config.actor.ppo_max_token_len_per_gpu=512",
+        "--config.actor.use_kl_loss=True",
+        "--config.actor.optim.lr=1e-4",  # at 1e-3 the policy stops calling by step 4
+        "--config.warmup.steps=60",
+        "--config.warmup.batch_size=8",
+        "--config.trainer.val_before_train=False",
+        "--config.trainer.test_freq=-1",
+        "--config.trainer.save_freq=1",
+        "--config.checkpoint.max_to_keep=2",
+        "--config.trainer.tensorboard=False",
+        "--config.trainer.progress_bar=False",
+        "--config.model.tiny.intermediate_size=128",
+        "--config.reward.fn=test_faults:digit_reward",  # the tool's responses count too
+        "--config.reward.num_workers=0",
+    )
+
+
+def test_exact_resume_of_multi_turn_rollouts_after_sigkills(tmp_path, jax_cache):
+    """rollout.multi_turn with a tool: SIGKILL while a tool call runs (its response not yet
+    appended to the trajectory), mid-checkpoint-write and right after a save; the finished run
+    must equal an uninterrupted one bitwise, metrics and params, with no step lost.
+
+    A trajectory's tokens are drawn with keys of its row and response position whatever the
+    paged engine's schedule (which follows when the tools answer), so a resumed step samples
+    the uninterrupted run's trajectories. The engine's log-probs do follow the schedule, to
+    float rounding; without rollout correction and on-policy nothing reads them."""
+    base = _multi_turn_overrides(tmp_path)
+    tool_log = os.path.join(tmp_path, "tool_calls.log")
+    ref = str(tmp_path / "reference")
+    rows = _uninterrupted(_train_cmd(ref, base=base), ref, jax_cache)[1:]
+    assert [r["training/epoch"] for r in rows] == [0, 0, 1, 1]
+    for r in rows:  # every step calls the tool and updates the params
+        assert r["multi_turn/tool_calls/mean"] > 0 and r["num_turns/max"] >= 4, r
+        assert r["actor/grad_norm"] > 0 and r["actor/update_skipped"] == 0, r
+        assert r["critic/advantages/max"] > 0, r
+    rng = random.Random(33)
+    # A kill while a call sleeps (LoggedAddTool, 0.3 s) is also one mid-step; the single-turn
+    # test kills at other points of a step, with nothing multi-turn about them.
+    schedule = [
+        ("tool", rng.randint(1, 2), rng.uniform(0.0, 0.1)),
+        ("save", None, rng.uniform(0.0, 0.03)),
+        ("exit_after_save", None, None),
+        ("none", None, None),
+    ]
+    workdir = str(tmp_path / "run")
+    kills, lost = _kill_and_resume(tmp_path, workdir, schedule, jax_cache, base=base,
+                                   tool_log=tool_log)  # fmt: skip
+    assert kills == ["tool", "save", "exit_after_save"]
+    _assert_same_run(workdir, ref, revalidates=False)
+    FIGURES["kills survived"] += len(kills)
+    FIGURES["steps lost beyond the last save"] += lost
+    assert lost == 0
 
 
 # ------------------------------------------------------------------------------------------

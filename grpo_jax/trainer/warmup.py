@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax import distributed
+from grpo_jax import distributed, errors
 from grpo_jax.data import prompts
 from grpo_jax.trainer import actor
 
@@ -43,6 +43,11 @@ def warm_up(
             f"warmup.steps={w.steps} needs a reference answer per prompt (extra_info.answer, or "
             f"the answer of a raw GSM8K row); {len(missing)} prompts have none (lines "
             f"{missing[:5]}...)"
+        )
+    if w.batch_size > len(train_set):  # else prompts.next_indices names data.train_batch_size
+        raise errors.InputError(
+            f"warmup.batch_size={w.batch_size} exceeds the {len(train_set)} training prompts (a "
+            "warm-up batch is drawn from one epoch's order, without repeats)"
         )
     sft_fn = jax.jit(
         functools.partial(
