@@ -59,6 +59,8 @@ def warm_up(
         donate_argnums=0,
     )
     base = () if base_params is None else (base_params,)
+    # The state's planned shardings: the update programs compile for them, as on a resume.
+    planned = jax.tree.map(lambda x: x.sharding, state)
     position = prompts.Position()
     nll = float("nan")
     for i in range(w.steps):
@@ -79,7 +81,8 @@ def warm_up(
         if i % 10 == 0 or i == w.steps - 1:
             logging.info("warm-up step %d/%d: nll %.4f", i + 1, w.steps, nll)
     fresh = actor.TrainState(jnp.zeros_like(state.step), state.params, tx.init(state.params))
-    return fresh, {"warmup/nll": nll, "warmup/steps": w.steps}
+    # jit chooses its outputs' shardings: put the warmed-up state back on the planned ones
+    return jax.device_put(fresh, planned), {"warmup/nll": nll, "warmup/steps": w.steps}
 
 
 def sft_batch(train_set, indices, tokenizer, mesh, *, eos_id, pad_id, max_response_length):
