@@ -564,8 +564,8 @@ def test_two_processes_run_their_own_tool_calls_and_train_as_one(two_steps, tmp_
                                                                   monkeypatch):
     """Two JAX processes (2 CPU devices each, one 4-device mesh): each runs the tool calls of
     its own rows only, and together they train as one process on 4 devices does through the
-    same lockstep turns (the paged engine schedules from one process, so several take the
-    lockstep rounds)."""
+    same lockstep turns (tool calls end at different times in each process, and the paged
+    engine must be scheduled alike in all, so several take the lockstep rounds)."""
     import numerics
     import workers
 

@@ -39,7 +39,8 @@ and the tool outputs, never on slots, the pool or which tool answered first
 the same across slot counts, pool sizes and tool delays).
 
 Any other engine (the vLLM sidecar, which takes and returns token ids), and the native engine
-in a run of several JAX processes (the paged engine schedules from one process), runs the turns
+in a run of several JAX processes (whose rows' tool calls end at different times in each process,
+while every process must schedule the paged engine alike), runs the turns
 in lockstep: each round samples one turn of every unfinished trajectory in one engine call (n =
 1 per trajectory, the rows padded to a size of a halving ladder so a run compiles few shapes),
 then runs every tool call of the round concurrently, so a trajectory waiting on a slow tool
@@ -208,7 +209,8 @@ class Agent:
             kwargs = dict(prompts.examples[p].extra_info or {}).get("tools_kwargs") or {}
             trajectories += [_Trajectory(list(prompt), kwargs) for _ in range(n)]
         routed = None
-        # the paged engine schedules from one process; several take the lockstep rounds
+        # tool calls end at different times in each process, and every process must schedule
+        # the paged engine alike: several processes take the lockstep rounds
         if isinstance(engine, engines.NativeEngine) and prompts.rows is None:
             version, routed = self._paged(engine, params, prompts, rng, sp, trajectories,
                                           policy_version)  # fmt: skip

@@ -32,6 +32,16 @@ has a leading D axis split over those mesh axes, every program is the one-shard 
 vmapped over D (`spmd_axis_name`), and the host keeps one `_Shard` schedule per shard, run in
 lockstep: each program call carries every shard's inputs (an idle shard writes its trash page).
 
+Several JAX processes (hosts; a v5p-16 is two). Every process runs every shard's schedule: the
+programs are SPMD over the global mesh, so each process must call the same ones with the same
+shapes and inputs in the same order. The host reads the device only for the prompts and, after
+each decode segment, which slots are still active (and the step count, a replicated scalar);
+where other processes hold parts of these they are all-gathered (`distributed.to_host`), so
+every process makes the same decisions from the same information, and each places its own
+devices' blocks of the schedule's [D, ...] inputs. One process gathers nothing. Multi-turn
+rows (`turns`) are refused there: their tool calls end at different times in each process (the
+multi-turn agent runs them in lockstep rounds instead, rollout/multi_turn.py).
+
 Memory (vLLM's scheme). A row holds its group's shared prompt pages and only the pages of
 its tokens so far, plus a lookahead: before every decode segment the host grants each running
 row, oldest first, the pages of its next `segment_steps` steps, then more while pages are free
@@ -132,8 +142,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpo_jax import distributed, sampler
 from grpo_jax import model as model_lib
-from grpo_jax import sampler
 from grpo_jax.models import decode, moe, paged, paged_kernel
 
 # verl 0.9.1's rollout.max_num_seqs / max_num_batched_tokens defaults (vLLM's names).
@@ -681,7 +691,7 @@ def sample_paged(
         (decode calls and steps, prefill calls and tokens, admissions, the peak pages in use
         and rows in flight) and `trace`, the calls in order.
       turns: multi-turn rows (`Turns`, see the module doc): a row that stops asks
-        `turns.ended`, and may wait for tokens to append and go on.
+        `turns.ended`, and may wait for tokens to append and go on. One JAX process only.
       record_routing: also record each token's experts in `Rollout.routed_experts` (a MoE
         model; router replay R3), as `sampler.sample` does: the prefill's chunks record the
         prompt's tokens into the columns of its group's n rows, each decode step the token a
@@ -691,13 +701,14 @@ def sample_paged(
     Returns:
       The same `Rollout` as `sampler.sample` (rows of a prompt adjacent).
     """
-    if jax.process_count() > 1:
+    if turns is not None and jax.process_count() > 1:
         raise ValueError(
-            f"the paged engine schedules from one process, and this run has "
-            f"{jax.process_count()} JAX processes: raise rollout.max_num_seqs to the step's rows "
-            "(prompts x n) so that the grouped sampler runs"
+            f"multi-turn rows (turns) wait on tool calls that end at different times in each of "
+            f"this run's {jax.process_count()} JAX processes, so the paged engine takes them in "
+            "one process only; with several, multi-turn rollouts run in lockstep rounds "
+            "(rollout.multi_turn.Agent routes them there)"
         )
-    ids_np, mask_np = np.asarray(prompt_ids, np.int32), np.asarray(prompt_mask, np.int32)
+    ids_np, mask_np = (np.asarray(_on_host(x), np.int32) for x in (prompt_ids, prompt_mask))
     eos_token_ids = sampler.check_sampling_args(
         ids_np.shape, mask_np.shape, vocab_size=config.vocab_size, n=n,
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -755,6 +766,15 @@ def sample_paged(
             lambda x: jax.device_put(x, sampler._row_sharding(prompt_ids, x.ndim)), rollout
         )
     return rollout
+
+
+def _on_host(x) -> np.ndarray:
+    """The whole of an array on this host. Parts that other processes hold are all-gathered:
+    the host reads the prompts and the slots that finished through this, so that every process
+    schedules every shard alike (and calls the same programs with the same inputs)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return distributed.to_host(x)
+    return np.asarray(x)
 
 
 def pages(rows: int, shards: int, max_num_seqs: int) -> bool:
@@ -1136,11 +1156,15 @@ class _Schedule:
         self.trace: list[tuple[str, object]] = []
 
     def _put(self, arrays):
-        """[D, ...] host arrays, each shard's on its devices."""
+        """[D, ...] host arrays, each shard's on its devices. With several processes every
+        process holds the same arrays (the same schedule) and places its own devices' blocks."""
         if self.mesh is None:
             return arrays
         spec = jax.sharding.PartitionSpec(self.st.shard_axes)
-        return [jax.device_put(x, jax.sharding.NamedSharding(self.mesh, spec)) for x in arrays]
+        shd = jax.sharding.NamedSharding(self.mesh, spec)
+        if shd.is_fully_addressable:
+            return [jax.device_put(x, shd) for x in arrays]
+        return [jax.make_array_from_callback(x.shape, shd, x.__getitem__) for x in arrays]
 
     def _turn_ends(self, programs, state, stopped) -> None:
         """The rows that stopped in a segment: each finishes, or (the turn hook returns a
@@ -1301,6 +1325,6 @@ class _Schedule:
             self.counts["decode_calls"] += 1
             self.counts["decode_steps"] += int(taken)
             self.trace.append(("decode", int(taken)))
-            active = np.asarray(state.active_DS)
+            active = _on_host(state.active_DS)
             stopped = [sh.advance(int(taken), active_S) for sh, active_S in zip(shards, active)]
             self._turn_ends(programs, state, stopped)
