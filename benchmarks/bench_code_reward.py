@@ -32,9 +32,24 @@ Timed (wall seconds of one step's scoring of the 64, median of --repeats, rounds
 
 Scores of every side are compared with verl's sequential ones (the count that differ).
 
+--overlap adds the reward seconds a step waits after generation when rows are scored as they
+finish (reward.overlap_with_rollout, "on") or all after generation ("off"), for the config's
+worker count. Generation is a real finish schedule replayed: SmolLM2-135M-Instruct (Q4_1 GGUF,
+float32) through the paged engine (rollout.max_num_seqs --overlap-slots) on the first 16 GSM8K
+train questions x n=4 = 64 rows, at most 256 new tokens, temperature 1, in a process of its own,
+records when each row finished (sample_paged's `finished` hook; the second call, the first
+compiles). Each repeat then replays that schedule with sleeps: row i's code completion is handed
+to `functions.Scoring.add` at row i's finish time ("on"), and at the end of generation the
+wait for `Scoring.result` ("on") or `functions.score_batch` ("off") is timed. The replay leaves
+the CPU to the reward workers, as when an accelerator generates; on a CPU-only machine
+generation and scoring share the cores. verl's agent loop scores each trajectory as it ends
+too; its columns above are its batch scoring, as before.
+
     python benchmarks/bench_code_reward.py                      # the config's 2 workers
     python benchmarks/bench_code_reward.py --workers 1 \
         --out benchmarks/results/code_reward_2026-12-04.json    # also 1 worker: ~12 minutes
+    python benchmarks/bench_code_reward.py --overlap \
+        --out benchmarks/results/code_reward_2026-12-05_overlap.json   # ~25 minutes
 """
 
 import argparse
@@ -277,6 +292,88 @@ def grpo_jax_side(rows, workers: int, repeats: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# --overlap: a real generation's finish schedule (its own process), replayed against the scoring.
+
+SCHEDULE = {"prompts": 16, "n": 4, "max_new_tokens": 256, "seed": 1}
+
+
+def finish_schedule(max_num_seqs: int) -> dict:
+    """When each of the 64 rows of SmolLM2-135M-Instruct's paged rollout of GSM8K prompts
+    finished (seconds from the call's start), in the second call (the first compiles)."""
+    import bench_rollout  # this directory's: the GSM8K chat prompts
+    import jax
+    import numpy as np
+
+    from grpo_jax import model
+    from grpo_jax.data import demo_task
+    from grpo_jax.models import gguf as gguf_lib
+    from grpo_jax.rollout import paged
+
+    gguf = demo_task.smollm2_gguf()
+    cfg, params = model.load_gguf(gguf)
+    tok = gguf_lib.load_tokenizer(gguf)
+    ids, mask = bench_rollout._prompts(tok, SCHEDULE["prompts"])
+    eos = tuple(sorted(set(cfg.eos_token_ids) | {tok.eos_token_id}))
+    for call in range(2):
+        heard: dict[int, float] = {}
+        t0 = time.perf_counter()
+        out = paged.sample_paged(
+            cfg, params, ids, mask, jax.random.key(SCHEDULE["seed"] + call), n=SCHEDULE["n"],
+            max_new_tokens=SCHEDULE["max_new_tokens"], temperature=1.0, eos_token_ids=eos,
+            pad_token_id=tok.pad_token_id, max_num_seqs=max_num_seqs,
+            finished=lambda row, _: heard.__setitem__(row, time.perf_counter() - t0),
+        )  # fmt: skip
+        jax.block_until_ready(out)
+        generation_s = time.perf_counter() - t0
+    return {
+        "finish_s": [heard[i] for i in range(len(heard))],
+        "generation_s": generation_s,
+        "lengths": np.asarray(out.response_mask).sum(1).tolist(),
+    }
+
+
+def overlap_side(rows, schedule: dict, workers: int, first: str) -> dict:
+    """One replay each of "on" and "off" (`first` first): the seconds waited for the rewards
+    after generation, the seconds of scoring during generation, the scores."""
+    from grpo_jax import config as config_lib
+    from grpo_jax import loading
+    from grpo_jax.data import prompts as prompts_lib
+    from grpo_jax.rewards import functions as reward_fns
+    from grpo_jax.rewards import pool as reward_pool
+
+    cfg = config_lib.RewardConfig(num_workers=workers)
+    reward_fn = loading.reward_fn(cfg)
+    examples = [
+        prompts_lib.Example(prompt="", ground_truth=r["ground_truth"], data_source=r["data_source"])
+        for r in rows
+    ]
+    solutions = [r["completion"] for r in rows]
+    finish_s = schedule["finish_s"]
+    order = sorted(range(len(rows)), key=finish_s.__getitem__)
+    out = {}
+    with reward_pool.Pool(cfg.num_workers, timeout_s=cfg.timeout_s) as pool:
+        reward_fns.score_batch(reward_fn, solutions[:1] * workers, examples[:1] * workers,
+                               pool=pool)  # fmt: skip
+        for mode in (first, "off" if first == "on" else "on"):
+            t0 = time.perf_counter()
+            scoring = reward_fns.Scoring(reward_fn, examples, pool=pool)
+            if mode == "on":
+                for i in order:
+                    time.sleep(max(0.0, t0 + finish_s[i] - time.perf_counter()))
+                    scoring.add(i, solutions[i])
+            time.sleep(max(0.0, t0 + schedule["generation_s"] - time.perf_counter()))
+            generated_at = time.perf_counter()
+            result = scoring.result(solutions)
+            out[mode] = {
+                "wait_s": time.perf_counter() - generated_at,
+                "overlapped_s": scoring.overlapped_s(generated_at),
+                "scores": list(result.scores_B),
+                "num_lost": result.num_lost,
+            }
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # verl's side: this file run by verl's interpreter with --verl-worker (standard library only
 # above; verl is imported in the functions below).
 
@@ -384,7 +481,12 @@ def main():
     p.add_argument("--verl-modes", default="sequential,reward_loop",
                    help="of sequential, reward_loop, prime")  # fmt: skip
     p.add_argument("--out", default="")
+    p.add_argument("--overlap", action="store_true",
+                   help="also the wait after generation with rows scored as they finish")
+    p.add_argument("--overlap-slots", type=int, default=32,
+                   help="rollout.max_num_seqs of the generation whose schedule is replayed")
     p.add_argument("--verl-worker", default="", help=argparse.SUPPRESS)
+    p.add_argument("--schedule-worker", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     modes = [m for m in args.verl_modes.split(",") if m]
 
@@ -399,6 +501,16 @@ def main():
 
     grpo = {w: {"times": []} for w in counts}
     verl: dict[str, dict] = {}
+    overlap = None
+    if args.overlap:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "schedule.json")
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--schedule-worker",
+                                   path, "--overlap-slots", str(args.overlap_slots)])  # fmt: skip
+            if proc.returncode:
+                sys.exit("the generation schedule failed")
+            overlap = {"schedule": json.load(open(path)), "on": [], "off": []}
+        print(f"generation {overlap['schedule']['generation_s']:.1f} s", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "rows.json")
         json.dump(rows, open(path, "w"))
@@ -417,10 +529,17 @@ def main():
                 verl.setdefault(key, {"times": []})["times"].append(res["time"])
                 verl[key]["scores"] = res["scores"]
                 print(f"round {r}: verl {key} {res['time']:.2f} s", flush=True)
-            _report(args, rows, counts, grpo, verl)  # after every round: a partial run counts
+            if overlap is not None:
+                res = overlap_side(rows, overlap["schedule"], default_workers,
+                                   "on" if r % 2 == 0 else "off")  # fmt: skip
+                for mode in ("on", "off"):
+                    overlap[mode].append(res[mode])
+                    print(f"round {r}: overlap {mode}: waited {res[mode]['wait_s']:.2f} s",
+                          flush=True)  # fmt: skip
+            _report(args, rows, counts, grpo, verl, overlap)  # after every round: partial counts
 
 
-def _report(args, rows, counts, grpo, verl) -> None:
+def _report(args, rows, counts, grpo, verl, overlap=None) -> None:
     batch, default_workers = len(rows), counts[0]
     reference = verl["sequential"]["scores"] if "sequential" in verl else None
     kinds = {}
@@ -475,6 +594,8 @@ def _report(args, rows, counts, grpo, verl) -> None:
             **{f"verl_{k}": differing(v["scores"]) for k, v in verl.items()},
         },
     }
+    if overlap is not None:
+        report["overlap"] = _overlap_report(args, overlap, default_workers, differing)
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
@@ -482,8 +603,60 @@ def _report(args, rows, counts, grpo, verl) -> None:
             f.write(text + "\n")
 
 
+def _overlap_report(args, overlap, workers: int, differing) -> dict:
+    sched = overlap["schedule"]
+    finish = sorted(sched["finish_s"])
+
+    def summary(mode):
+        runs = overlap[mode]
+        waits = [r["wait_s"] for r in runs]
+        return {
+            "wait_after_generation_s_median": statistics.median(waits),
+            "wait_after_generation_s_min": min(waits),
+            "wait_after_generation_s_max": max(waits),
+            "overlapped_s_median": statistics.median(r["overlapped_s"] for r in runs),
+            "num_lost": [r["num_lost"] for r in runs],
+            "scores_differing_from_verl": differing(runs[-1]["scores"]),
+            "repeats": len(runs),
+        }
+
+    on, off = summary("on"), summary("off")
+    return {
+        "what": "reward seconds a step waits after generation, rows scored as they finish "
+                "(reward.overlap_with_rollout on) or after generation (off), grpo_jax, "
+                f"{workers} reward workers",
+        "generation": {
+            "source": "replayed finish schedule of a real rollout: SmolLM2-135M-Instruct "
+                      "(Q4_1 GGUF, float32), paged engine, first GSM8K train questions, "
+                      "verl's instruction, chat template; row i's finish time given to the "
+                      "code batch's completion i",
+            **SCHEDULE,
+            "max_num_seqs": args.overlap_slots,
+            "generation_s": sched["generation_s"],
+            "finish_s": {"first": finish[0], "median": statistics.median(finish),
+                         "last": finish[-1]},
+            "mean_length": statistics.fmean(sched["lengths"]),
+            "replay": "sleeps: the CPU is free for the reward workers during generation, as "
+                      "when an accelerator generates",
+        },
+        "on": on,
+        "off": off,
+        "scores_on_equal_off": all(a["scores"] == b["scores"]
+                                   for a, b in zip(overlap["on"], overlap["off"])),
+        "ratio_wait_on_over_off": on["wait_after_generation_s_median"]
+        / off["wait_after_generation_s_median"],
+    }
+
+
 if __name__ == "__main__":
-    if "--verl-worker" in sys.argv:
+    if "--schedule-worker" in sys.argv:
+        a = argparse.ArgumentParser()
+        a.add_argument("--schedule-worker")
+        a.add_argument("--overlap-slots", type=int)
+        ns = a.parse_args()
+        with open(ns.schedule_worker, "w") as f:
+            json.dump(finish_schedule(ns.overlap_slots), f)
+    elif "--verl-worker" in sys.argv:
         a = argparse.ArgumentParser()
         a.add_argument("--verl-worker")
         a.add_argument("--verl-modes")

@@ -971,6 +971,15 @@ class RewardConfig:
     its parameter names: verl's `compute_score(data_source, solution_str, ground_truth,
     extra_info=None) -> float | dict`, TRL's batched `fn(prompts, completions, **columns) ->
     list[float]`, or `fn(solution_str, ground_truth) -> float`.
+
+    `overlap_with_rollout` streams the scoring: with the native engine's continuous batching
+    (rollout.max_num_seqs below a shard's rows) each row that finishes is decoded and its calls
+    submitted to the reward workers (or, with num_workers=0, to one helper thread) while the
+    other rows decode, and the stage then waits only for the calls still running; the rewards
+    are the same as scoring the batch after generation. Reward models and judges, multi-turn
+    rollouts (a row's reward needs the tool results its agent gathers), several JAX processes
+    and the vLLM sidecar score the batch after generation whatever it says; so do TRL-style
+    functions (one call for the whole batch).
     """
 
     fn: str = "grpo_jax.rewards.scorers:default_compute_score"  # comma-separated specs
@@ -980,6 +989,9 @@ class RewardConfig:
     # per call of a function (one sample, or one batch for TRL-style); a code reward takes up to
     # ~20 s locally (verl's 5 s first pass and 10 s tests, rewards/code.py)
     timeout_s: float = 30.0
+    # score each rollout row as soon as it finishes, while the others still decode (verl's agent
+    # loop does; verl has no switch for it); False scores the whole batch after generation
+    overlap_with_rollout: bool = True
     overlong_buffer: OverlongBufferConfig = OverlongBufferConfig()
     sandbox_fusion: SandboxFusionConfig = SandboxFusionConfig()
 

@@ -541,3 +541,39 @@ def test_a_turn_hook_that_overflows_the_response_is_refused(tiny):
     with pytest.raises(ValueError, match="turn hook appended 40 tokens"):
         paged.sample_paged(config, params, ids, mask, jax.random.key(0), n=1, max_new_tokens=16,
                            eos_token_ids=tuple(range(4, 128)), turns=Overflow())  # fmt: skip
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (8, 1, 1)], ids=["one device", "data 8"])
+def test_the_finished_hook_hears_each_row_once_with_its_final_tokens(tiny, mesh_shape):
+    """`finished(row, tokens)`: every row once, with the valid tokens it ends the rollout with,
+    rows ending early (an EOS) before the call returns the later ones; the rollout is bitwise
+    the one without the hook, and so is the schedule."""
+    from grpo_jax import sharding
+
+    config, params = tiny
+    ids, mask, rng, kw, _ = _mixed_case(config, params, 1.0, -1, 1.0)
+    if mesh_shape is not None:
+        params, ids, mask = _on_mesh(config, params, sharding.make_mesh(mesh_shape),
+                                     np.concatenate([ids, ids[:2]]),
+                                     np.concatenate([mask, mask[:2]]))  # fmt: skip
+    heard, stats = [], [{}, {}]
+    outs = [
+        paged.sample_paged(config, params, ids, mask, rng, max_num_seqs=4, page_size=4,
+                           stats=stats[i], **kw, **hook)  # fmt: skip
+        for i, hook in enumerate([{}, {"finished": lambda row, t: heard.append((row, t))}])
+    ]
+    for field in ("prompt_ids", "response_ids", "response_mask", "log_probs", "group_ids"):
+        np.testing.assert_array_equal(np.asarray(getattr(outs[0], field)),
+                                      np.asarray(getattr(outs[1], field)), err_msg=field)
+    assert stats[0] == stats[1]
+    response_ids, lengths = np.asarray(outs[1].response_ids), np.asarray(outs[1].response_mask)
+    rows = [row for row, _ in heard]
+    assert sorted(rows) == list(range(len(response_ids)))
+    for row, tokens in heard:
+        np.testing.assert_array_equal(tokens, response_ids[row, : lengths[row].sum()])
+    # Heard in the order they finished: an early EOS before the rows cut at the length limit.
+    ended = [len(t) < kw["max_new_tokens"] for _, t in heard]
+    assert ended[0] and not ended[-1]
+    with pytest.raises(ValueError, match="`turns` or `finished`, not both"):
+        paged.sample_paged(config, params, ids, mask, rng, turns=object(),
+                           finished=lambda row, t: None, **kw)  # fmt: skip

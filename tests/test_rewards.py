@@ -1,6 +1,8 @@
 """verl GSM8K scorer on hand-written cases, and the reward plumbing: signatures, weights, the
 worker pool's timeouts and crash isolation, and on_error."""
 
+import dataclasses
+
 import pytest
 
 from grpo_jax import config, loading
@@ -115,7 +117,9 @@ def test_the_three_signatures():
     with pytest.raises(ValueError, match="expected verl's"):
         reward_fns.signature_style(lambda a, b, c: 0.0)
     # verl: a dict's "score" is the reward, its other keys are kept per sample.
-    res = reward_fns.score_batch(reward_fns.RewardFn.of(_verl_style), ["7", "8"], _examples(["7", "7"]))
+    res = reward_fns.score_batch(
+        reward_fns.RewardFn.of(_verl_style), ["7", "8"], _examples(["7", "7"])
+    )
     assert res.scores_B == [1.0, 0.0]
     assert res.extras == {"acc": [True, False], "pred": ["7", "8"], "k": [0, 1]}
     # TRL: one call for the batch, columns as keyword lists, chat completions for chat prompts.
@@ -194,7 +198,9 @@ def test_pool_runs_closures_and_reports_exceptions():
         )
         assert res.scores_B == [1.25, 0.0] and res.num_errors == 1
         with pytest.raises(reward_fns.RewardError, match="ValueError: bad completion"):
-            reward_fns.score_batch(reward_fns.RewardFn.of(shifted), ["bad"], _examples(["1"]), pool=pool)
+            reward_fns.score_batch(
+                reward_fns.RewardFn.of(shifted), ["bad"], _examples(["1"]), pool=pool
+            )
 
 
 @pytest.mark.parametrize(
@@ -218,3 +224,92 @@ def test_bad_weights_and_modes():
         reward_fns.make_reward_fn("grpo_jax.rewards.functions:gsm8k_score", "one")
     with pytest.raises(ValueError, match=r"on_error='ignore' must be one of \['raise', 'zero'\]"):
         reward_fns.make_reward_fn("grpo_jax.rewards.functions:gsm8k_score", on_error="ignore")
+
+
+def test_pool_submit_returns_while_the_call_runs(tmp_path):
+    """`submit` queues and returns: the call runs on a worker while the caller goes on (here it
+    waits for a file the caller writes only after submit returned), and `wait` collects it."""
+    go = tmp_path / "go"
+
+    def waits_for_go(solution, ground_truth):
+        import os
+        import time
+
+        while not os.path.exists(go):
+            time.sleep(0.01)
+        return float(solution == ground_truth)
+
+    with reward_pool.Pool(1, timeout_s=60.0) as pool:
+        first = pool.submit((waits_for_go, ("1", "1"), {}))
+        second = pool.submit((waits_for_go, ("2", "1"), {}))
+        go.write_text("")  # only now can either call return
+        assert [o.value for o in pool.wait([second, first])] == [0.0, 1.0]
+
+
+def _styled_rewards():
+    """Three functions, one per signature, with dict results, raising, non-finite and
+    hanging calls: (RewardFn, solutions, examples)."""
+
+    def verl_style(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str == "hang":
+            import time
+
+            time.sleep(600)
+        if solution_str == "boom":
+            raise ValueError("boom")
+        return {"score": float(solution_str == ground_truth), "len": len(solution_str)}
+
+    def pair_style(solution_str, ground_truth):
+        return float("nan") if solution_str == "nan" else 0.5 * len(solution_str)
+
+    def trl_style(prompts, completions, ground_truth, **kw):
+        return [float(c == g) for c, g in zip(completions, ground_truth)]
+
+    fn = reward_fns.RewardFn(
+        ("verl_style", "pair_style", "trl_style"), (verl_style, pair_style, trl_style),
+        (1.0, 0.5, 2.0), on_error="zero",
+    )  # fmt: skip
+    solutions = ["1", "boom", "2", "hang", "nan", "12", "1", "x"]
+    return fn, solutions, _examples(["1", "1", "2", "1", "1", "12", "3", "x"])
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["inline", "pool"])
+def test_scoring_rows_as_they_come_equals_score_batch(workers):
+    """`Scoring.add` in any order, some rows left to `result`: the RewardResult of
+    `score_batch` exactly (scores, per-function scores, extras, errors and lost calls)."""
+    fn, solutions, examples = _styled_rewards()
+    if workers == 0:  # inline: no timeout, so no hanging call
+        solutions[3] = "0"
+    pool = reward_pool.Pool(workers, timeout_s=2.0) if workers else None
+    try:
+        want = reward_fns.score_batch(fn, solutions, examples, pool=pool)
+        scoring = reward_fns.Scoring(fn, examples, pool=pool)
+        for i in (5, 1, 3, 0, 6):
+            scoring.add(i, solutions[i])
+        got = scoring.result(solutions)
+    finally:
+        if pool is not None:
+            pool.close()
+    assert got == want
+    assert (got.num_errors, got.num_lost) == (2, workers // 2)
+    assert got.extras["verl_style/len"][0] == 1 and got.extras["verl_style/len"][1] is None
+    with pytest.raises(ValueError, match="sample 5 was scored as '12' but is now '13'"):
+        scoring = reward_fns.Scoring(fn, examples)
+        scoring.add(5, "12")
+        scoring.result(solutions[:5] + ["13"] + solutions[6:])
+
+
+def test_scoring_raises_as_score_batch_does():
+    """on_error="raise": the first failing call in score_batch's order (function by function,
+    sample by sample) stops it with the same message, whichever rows were added first."""
+    fn, solutions, examples = _styled_rewards()
+    fn = dataclasses.replace(fn, on_error="raise")
+    solutions[3] = "0"
+    with pytest.raises(reward_fns.RewardError) as want:
+        reward_fns.score_batch(fn, solutions, examples)
+    scoring = reward_fns.Scoring(fn, examples)
+    scoring.add(4, solutions[4])  # pair_style's non-finite value: later in score_batch's order
+    scoring.add(1, solutions[1])
+    with pytest.raises(reward_fns.RewardError) as got:
+        scoring.result(solutions)
+    assert str(got.value) == str(want.value) and "verl_style on sample 1" in str(got.value)

@@ -109,6 +109,8 @@ OWN = (
     "actor.router_replay.",
     # the DAPO reward manager's reward_kwargs.overlong_buffer_cfg, not in the YAML
     "reward.fn", "reward.weights", "reward.on_error", "reward.timeout_s", "reward.overlong_buffer.",
+    # verl's agent loop always scores a trajectory when it ends; grpo_jax can turn that off
+    "reward.overlap_with_rollout",
     # verl <= 0.5's reward-model batching (0.9.1 serves the model with vLLM)
     "reward_model.micro_batch_size_per_gpu", "reward_model.max_length",
     # a judge's prompt and verdict parsing (verl writes them in a custom reward function)

@@ -24,6 +24,7 @@ GSM8K, MATH, DAPO, ... and `default_compute_score`) live in grpo_jax/rewards/sco
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import importlib
 import importlib.util
@@ -31,6 +32,7 @@ import inspect
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -74,7 +76,8 @@ def signature_style(fn: Callable, name: str = "") -> str:
 
 
 def load_function(spec: str) -> Callable:
-    """Imports a reward function named "module:function" ("grpo_jax.rewards.scorers:gsm8k_score")."""
+    """Imports a reward function named "module:function"
+    ("grpo_jax.rewards.scorers:gsm8k_score")."""
     fn = registry.import_callable(spec)
     signature_style(fn, spec)
     return fn
@@ -226,7 +229,9 @@ def _completion(example: prompts_lib.Example, text: str):
     return text if isinstance(example.prompt, str) else [{"role": "assistant", "content": text}]
 
 
-def _calls(style: str, fn: Callable, solutions: Sequence[str], examples: Sequence[prompts_lib.Example]):
+def _calls(
+    style: str, fn: Callable, solutions: Sequence[str], examples: Sequence[prompts_lib.Example]
+):
     if style == "trl":
         rows = [
             {
@@ -285,74 +290,166 @@ def score_batch(
     Raises:
       RewardError: with on_error="raise", naming the function, the sample and the completion.
     """
-    if len(solutions) != len(examples):
-        raise ValueError(f"{len(solutions)} solutions but {len(examples)} examples")
-    batch = len(solutions)
-    styles = [signature_style(fn, name) for name, fn in zip(reward_fn.names, reward_fn.fns)]
-    calls, owners = [], []
-    for f, (fn, style) in enumerate(zip(reward_fn.fns, styles, strict=True)):
-        c = _calls(style, fn, solutions, examples)
-        calls += c
-        owners += [f] * len(c)
-    outcomes = pool.map(calls) if pool is not None else reward_pool.run_inline(calls)
+    return Scoring(reward_fn, examples, pool=pool).result(solutions)
 
-    per_fn = {name: [0.0] * batch for name in reward_fn.names}
-    dict_results = {name: [False] * batch for name in reward_fn.names}
-    extras: dict[str, list[Any]] = {}
-    totals = [0.0] * batch
-    num_errors = num_lost = 0
-    prefix = len(reward_fn.names) > 1
-    samples_of = {f: 0 for f in range(len(reward_fn.fns))}  # next sample index per function
 
-    def fail(name, i, why, *, lost):
-        nonlocal num_errors, num_lost
-        where = (
-            f"reward function {name} on sample {i} (ground truth "
-            f"{examples[i].ground_truth!r}, completion tail {solutions[i][-200:]!r})"
-        )
-        if lost:
-            num_lost += 1
-            logging.warning("%s: %s; scored 0", where, why)
-            return
-        if reward_fn.on_error == "raise":
-            raise RewardError(
-                f"{where} failed: {why} (reward.on_error='zero' scores such "
-                "samples 0 and counts them)"
+class Scoring:
+    """One batch's scoring, fed row by row: `score_batch` with rows submitted early.
+
+    `add(i, solution)` submits sample i's calls at once (to the pool's workers, or inline to a
+    helper thread of this object, one call at a time, as verl's reward loop runs its scorers in
+    an executor); `result(solutions)` submits the rest (the samples not added, and TRL-style
+    functions, whose one call takes the whole batch), waits for every call and builds the
+    RewardResult exactly as `score_batch` does: the same scores, extras, error handling and
+    counts, whatever was added when. Without `add` it is `score_batch` (inline calls then run
+    on the caller's thread).
+
+    Args:
+      reward_fn: the functions and weights.
+      examples: the B Examples the completions answer.
+      pool: worker processes; None runs the calls in this process without a timeout.
+    """
+
+    def __init__(
+        self,
+        reward_fn: RewardFn,
+        examples: Sequence[prompts_lib.Example],
+        *,
+        pool: reward_pool.Pool | None = None,
+    ):
+        self.reward_fn, self.examples, self.pool = reward_fn, list(examples), pool
+        self.styles = [signature_style(f, name) for name, f in zip(reward_fn.names, reward_fn.fns)]
+        self.added: dict[int, str] = {}  # sample -> its completion
+        # (function, sample) -> (pool ticket, future or call; when it was submitted)
+        self._jobs: dict[tuple[int, int], tuple[object, float]] = {}
+        self._spans: list[tuple[float, float]] = []  # (submitted, done) of every call
+        self._helper: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def add(self, i: int, solution: str) -> None:
+        """Submits sample i's calls (every function but the TRL-style ones)."""
+        if i in self.added:
+            raise ValueError(f"sample {i} was added twice")
+        self.added[i] = solution
+        if self.pool is None and self._helper is None:
+            self._helper = concurrent.futures.ThreadPoolExecutor(1, "reward-inline")
+        for f, (fn, style) in enumerate(zip(self.reward_fn.fns, self.styles, strict=True)):
+            if style != "trl":
+                (call,) = _calls(style, fn, [solution], [self.examples[i]])
+                self._jobs[f, i] = self._submit(call)
+
+    def _submit(self, call) -> tuple[object, float]:
+        t = time.perf_counter()
+        if self.pool is not None:
+            return self.pool.submit(call), t
+        if self._helper is not None:
+            return self._helper.submit(reward_pool.run_one, call), t
+        return call, t  # run by `_outcomes` on the caller's thread
+
+    def _outcomes(self, jobs: list) -> list[reward_pool.Outcome]:
+        if self.pool is not None:
+            return self.pool.wait(jobs)
+        if self._helper is not None:
+            return [job.result() for job in jobs]
+        return reward_pool.run_inline(jobs)
+
+    def overlapped_s(self, until: float) -> float:
+        """Wall seconds before `until` (a time.perf_counter() value, e.g. when generation
+        ended) in which some call of this batch was queued or running (after `result`)."""
+        total, reach = 0.0, -math.inf
+        for start, stop in sorted(self._spans):
+            start, stop = max(start, reach), min(stop, until)
+            if stop > start:
+                total += stop - start
+            reach = max(reach, stop)
+        return total
+
+    def result(self, solutions: Sequence[str]) -> RewardResult:
+        """Every sample's scores: `solutions` are the B completions (those added included, which
+        must be the same strings)."""
+        examples, reward_fn = self.examples, self.reward_fn
+        if len(solutions) != len(examples):
+            raise ValueError(f"{len(solutions)} solutions but {len(examples)} examples")
+        for i, text in self.added.items():
+            if solutions[i] != text:
+                raise ValueError(f"sample {i} was scored as {text!r} but is now {solutions[i]!r}")
+        batch = len(solutions)
+        calls, owners = [], []
+        for f, (fn, style) in enumerate(zip(reward_fn.fns, self.styles, strict=True)):
+            if style == "trl":
+                calls.append(self._submit(_calls(style, fn, solutions, examples)[0]))
+                owners.append(f)
+                continue
+            for i in range(batch):
+                if (f, i) not in self._jobs:
+                    self._jobs[f, i] = self._submit(_calls(style, fn, [solutions[i]],
+                                                           [examples[i]])[0])  # fmt: skip
+                calls.append(self._jobs[f, i])
+                owners.append(f)
+        try:
+            outcomes = self._outcomes([job for job, _ in calls])
+        finally:
+            if self._helper is not None:
+                self._helper.shutdown(wait=False)
+        self._spans = [(t, o.done_at) for (_, t), o in zip(calls, outcomes, strict=True)]
+        styles = self.styles
+
+        per_fn = {name: [0.0] * batch for name in reward_fn.names}
+        dict_results = {name: [False] * batch for name in reward_fn.names}
+        extras: dict[str, list[Any]] = {}
+        totals = [0.0] * batch
+        num_errors = num_lost = 0
+        prefix = len(reward_fn.names) > 1
+        samples_of = {f: 0 for f in range(len(reward_fn.fns))}  # next sample index per function
+
+        def fail(name, i, why, *, lost):
+            nonlocal num_errors, num_lost
+            where = (
+                f"reward function {name} on sample {i} (ground truth "
+                f"{examples[i].ground_truth!r}, completion tail {solutions[i][-200:]!r})"
             )
-        num_errors += 1
-        logging.warning("%s failed: %s; scored 0", where, why.strip().splitlines()[-1])
-
-    for f, outcome in zip(owners, outcomes, strict=True):
-        name, style = reward_fn.names[f], styles[f]
-        if style == "trl":
-            indices = range(batch)
-            results = outcome.value
-            if outcome.error is None and not (
-                isinstance(results, Sequence) and len(results) == batch
-            ):
-                got = len(results) if isinstance(results, Sequence) else type(results).__name__
-                outcome = reward_pool.Outcome(
-                    error=f"returned {got!r} results, expected a list of {batch} scores"
+            if lost:
+                num_lost += 1
+                logging.warning("%s: %s; scored 0", where, why)
+                return
+            if reward_fn.on_error == "raise":
+                raise RewardError(
+                    f"{where} failed: {why} (reward.on_error='zero' scores such "
+                    "samples 0 and counts them)"
                 )
-        else:
-            indices = [samples_of[f]]
-            samples_of[f] += 1
-            results = [outcome.value]
-        for j, i in enumerate(indices):
-            if outcome.error is not None:
-                fail(name, i, outcome.error, lost=outcome.lost)
-                continue
-            try:
-                score, extra = _as_score(results[j])
-            except (TypeError, ValueError) as e:
-                fail(name, i, repr(e), lost=False)
-                continue
-            per_fn[name][i] = score
-            dict_results[name][i] = isinstance(results[j], dict)
-            totals[i] += reward_fn.weights[f] * score
-            for k, v in extra.items():
-                extras.setdefault(f"{name}/{k}" if prefix else k, [None] * batch)[i] = v
-    return RewardResult(totals, per_fn, extras, num_errors, num_lost, dict_results)
+            num_errors += 1
+            logging.warning("%s failed: %s; scored 0", where, why.strip().splitlines()[-1])
+
+        for f, outcome in zip(owners, outcomes, strict=True):
+            name, style = reward_fn.names[f], styles[f]
+            if style == "trl":
+                indices = range(batch)
+                results = outcome.value
+                if outcome.error is None and not (
+                    isinstance(results, Sequence) and len(results) == batch
+                ):
+                    got = len(results) if isinstance(results, Sequence) else type(results).__name__
+                    outcome = reward_pool.Outcome(
+                        error=f"returned {got!r} results, expected a list of {batch} scores"
+                    )
+            else:
+                indices = [samples_of[f]]
+                samples_of[f] += 1
+                results = [outcome.value]
+            for j, i in enumerate(indices):
+                if outcome.error is not None:
+                    fail(name, i, outcome.error, lost=outcome.lost)
+                    continue
+                try:
+                    score, extra = _as_score(results[j])
+                except (TypeError, ValueError) as e:
+                    fail(name, i, repr(e), lost=False)
+                    continue
+                per_fn[name][i] = score
+                dict_results[name][i] = isinstance(results[j], dict)
+                totals[i] += reward_fn.weights[f] * score
+                for k, v in extra.items():
+                    extras.setdefault(f"{name}/{k}" if prefix else k, [None] * batch)[i] = v
+        return RewardResult(totals, per_fn, extras, num_errors, num_lost, dict_results)
 
 
 def reward_extra_info(result: RewardResult, key: str) -> list[Any]:

@@ -2,10 +2,12 @@
 
 A reward function is user code: it may hang (a regex that backtracks forever on a strange
 completion, a sympy simplification that never ends) or kill its process (a C extension
-crashing). `Pool.map` runs each call in one of `num_workers` long-lived processes and waits at
+crashing). `Pool` runs each call in one of `num_workers` long-lived processes and waits at
 most `timeout_s` for it; a worker that overruns is killed and replaced, one that dies is
 replaced, and the call comes back as an `Outcome` with the error, so the trainer decides (per
-`reward.on_error`) and never hangs.
+`reward.on_error`) and never hangs. `Pool.map` runs a list of calls and waits for them all;
+`Pool.submit` queues one call and returns at once (`Pool.wait` collects it), which is how a
+rollout's rows are scored while the others still decode (rewards/functions.py `Scoring`).
 
 Workers are fresh interpreters (`python -m grpo_jax.reward_pool`), never forks of the trainer:
 a fork would copy JAX's threads mid-flight, and multiprocessing's spawn re-imports the trainer's
@@ -18,8 +20,10 @@ stdout; what the functions print goes to stderr.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
+import itertools
 import os
 import pickle
 import selectors
@@ -27,6 +31,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -43,11 +48,13 @@ class Outcome:
     """One call's result: `value`, or `error` ("... timed out ...", "worker died ...", a traceback).
 
     `lost` marks a call that timed out or whose worker died: no fault of the function's code.
+    `done_at` is the `time.perf_counter()` at which the call came back (not compared).
     """
 
     value: Any = None
     error: str | None = None
     lost: bool = False
+    done_at: float | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 def _send(stream, obj) -> None:
@@ -110,7 +117,15 @@ class _Worker:
 
 
 class Pool:
-    """`num_workers` reward processes; `map` runs calls with a per-call timeout."""
+    """`num_workers` reward processes and the thread that feeds them.
+
+    `submit` queues one call and returns at once; `wait` gives the `Outcome`s of submitted calls
+    when they are done; `map` is both, for a list of calls. A dispatcher thread (started by the
+    first `submit`) hands queued calls to free workers in order, enforces each call's
+    `timeout_s` and replaces workers that overrun or die, so calls run while the caller does
+    other work (the rows of a rollout that are done score while the others decode). Any thread
+    may submit and wait.
+    """
 
     def __init__(self, num_workers: int, *, timeout_s: float):
         if num_workers < 1:
@@ -121,6 +136,15 @@ class Pool:
         self._workers = [_Worker() for _ in range(num_workers)]
         self._blobs: dict[int, tuple[str, bytes]] = {}
         self.restarts = 0
+        self._cv = threading.Condition()
+        self._queue: collections.deque[tuple[int, tuple]] = collections.deque()  # (ticket, call)
+        self._done: dict[int, Outcome] = {}
+        self._tickets = itertools.count()
+        self._closed, self._failure, self._thread = False, None, None
+        # A byte on this pipe wakes the dispatcher from its wait on the workers (a new call).
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
 
     def _blob(self, fn) -> tuple[str, bytes]:
         if id(fn) not in self._blobs:
@@ -133,19 +157,60 @@ class Pool:
         self._workers[i] = _Worker()
         self.restarts += 1
 
-    def map(self, calls: Sequence[tuple[Callable, tuple, dict]]) -> list[Outcome]:
-        """Runs every (fn, args, kwargs) call; returns their Outcomes in order.
+    def submit(self, call: tuple[Callable, tuple, dict]) -> int:
+        """Queues the call (fn, args, kwargs); returns its ticket for `wait` at once.
 
-        A worker that does not hold a call's function first loads it (unpickling imports its
+        A worker that does not hold the call's function first loads it (unpickling imports its
         module), within `LOAD_TIMEOUT_S`; the call's own `timeout_s` starts after that.
         """
-        outcomes: list[Outcome | None] = [None] * len(calls)
-        pending = list(range(len(calls)))[::-1]
-        busy: dict[int, list] = {}  # worker -> [call index, deadline, loading]
-        with selectors.DefaultSelector() as selector:
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the reward pool is closed")
+            ticket = next(self._tickets)
+            self._queue.append((ticket, call))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._dispatch, name="reward-pool",
+                                                daemon=True)  # fmt: skip
+                self._thread.start()
+        self._wake()
+        return ticket
 
-            def start(w: int, i: int) -> bool:
-                fn, args, kwargs = calls[i]
+    def wait(self, tickets: Sequence[int]) -> list[Outcome]:
+        """The Outcomes of submitted calls, in the order of `tickets`, once all are done."""
+        with self._cv:
+            self._cv.wait_for(
+                lambda: self._failure is not None or all(t in self._done for t in tickets)
+            )
+            if not all(t in self._done for t in tickets):
+                raise RuntimeError("the reward pool stopped") from self._failure
+            return [self._done.pop(t) for t in tickets]
+
+    def map(self, calls: Sequence[tuple[Callable, tuple, dict]]) -> list[Outcome]:
+        """Runs every (fn, args, kwargs) call; returns their Outcomes in order (see `submit`)."""
+        return self.wait([self.submit(call) for call in calls])
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:  # the pipe is full: the dispatcher wakes anyway
+            pass
+
+    def _dispatch(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:  # noqa: BLE001 - the waiters raise it
+            with self._cv:
+                self._failure = e
+                self._cv.notify_all()
+
+    def _run(self) -> None:
+        """The dispatcher: queued calls to free workers, results and timeouts back."""
+        busy: dict[int, list] = {}  # worker -> [ticket, call, deadline, loading]
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._wake_r, selectors.EVENT_READ, None)
+
+            def start(w: int, ticket: int, call) -> bool:
+                fn, args, kwargs = call
                 key, blob = self._blob(fn)
                 worker = self._workers[w]
                 loading = key not in worker.known
@@ -156,31 +221,47 @@ class Pool:
                     self._replace(w)
                     return False
                 limit = LOAD_TIMEOUT_S if loading else self.timeout_s
-                busy[w] = [i, time.monotonic() + limit, loading]
+                busy[w] = [ticket, call, time.monotonic() + limit, loading]
+                selector.register(worker.process.stdout, selectors.EVENT_READ, w)
                 return True
 
             def finish(w: int, outcome: Outcome, *, replace: bool) -> None:
-                outcomes[busy.pop(w)[0]] = outcome
+                ticket = busy.pop(w)[0]
                 selector.unregister(self._workers[w].process.stdout)
+                outcome = dataclasses.replace(outcome, done_at=time.perf_counter())
                 if replace:
                     self._replace(w)
+                with self._cv:
+                    self._done[ticket] = outcome
+                    self._cv.notify_all()
 
-            while pending or busy:
-                for w in range(len(self._workers)):
-                    if w not in busy and pending:
-                        i = pending.pop()
-                        if start(w, i):
-                            selector.register(
-                                self._workers[w].process.stdout, selectors.EVENT_READ, w
-                            )
-                        else:
-                            pending.append(i)
-                if not busy:
+            while True:
+                with self._cv:
+                    if self._closed:
+                        return
+                    free = [w for w in range(len(self._workers)) if w not in busy]
+                    todo = [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
+                retry = [job for w, job in zip(free, todo) if not start(w, *job)]
+                if retry:
+                    with self._cv:
+                        self._queue.extendleft(reversed(retry))
                     continue
-                wait_s = max(0.0, min(b[1] for b in busy.values()) - time.monotonic())
-                ready = {key.data for key, _ in selector.select(timeout=wait_s)}
+                wait_s = None
+                if busy:
+                    wait_s = max(0.0, min(b[2] for b in busy.values()) - time.monotonic())
+                ready = set()
+                for key, _ in selector.select(timeout=wait_s):
+                    if key.data is None:
+                        while True:  # drain the wake-up bytes
+                            try:
+                                if not os.read(self._wake_r, 4096):
+                                    break
+                            except BlockingIOError:
+                                break
+                    else:
+                        ready.add(key.data)
                 for w in list(busy):
-                    i, deadline, loading = busy[w]
+                    ticket, call, deadline, loading = busy[w]
                     worker = self._workers[w]
                     if w in ready:
                         try:
@@ -196,13 +277,12 @@ class Pool:
                         if not ok:
                             finish(w, Outcome(error=value), replace=False)
                         elif loading:  # loaded: now the call itself, with its own timeout
-                            worker.known.add(self._blob(calls[i][0])[0])
+                            worker.known.add(self._blob(call[0])[0])
                             selector.unregister(worker.process.stdout)
                             del busy[w]
-                            if start(w, i):
-                                selector.register(worker.process.stdout, selectors.EVENT_READ, w)
-                            else:
-                                pending.append(i)
+                            if not start(w, ticket, call):
+                                with self._cv:
+                                    self._queue.appendleft((ticket, call))
                         else:
                             finish(w, Outcome(value=value), replace=False)
                     elif time.monotonic() >= deadline:
@@ -213,12 +293,23 @@ class Pool:
                             Outcome(error=f"{what} timed out after {limit:g} s", lost=True),
                             replace=True,
                         )
-        return outcomes
 
     def close(self) -> None:
+        """Stops the dispatcher and the workers; calls not done by then never will be."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._failure = self._failure or RuntimeError("the reward pool was closed")
+            self._cv.notify_all()
+        self._wake()
+        if self._thread is not None:
+            self._thread.join()
         for worker in self._workers:
             worker.kill()
         self._workers = []
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
     def __enter__(self) -> Pool:
         return self
@@ -227,15 +318,19 @@ class Pool:
         self.close()
 
 
+def run_one(call: tuple[Callable, tuple, dict]) -> Outcome:
+    """One call in this process, as `run_inline` runs it."""
+    fn, args, kwargs = call
+    try:
+        value = fn(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - reported like a worker's error
+        return Outcome(error=traceback.format_exc(limit=8), done_at=time.perf_counter())
+    return Outcome(value=value, done_at=time.perf_counter())
+
+
 def run_inline(calls: Sequence[tuple[Callable, tuple, dict]]) -> list[Outcome]:
     """The same calls in this process (reward.num_workers=0: no isolation, no timeout)."""
-    out = []
-    for fn, args, kwargs in calls:
-        try:
-            out.append(Outcome(value=fn(*args, **kwargs)))
-        except Exception:  # noqa: BLE001 - reported like a worker's error
-            out.append(Outcome(error=traceback.format_exc(limit=8)))
-    return out
+    return [run_one(call) for call in calls]
 
 
 if __name__ == "__main__":

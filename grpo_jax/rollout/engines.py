@@ -164,8 +164,13 @@ class NativeEngine:
         policy_version: int | None = None,
         *,
         turns: paged.Turns | None = None,
+        finished: paged.Finished | None = None,
     ):
-        """`Engine.sample`; with `turns`, a multi-turn rollout through `paged.sample_paged`."""
+        """`Engine.sample`; with `turns`, a multi-turn rollout through `paged.sample_paged`.
+
+        `finished(row, response_ids)` (`paged.Finished`) hears of each row as soon as it is done
+        for good when the call takes the paged engine; the grouped sampler (`sampler.sample`,
+        up to max_num_seqs rows a shard) ends all rows at once and reports none of them."""
         if self.own_params:
             if policy_version is not None and policy_version != self.version:
                 raise vllm_sidecar.StaleRolloutError(
@@ -188,15 +193,15 @@ class NativeEngine:
         # With sequence parallelism the rows split over the sequence devices too.
         axes, rules = sharding.rollout_rows(self.mesh, self.rules, ids.shape[0])
         if axes == sharding.BATCH_AXES:
-            return self._sample(params, ids, mask, rng, sp, rules, turns)
+            return self._sample(params, ids, mask, rng, sp, rules, turns, finished)
         rows = sharding.batch_sharding(self.mesh, 2, axes)
         ids, mask = jax.device_put(ids, rows), jax.device_put(mask, rows)
-        rollout = self._sample(params, ids, mask, rng, sp, rules, turns)
+        rollout = self._sample(params, ids, mask, rng, sp, rules, turns, finished)
         return jax.tree.map(  # back on the batch's sharding, as the trainer's arrays
             lambda x: jax.device_put(x, sharding.batch_sharding(self.mesh, x.ndim)
                                      if x.ndim else sharding.replicated(self.mesh)), rollout)
 
-    def _sample(self, params, ids, mask, rng, sp: SamplingParams, rules, turns):
+    def _sample(self, params, ids, mask, rng, sp: SamplingParams, rules, turns, finished):
         with sharding.use_mesh(self.mesh, rules):  # also from another thread (async)
             kwargs = dict(eos_token_ids=self.eos_ids, pad_token_id=self.pad_id,
                           logprobs_mode=self.logprobs_mode, **sp.kwargs())  # fmt: skip
@@ -208,7 +213,7 @@ class NativeEngine:
                     self.model_config, params, ids, mask, rng, max_num_seqs=self.max_num_seqs,
                     max_num_batched_tokens=self.max_num_batched_tokens,
                     num_pages=self.num_pages, turns=turns, record_routing=sp.record_routing,
-                    **kwargs,
+                    finished=finished, **kwargs,
                 )  # fmt: skip
             return sampler.sample(
                 self.model_config, params, ids, mask, rng, record_routing=sp.record_routing,

@@ -97,6 +97,11 @@ stay by response position (the appended positions included), so the tokens do no
 when the futures complete. `stats` adds `paused_turns`, `appended_tokens` and `dropped_holds`;
 the trace adds ("pause", rows), ("resume", rows) and ("finish", rows).
 
+Finished rows (`finished`, a `Finished` hook; single-turn rollouts). After each decode segment
+the host reads the responses of the rows that stopped (one small program, the outputs
+untouched) and hands each to the hook before the next segment starts, so a caller can score a
+row while the others decode, as verl's agent loop scores each trajectory when it ends.
+
 Router replay (`record_routing`, a MoE model; actor.router_replay.mode='R3'). The rollout also
 records the experts of every token fed through the model, in `sampler.sample`'s
 `Rollout.routed_experts` layout ([B, Lm, Tb + R, A], `moe.no_route` where nothing was fed): the
@@ -166,6 +171,14 @@ class Turns(Protocol):
     def resume(self, row: int, result) -> Sequence[int] | None:
         """Row `row`'s future is done with `result`: the tokens to append to its response (fed
         as context, not drawn; then it draws again), or None: it is finished."""
+
+
+class Finished(Protocol):
+    """What `sample_paged` calls when a row is done for good (not with `turns`)."""
+
+    def __call__(self, row: int, response_ids: np.ndarray) -> None:
+        """Row `row` (prompt p's i-th sample is p * n + i) finished with these response tokens
+        (the valid ones, its EOS included), which are its final ones in the rollout."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -675,6 +688,7 @@ def sample_paged(
     stats: dict | None = None,
     turns: Turns | None = None,
     record_routing: bool = False,
+    finished: Finished | None = None,
 ) -> sampler.Rollout:
     """`sampler.sample` with continuous batching over a paged KV pool (see the module doc).
 
@@ -697,6 +711,11 @@ def sample_paged(
         prompt's tokens into the columns of its group's n rows, each decode step the token a
         row feeds (the prompt's last, a drawn token, a recomputed one after a preemption, a
         turn's appended ones), so every token fed through the model has its experts.
+      finished: called from the scheduler as `finished(row, response_ids)` as soon as a row is
+        done for good (an EOS or the response limit), with its final response tokens (up to and
+        including the EOS), between decode segments: a caller scores it while the other rows
+        decode (rollout_stage's streamed rewards). The rollout is the same with or without it.
+        Not with `turns` (a multi-turn caller knows when a trajectory ends from `turns.ended`).
 
     Returns:
       The same `Rollout` as `sampler.sample` (rows of a prompt adjacent).
@@ -719,6 +738,8 @@ def sample_paged(
         raise ValueError("record_routing=True needs a mixture-of-experts model (num_experts > 0)")
     if segment_steps < 1:
         raise ValueError(f"segment_steps={segment_steps} must be >= 1")
+    if turns is not None and finished is not None:
+        raise ValueError("give sample_paged `turns` or `finished`, not both")
     ids_np, mask_np = sampler.bucket_prompts(ids_np, mask_np, pad_token_id=pad_token_id)
     num_prompts, width = ids_np.shape
     prompts = [row[m > 0] for row, m in zip(ids_np, mask_np)]
@@ -737,7 +758,7 @@ def sample_paged(
     st = _Settings(config, max_new_tokens, float(temperature), float(top_p), int(top_k),
                    eos_token_ids, int(pad_token_id), logprobs_mode, axes, attention,
                    record_routing=bool(record_routing))  # fmt: skip
-    run = _Schedule(st, plan, prompts, n, segment_steps, shards, mesh, turns)
+    run = _Schedule(st, plan, prompts, n, segment_steps, shards, mesh, turns, finished)
     programs = _programs()
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         dparams = programs["decode_params"](config, params)
@@ -1143,9 +1164,9 @@ class _Schedule:
     """The host side of one call: D shards' schedules, run in lockstep by the programs."""
 
     def __init__(self, st: _Settings, plan: PoolPlan, prompts, n: int, segment_steps: int,
-                 shards: int, mesh, turns=None) -> None:  # fmt: skip
+                 shards: int, mesh, turns=None, finished=None) -> None:  # fmt: skip
         self.st, self.plan, self.segment_steps, self.mesh = st, plan, segment_steps, mesh
-        self.turns = turns
+        self.turns, self.finished = turns, finished
         per = len(prompts) // shards
         self.shards = [_Shard(st, plan, prompts[d * per : (d + 1) * per], n, d * per,
                               segment_steps) for d in range(shards)]  # fmt: skip
@@ -1166,26 +1187,37 @@ class _Schedule:
             return [jax.device_put(x, shd) for x in arrays]
         return [jax.make_array_from_callback(x.shape, shd, x.__getitem__) for x in arrays]
 
-    def _turn_ends(self, programs, state, stopped) -> None:
-        """The rows that stopped in a segment: each finishes, or (the turn hook returns a
-        future) waits with its pages."""
-        if self.turns is None:
-            for sh, rows in zip(self.shards, stopped):
-                for row, own in rows:
-                    sh.finish(row, own)
-            return
-        if not any(stopped):
-            return
-        S, R = self.plan.max_num_seqs, self.st.max_new_tokens
+    def _read(self, programs, state, stopped) -> list[list[np.ndarray]]:
+        """The response tokens so far of the rows that stopped in a segment, per shard."""
+        S = self.plan.max_num_seqs
         row_DA = np.zeros((len(self.shards), S), np.int32)
         for d, rows in enumerate(stopped):
             row_DA[d, : len(rows)] = [row for row, _ in rows]
         ids_DAR, mask_DAR = jax.device_get(programs["read_rows"](state, *self._put([row_DA])))
+        return [[ids_DAR[d, a, : int(mask_DAR[d, a].sum())] for a in range(len(rows))]
+                for d, rows in enumerate(stopped)]  # fmt: skip
+
+    def _turn_ends(self, programs, state, stopped) -> None:
+        """The rows that stopped in a segment: each finishes (and the `finished` hook gets its
+        response), or (the turn hook returns a future) waits with its pages."""
+        if self.turns is None:
+            for sh, rows in zip(self.shards, stopped):
+                for row, own in rows:
+                    sh.finish(row, own)
+            if self.finished is not None and any(stopped):
+                responses = self._read(programs, state, stopped)
+                for sh, rows, tokens in zip(self.shards, stopped, responses):
+                    for (row, _), response in zip(rows, tokens):
+                        self.finished(sh.r0 + row, response)
+            return
+        if not any(stopped):
+            return
+        R = self.st.max_new_tokens
         paused, finished = [], []
-        for d, (sh, rows) in enumerate(zip(self.shards, stopped)):
-            for a, (row, own) in enumerate(rows):
-                k = int(mask_DAR[d, a].sum())
-                tokens = ids_DAR[d, a, :k]
+        responses = self._read(programs, state, stopped)
+        for sh, rows, tokens_A in zip(self.shards, stopped, responses):
+            for (row, own), tokens in zip(rows, tokens_A):
+                k = len(tokens)
                 future = self.turns.ended(sh.r0 + row, tokens)
                 if future is None:
                     sh.finish(row, own)

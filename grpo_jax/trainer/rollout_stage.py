@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -28,7 +29,7 @@ from grpo_jax.rewards import functions as reward_fns
 from grpo_jax.rewards import genrm
 from grpo_jax.rewards import pool as reward_pool_lib
 from grpo_jax.rewards import reward_model as reward_model_lib
-from grpo_jax.rollout import engines
+from grpo_jax.rollout import engines, paged
 from grpo_jax.trainer import batch as batch_lib
 from grpo_jax.trainer import perf, programs
 
@@ -41,12 +42,14 @@ def generate(
     sp: engines.SamplingParams,
     *,
     policy_version: int | None = None,
+    finished: paged.Finished | None = None,
 ):
     """Stage 1: n completions per prompt (a sampler.Rollout, B = P * n rows).
 
     `policy_version` (TrainState.step of `params`) lets an engine that holds its own copy of the
     weights refuse a rollout sampled under other ones. A batch of which this process holds
     only its rows (`prompts.rows`, several processes) becomes one global batch first.
+    `finished` (engines.NativeEngine only) hears of each row as soon as it is done.
     """
     ids, mask = prompts.prompt_ids_PT, prompts.prompt_mask_PT
     if prompts.rows is not None:
@@ -58,6 +61,8 @@ def generate(
             )
         shd = sharding.batch_sharding(engine.mesh, 2)
         ids, mask = distributed.to_global(ids, shd), distributed.to_global(mask, shd)
+    if finished is not None:
+        return engine.sample(params, ids, mask, rng, sp, policy_version, finished=finished)
     return engine.sample(params, ids, mask, rng, sp, policy_version)
 
 
@@ -70,14 +75,19 @@ def sample_rollout(
     *,
     agent=None,
     policy_version: int | None = None,
+    finished: paged.Finished | None = None,
 ):
-    """Stage 1, single-turn (`generate`) or with tools (`agent`, a multi_turn.Agent):
-    (rollout, the B rows' examples, per-row multi-turn stats or {}). A multi-turn row's example
-    carries its tool results in extra_info, for the reward."""
+    """Stage 1, single-turn (`generate`, whose `finished` hook hears of each row when it is
+    done) or with tools (`agent`, a multi_turn.Agent): (rollout, the B rows' examples, per-row
+    multi-turn stats or {}). A multi-turn row's example carries its tool results in extra_info,
+    for the reward."""
     if agent is not None:
+        if finished is not None:
+            raise ValueError("multi-turn rollouts report no finished rows (see streams_rewards)")
         out = agent.sample(engine, params, prompts, rng, sp, policy_version=policy_version)
         return out.rollout, list(out.examples), out.row_stats
-    rollout = generate(engine, params, prompts, rng, sp, policy_version=policy_version)
+    hook = {} if finished is None else {"finished": finished}
+    rollout = generate(engine, params, prompts, rng, sp, policy_version=policy_version, **hook)
     return rollout, [ex for ex in prompts.examples for _ in range(sp.n)], {}
 
 
@@ -126,6 +136,43 @@ def score(
     if prompts.rows is not None:
         result = reward_fns.RewardResult.concat(distributed.gather_objects([result]))
     return [None] * lo + texts + [None] * (len(response_ids_BT) - hi), result
+
+
+def streams_rewards(ctx: programs.StepContext, prompts: prompts_lib.PromptBatch) -> bool:
+    """Whether a generation batch scores each row as soon as the engine reports it done
+    (reward.overlap_with_rollout, `RowScorer`): function rewards only (a reward model or judge
+    scores the whole batch on the mesh), single-turn (a multi-turn row's reward needs the tool
+    results its agent adds to the example), one JAX process (each process scores its own rows,
+    then they are exchanged) and the native engine (the vLLM sidecar returns the batch whole)."""
+    return (
+        ctx.run.reward.overlap_with_rollout
+        and ctx.reward_model is None
+        and ctx.agent is None
+        and prompts.rows is None
+        and jax.process_count() == 1
+        and isinstance(ctx.engine, engines.NativeEngine)
+    )
+
+
+class RowScorer:
+    """`score` streamed: the engine's `finished` hook (`paged.Finished`) decodes each finished
+    row and submits its reward calls at once (`functions.Scoring.add`), while the other rows
+    decode; `result` scores the rows not reported (all of them when the grouped sampler ran)
+    and waits for every call. The (texts, rewards) equal `score`'s."""
+
+    def __init__(self, reward_fn: reward_fns.RewardFn, tokenizer, examples_B, *, pool=None):
+        self.tokenizer = tokenizer
+        self.scoring = reward_fns.Scoring(reward_fn, examples_B, pool=pool)
+
+    def __call__(self, row: int, response_ids: np.ndarray) -> None:
+        ids_1T = np.asarray(response_ids)[None]
+        (text,) = decode(self.tokenizer, ids_1T, np.ones_like(ids_1T))
+        self.scoring.add(row, text)
+
+    def result(self, response_ids_BT: np.ndarray, response_mask_BT: np.ndarray):
+        """(texts, rewards) of the whole batch (host arrays)."""
+        texts = decode(self.tokenizer, response_ids_BT, response_mask_BT)
+        return texts, self.scoring.result(texts)
 
 
 def _own_texts(tokenizer, response_ids_BT, response_mask_BT, prompts, n: int):
@@ -266,12 +313,20 @@ def sample_and_score(
     policy_version: int | None = None,
 ) -> batch_lib.RolloutBatch:
     """Stages 1 and 2: n completions per prompt, decoded and scored (plus DAPO's overlong
-    penalty with reward.overlong_buffer.enable)."""
+    penalty with reward.overlong_buffer.enable). Rows are scored as they finish when
+    `streams_rewards` (timing_s/reward is then the wait after generation, and
+    timing_s/reward_overlapped the seconds of generation during which some of its rows'
+    reward calls were queued or running)."""
     run, sp = ctx.run, rollout_sampling(ctx.run)
+    streamed = None
+    if streams_rewards(ctx, prompts):
+        streamed = RowScorer(ctx.reward_fn, ctx.tokenizer,
+                             [ex for ex in prompts.examples for _ in range(sp.n)], pool=ctx.pool)
     rollout, examples, row_stats = perf.timed(
         timing, "gen", sample_rollout, ctx.engine, params, prompts, rng, sp, add=True,
-        agent=ctx.agent, policy_version=policy_version,
+        agent=ctx.agent, policy_version=policy_version, finished=streamed,
     )  # fmt: skip
+    generated_at = time.perf_counter()
     prompt_ids, prompt_mask = full_prompts(prompts)
     host = batch_lib.HostRollout(
         np.repeat(prompt_ids, sp.n, axis=0),
@@ -280,23 +335,30 @@ def sample_and_score(
         distributed.to_host(rollout.response_mask),
         None if rollout.loss_mask is None else distributed.to_host(rollout.loss_mask),
     )
-    texts, result = perf.timed(
-        timing,
-        "reward",
-        score_with_model if ctx.reward_model is not None else score,
-        ctx.reward_fn,
-        ctx.tokenizer,
-        host.response_ids_BT,
-        host.response_mask_BT,
-        prompts,
-        n=sp.n,
-        pool=ctx.pool,
-        add=True,
-        examples=examples,
-        **({} if ctx.reward_model is None else {
-            "rm": ctx.reward_model, "host": host, "rng": jax.random.fold_in(rng, JUDGE_RNG_SALT)
-        }),
-    )
+    if streamed is not None:  # timing_s/reward: only the wait after generation
+        texts, result = perf.timed(timing, "reward", streamed.result, host.response_ids_BT,
+                                   host.response_mask_BT, add=True)  # fmt: skip
+        key = "timing_s/reward_overlapped"
+        timing[key] = timing.get(key, 0.0) + streamed.scoring.overlapped_s(generated_at)
+    else:
+        texts, result = perf.timed(
+            timing,
+            "reward",
+            score_with_model if ctx.reward_model is not None else score,
+            ctx.reward_fn,
+            ctx.tokenizer,
+            host.response_ids_BT,
+            host.response_mask_BT,
+            prompts,
+            n=sp.n,
+            pool=ctx.pool,
+            add=True,
+            examples=examples,
+            **({} if ctx.reward_model is None else {
+                "rm": ctx.reward_model, "host": host,
+                "rng": jax.random.fold_in(rng, JUDGE_RNG_SALT)
+            }),
+        )
     result = with_overlong_penalty(
         result,
         host.response_mask_BT.sum(1),
