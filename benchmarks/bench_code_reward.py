@@ -48,8 +48,8 @@ too; its columns above are its batch scoring, as before.
     python benchmarks/bench_code_reward.py                      # the config's 2 workers
     python benchmarks/bench_code_reward.py --workers 1 \
         --out benchmarks/results/code_reward_2026-12-04.json    # also 1 worker: ~12 minutes
-    python benchmarks/bench_code_reward.py --overlap \
-        --out benchmarks/results/code_reward_2026-12-05_overlap.json   # ~25 minutes
+    python benchmarks/bench_code_reward.py --overlap --verl-modes sequential \
+        --out benchmarks/results/code_reward_2026-12-05_overlap.json   # ~20 minutes
 """
 
 import argparse
