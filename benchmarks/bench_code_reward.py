@@ -53,6 +53,7 @@ too; its columns above are its batch scoring, as before.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -257,7 +258,10 @@ def workload(seed: int = 0) -> list[dict]:
 # grpo_jax's side, in this process (its reward workers are processes of their own).
 
 
-def grpo_jax_side(rows, workers: int, repeats: int) -> dict:
+@contextlib.contextmanager
+def warm_pool(rows, workers: int):
+    """(config, reward_fn, examples, solutions, pool) as the trainer sets them up, the pool
+    warmed: every worker has loaded the function (a correct completion, one call each)."""
     from grpo_jax import config as config_lib
     from grpo_jax import loading
     from grpo_jax.data import prompts as prompts_lib
@@ -271,11 +275,17 @@ def grpo_jax_side(rows, workers: int, repeats: int) -> dict:
         for r in rows
     ]
     solutions = [r["completion"] for r in rows]
-    times, result = [], None
     with reward_pool.Pool(cfg.num_workers, timeout_s=cfg.timeout_s) as pool:
-        # warm: every worker loads the function (a correct completion, one call each)
         reward_fns.score_batch(reward_fn, solutions[:1] * workers, examples[:1] * workers,
                                pool=pool)  # fmt: skip
+        yield cfg, reward_fn, examples, solutions, pool
+
+
+def grpo_jax_side(rows, workers: int, repeats: int) -> dict:
+    from grpo_jax.rewards import functions as reward_fns
+
+    times, result = [], None
+    with warm_pool(rows, workers) as (cfg, reward_fn, examples, solutions, pool):
         for _ in range(repeats):
             t0 = time.perf_counter()
             result = reward_fns.score_batch(reward_fn, solutions, examples, pool=pool)
@@ -335,25 +345,12 @@ def finish_schedule(max_num_seqs: int) -> dict:
 def overlap_side(rows, schedule: dict, workers: int, first: str) -> dict:
     """One replay each of "on" and "off" (`first` first): the seconds waited for the rewards
     after generation, the seconds of scoring during generation, the scores."""
-    from grpo_jax import config as config_lib
-    from grpo_jax import loading
-    from grpo_jax.data import prompts as prompts_lib
     from grpo_jax.rewards import functions as reward_fns
-    from grpo_jax.rewards import pool as reward_pool
 
-    cfg = config_lib.RewardConfig(num_workers=workers)
-    reward_fn = loading.reward_fn(cfg)
-    examples = [
-        prompts_lib.Example(prompt="", ground_truth=r["ground_truth"], data_source=r["data_source"])
-        for r in rows
-    ]
-    solutions = [r["completion"] for r in rows]
     finish_s = schedule["finish_s"]
     order = sorted(range(len(rows)), key=finish_s.__getitem__)
     out = {}
-    with reward_pool.Pool(cfg.num_workers, timeout_s=cfg.timeout_s) as pool:
-        reward_fns.score_batch(reward_fn, solutions[:1] * workers, examples[:1] * workers,
-                               pool=pool)  # fmt: skip
+    with warm_pool(rows, workers) as (_, reward_fn, examples, solutions, pool):
         for mode in (first, "off" if first == "on" else "on"):
             t0 = time.perf_counter()
             scoring = reward_fns.Scoring(reward_fn, examples, pool=pool)
