@@ -49,6 +49,10 @@ def warm_up(
             f"warmup.batch_size={w.batch_size} exceeds the {len(train_set)} training prompts (a "
             "warm-up batch is drawn from one epoch's order, without repeats)"
         )
+    # The state's planned shardings, kept by every warm-up step (else jit picks its outputs'
+    # and the second step compiles again) and by the state handed to the loop, whose update
+    # programs compile for them, as on a resume.
+    planned = jax.tree.map(lambda x: x.sharding, state)
     sft_fn = jax.jit(
         functools.partial(
             actor.sft_step,
@@ -57,10 +61,9 @@ def warm_up(
             micro_batch_size=min(micro_rows, w.batch_size),
         ),
         donate_argnums=0,
+        out_shardings=(planned, None),
     )
     base = () if base_params is None else (base_params,)
-    # The state's planned shardings: the update programs compile for them, as on a resume.
-    planned = jax.tree.map(lambda x: x.sharding, state)
     position = prompts.Position()
     nll = float("nan")
     for i in range(w.steps):
@@ -81,7 +84,7 @@ def warm_up(
         if i % 10 == 0 or i == w.steps - 1:
             logging.info("warm-up step %d/%d: nll %.4f", i + 1, w.steps, nll)
     fresh = actor.TrainState(jnp.zeros_like(state.step), state.params, tx.init(state.params))
-    # jit chooses its outputs' shardings: put the warmed-up state back on the planned ones
+    # a fresh optimizer state (made outside jit) on the planned shardings too
     return jax.device_put(fresh, planned), {"warmup/nll": nll, "warmup/steps": w.steps}
 
 
