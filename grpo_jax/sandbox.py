@@ -438,6 +438,14 @@ def _kill(proc, uid):
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
+    # SIGKILL is delivered, not yet acted on: the group's other members (a fork the code made,
+    # reparented once the launcher went) may run for a moment more. Return once they are gone.
+    for _ in range(200):
+        if not _pids_in_group(proc.pid):
+            break
+        time.sleep(0.01)
+    else:
+        _log.warning("sandbox: processes of group %d still alive after the run", proc.pid)
     if uid is None:
         return
     for _ in range(200):
@@ -466,6 +474,22 @@ def _pids_of_uid(uid) -> list[int]:
                 pids.append(int(name))
         except (OSError, KeyError, ValueError):
             continue
+    return pids
+
+
+def _pids_in_group(pgid) -> list[int]:
+    """Live (not zombie) processes in process group `pgid`, from /proc."""
+    pids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                state, _, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(pgrp) == pgid and state != "Z":
+            pids.append(int(name))
     return pids
 
 
