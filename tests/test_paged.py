@@ -1,6 +1,7 @@
 """The paged engine (`grpo_jax.rollout.paged`): the same rollout as `sampler.sample` whatever
 the schedule, a pool that is bounded and reused, and clear errors."""
 
+import collections
 import concurrent.futures
 import contextlib
 import threading
@@ -577,3 +578,29 @@ def test_the_finished_hook_hears_each_row_once_with_its_final_tokens(tiny, mesh_
     with pytest.raises(ValueError, match="`turns` or `finished`, not both"):
         paged.sample_paged(config, params, ids, mask, rng, turns=object(),
                            finished=lambda row, t: None, **kw)  # fmt: skip
+
+
+def test_rows_holding_pages_behind_an_unprefilled_group_do_not_stall_the_pool():
+    """Host schedule alone: nothing decodes, no turn is pending, the first waiting row's group
+    has no prompt pages (its rows' own were dropped, so it was evicted) and the rows behind it
+    hold pages that leave no room for that prompt. The holds are dropped (those rows recompute)
+    and the prompt is prefilled; before, the call stalled with a RuntimeError."""
+    P, R = 4, 16
+    plan = paged.PoolPlan(page_size=P, num_pages=12, max_num_seqs=2, prompt_pages=2,
+                          response_pages=R // P, chunk=8, chunk_rows=2, rows=4)  # fmt: skip
+    st = paged._Settings(config=None, max_new_tokens=R, temperature=0.0, top_p=1.0, top_k=-1,
+                         eos_token_ids=(0,), pad_token_id=0, logprobs_mode="raw_logprobs")  # fmt: skip
+    prompts = [np.arange(1, 8, dtype=np.int32), np.arange(1, 8, dtype=np.int32)]
+    sh = paged._Shard(st, plan, prompts, n=2, g0=0, min_steps=4)
+    # Group 1 is prefilled; its rows 2 and 3 paused after 8 tokens (2 own pages each) and
+    # were resumed; group 0's rows wait first with no prompt pages.
+    sh.group_pages[1], sh.prefilled[1], sh.prompt_held = [sh.free.pop(), sh.free.pop()], 6, 2
+    for row in (2, 3):
+        sh.held[row], sh.written[row], sh.last[row] = [sh.free.pop(), sh.free.pop()], 8, 5
+    sh.waiting = collections.deque([0, 1, 2, 3])
+    assert sh._promised() + 2 + plan.response_pages > plan.admits_pages  # no room as it is
+    batch = sh.prefill_batch()
+    assert batch is not None and batch[-1] == (0,)  # group 0's prompt, prefilled
+    assert sh.dropped_holds >= 1 and sh.group_pages[0]
+    held = sum(len(p) for p in sh.held.values())
+    assert len(sh.free) + held + sh.prompt_held == plan.num_pages - 1  # no page lost

@@ -1055,12 +1055,22 @@ class _Shard:
                 continue
             if self.group_pages[g] is None:
                 need = self.shared_pages[g]
+
+                def fits():
+                    # A row's response must still fit beside the promised pages, and the
+                    # prompt's pages must be free: else prefill later.
+                    return (self._promised() + need + plan.response_pages <= plan.admits_pages
+                            and need <= len(self.free))  # fmt: skip
+
                 if i == 0 and not self.decoding():  # nothing else can free pages
                     self._evict_prompts(self.plan.num_pages, keep=g)
-                # A row's response must still fit beside the promised pages, and the
-                # prompt's pages must be free: else prefill later.
-                if (self._promised() + need + plan.response_pages > plan.admits_pages
-                        or need > len(self.free)):  # fmt: skip
+                    if not self.pending and not fits():
+                        # Nor can a turn: the rows holding pages wait behind this one (their
+                        # own were dropped before, so their group was evictable). Drop the
+                        # holds, then the prompts they kept, else the shard stalls.
+                        self._drop_held(fits)
+                        self._evict_prompts(self.plan.num_pages, keep=g)
+                if not fits():
                     break
                 self.group_pages[g] = [self.free.pop() for _ in range(need)]
                 self.prompt_held += need
