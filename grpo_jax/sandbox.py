@@ -461,36 +461,41 @@ def _kill(proc, uid):
     _log.warning("sandbox: processes of uid %d still alive after the run: %s", uid, pids)
 
 
-def _pids_of_uid(uid) -> list[int]:
-    """Live (not zombie) processes whose real uid is `uid`, from /proc."""
+def _live_pids(matches) -> list[int]:
+    """Live (not zombie) processes for which `matches(pid)` holds, from /proc (`matches` reads
+    what it needs; a process that went while it read is skipped)."""
     pids = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
-            with open(f"/proc/{name}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-            if int(fields["Uid"].split()[0]) == uid and not fields["State"].strip()[:1] == "Z":
+            if matches(name):
                 pids.append(int(name))
         except (OSError, KeyError, ValueError):
             continue
     return pids
 
 
+def _pids_of_uid(uid) -> list[int]:
+    """Live processes whose real uid is `uid`."""
+
+    def matches(pid):
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["Uid"].split()[0]) == uid and fields["State"].strip()[:1] != "Z"
+
+    return _live_pids(matches)
+
+
 def _pids_in_group(pgid) -> list[int]:
-    """Live (not zombie) processes in process group `pgid`, from /proc."""
-    pids = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                state, _, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
-        except (OSError, ValueError):
-            continue
-        if int(pgrp) == pgid and state != "Z":
-            pids.append(int(name))
-    return pids
+    """Live processes in process group `pgid`."""
+
+    def matches(pid):
+        with open(f"/proc/{pid}/stat") as f:
+            state, _, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
+        return int(pgrp) == pgid and state != "Z"
+
+    return _live_pids(matches)
 
 
 def _rlimits(limits: Limits, plan: Isolation) -> dict[str, list[int]]:
