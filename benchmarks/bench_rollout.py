@@ -18,12 +18,16 @@ are lower bounds.
     python benchmarks/bench_rollout.py                         # 8 x 4 x 256 vs HF and vLLM
     python benchmarks/bench_rollout.py --no-vllm --rounds 1
     python benchmarks/bench_rollout.py --max-num-seqs 16       # the paged engine, 16 slots
+    python benchmarks/bench_rollout.py --prompts 64 --n 8 --new-tokens 512 \
+        --max-num-seqs 128 --kv-cache-gib 2 --no-hf --rounds 1 --repeats 1   # a larger step
 
 With --max-num-seqs S, grpo_jax's side is the paged engine (`rollout.paged.sample_paged`,
 continuous batching with S rows in flight over a KV page pool, what train.py runs when a step
 has more than rollout.max_num_seqs rows); its decode steps are the schedule's, and the analytic
 bytes stay the grouped count (each prompt's KV once per step), a lower bound for a paged step,
-which reads each row's prompt pages.
+which reads each row's prompt pages. --kv-cache-gib gives both sides the same memory for the KV
+cache: vLLM's VLLM_CPU_KVCACHE_SPACE and, with --max-num-seqs, the paged engine's pool in pages
+of 16 tokens (default 2 GiB; the grouped sampler sizes its cache to the step).
 """
 
 import argparse
@@ -65,7 +69,8 @@ def _answers(count: int) -> list[str]:
     from grpo_jax.data import readers as readers_lib
 
     rows = [json.loads(line) for _, line in zip(range(count), open(GSM8K))]
-    return [str(ex.ground_truth) for ex in readers_lib.parse_rows(rows, source=GSM8K, on_malformed="error")]
+    parsed = readers_lib.parse_rows(rows, source=GSM8K, on_malformed="error")
+    return [str(ex.ground_truth) for ex in parsed]
 
 
 def _load_prompts(path):
@@ -100,7 +105,8 @@ def _worker_jax(args) -> dict:
         if args.max_num_seqs:
             stats = {}
             out = paged.sample_paged(cfg, params, ids, mask, jax.random.key(seed),
-                                     max_num_seqs=args.max_num_seqs, stats=stats, **kw)
+                                     max_num_seqs=args.max_num_seqs, stats=stats,
+                                     num_pages=_pool_pages(cfg, args.kv_cache_gib), **kw)
             steps.append(stats["decode_steps"])
         else:
             out = sampler.sample(cfg, params, ids, mask, jax.random.key(seed),
@@ -127,6 +133,15 @@ def _worker_jax(args) -> dict:
         "decode_steps": [int(lens.max()) for lens in lengths],
         "work": work,
     }
+
+
+def _pool_pages(cfg, gib: float) -> int:
+    """The paged engine's pool in pages of vLLM's KV-cache budget (VLLM_CPU_KVCACHE_SPACE GiB):
+    a page holds 16 tokens' keys and values in every layer, float32 (vLLM's block size on CPU)."""
+    from grpo_jax.rollout import paged
+
+    page_bytes = paged.PAGE_SIZE * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    return int(gib * 2**30) // page_bytes
 
 
 def _decode_work(cfg, prompt_width, lengths, rows, prompts) -> dict:
@@ -204,7 +219,8 @@ def _worker_vllm(args, hf_dir) -> dict:
         # seeded requests ("CPU Generator does not use offset", HTTP 500), as 8 x n prompts do.
         python=args.vllm_python, dtype="float32",
         extra_args=("--enforce-eager", "--max-num-batched-tokens", "32768"),
-        env=(("VLLM_CPU_KVCACHE_SPACE", "2"), ("VLLM_CPU_OMP_THREADS_BIND", args.omp_bind)),
+        env=(("VLLM_CPU_KVCACHE_SPACE", f"{args.kv_cache_gib:g}"),
+             ("VLLM_CPU_OMP_THREADS_BIND", args.omp_bind)),
         startup_timeout_s=600, request_timeout_s=1200,
     )  # fmt: skip
     with tempfile.TemporaryDirectory() as work:
@@ -237,7 +253,8 @@ def _spawn(worker, args, hf_dir, python=sys.executable) -> dict:
            f"--prompts={args.prompts}", f"--n={args.n}", f"--new-tokens={args.new_tokens}",
            f"--repeats={args.repeats}", f"--vllm-python={args.vllm_python}",
            f"--omp-bind={args.omp_bind}", f"--prompts_file={args.prompts_file}",
-           f"--max-num-seqs={args.max_num_seqs}"]  # fmt: skip
+           f"--max-num-seqs={args.max_num_seqs}",
+           f"--kv-cache-gib={args.kv_cache_gib}"]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=REPO)
     env.pop("XLA_FLAGS", None)
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
@@ -266,6 +283,9 @@ def main():
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-num-seqs", type=int, default=0,
                    help="grpo_jax's side: the paged engine with this many slots (0: grouped)")
+    p.add_argument("--kv-cache-gib", type=float, default=2.0,
+                   help="the KV cache's memory: vLLM's VLLM_CPU_KVCACHE_SPACE and, with "
+                        "--max-num-seqs, the paged engine's pool (the same bytes in pages)")
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--no-vllm", action="store_true")
     p.add_argument("--vllm-python", default=os.environ.get("GRPO_JAX_VLLM_PYTHON", ""))
@@ -309,8 +329,9 @@ def main():
     errors = {}  # a peer that fails is reported in the JSON; the other sides' results stay
     for _ in range(args.rounds):
         runs["grpo_jax"].append(_spawn("jax", args, hf_dir))
+        vllm_python = None if args.no_vllm else sys.executable
         for peer, worker, python in (("hf_generate", "hf", trl_python),
-                                     ("vllm_cpu", "vllm", None if args.no_vllm else sys.executable)):
+                                     ("vllm_cpu", "vllm", vllm_python)):
             if python and peer not in errors:
                 try:
                     runs[peer].append(_spawn(worker, args, hf_dir, python=python))
@@ -328,13 +349,17 @@ def main():
         "ms_per_decode_step": statistics.median(t / w["steps"] * 1e3 for w, t in zip(work, times)),
         "limits": {"gb_s": "28-33", "gflop_s_fp32": "175-190"},
     }
+    engine = "grouped (sampler.sample)"
+    if args.max_num_seqs:
+        pages = _pool_pages(gguf_lib.read_config(demo_task.smollm2_gguf()), args.kv_cache_gib)
+        engine = f"paged, max_num_seqs={args.max_num_seqs}, {pages} pages"
     out = {
         "benchmark": "rollout (real shape)",
         "workload": {"model": "SmolLM2-135M-Instruct fp32", "prompts": args.prompts, "n": args.n,
                      "max_new_tokens": args.new_tokens, "temperature": 1.0,
                      "data": "first GSM8K train questions, verl instruction, chat template",
-                     "grpo_jax_engine": (f"paged, max_num_seqs={args.max_num_seqs}"
-                                         if args.max_num_seqs else "grouped (sampler.sample)")},
+                     "kv_cache_gib": args.kv_cache_gib,
+                     "grpo_jax_engine": engine},
         "grpo_jax": jax_sum,
     }  # fmt: skip
     for peer in ("hf_generate", "vllm_cpu"):
