@@ -97,6 +97,7 @@ def _worker_jax(args) -> dict:
     eos = tuple(sorted(set(cfg.eos_token_ids) | {tok.eos_token_id}))
 
     steps = []  # the paged engine's decode steps, call by call
+    pages = []  # and its pool's pages
 
     def call(seed, compaction=True):
         t0 = time.perf_counter()
@@ -108,6 +109,7 @@ def _worker_jax(args) -> dict:
                                      max_num_seqs=args.max_num_seqs, stats=stats,
                                      num_pages=_pool_pages(cfg, args.kv_cache_gib), **kw)
             steps.append(stats["decode_steps"])
+            pages.append(stats["num_pages"])
         else:
             out = sampler.sample(cfg, params, ids, mask, jax.random.key(seed),
                                  compaction=compaction, **kw)  # fmt: skip
@@ -132,16 +134,16 @@ def _worker_jax(args) -> dict:
         "compile_s": first - statistics.median(times),
         "decode_steps": [int(lens.max()) for lens in lengths],
         "work": work,
+        "pool_pages": pages[-1] if pages else None,
     }
 
 
 def _pool_pages(cfg, gib: float) -> int:
-    """The paged engine's pool in pages of vLLM's KV-cache budget (VLLM_CPU_KVCACHE_SPACE GiB):
-    a page holds 16 tokens' keys and values in every layer, float32 (vLLM's block size on CPU)."""
+    """The paged engine's pool in pages of vLLM's KV-cache budget (VLLM_CPU_KVCACHE_SPACE GiB)."""
+    from grpo_jax.models import paged as paged_cache
     from grpo_jax.rollout import paged
 
-    page_bytes = paged.PAGE_SIZE * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
-    return int(gib * 2**30) // page_bytes
+    return int(gib * 2**30) // paged_cache.pool_bytes(cfg, 1, paged.PAGE_SIZE)
 
 
 def _decode_work(cfg, prompt_width, lengths, rows, prompts) -> dict:
@@ -351,7 +353,7 @@ def main():
     }
     engine = "grouped (sampler.sample)"
     if args.max_num_seqs:
-        pages = _pool_pages(gguf_lib.read_config(demo_task.smollm2_gguf()), args.kv_cache_gib)
+        pages = runs["grpo_jax"][-1]["pool_pages"]
         engine = f"paged, max_num_seqs={args.max_num_seqs}, {pages} pages"
     out = {
         "benchmark": "rollout (real shape)",
