@@ -88,8 +88,11 @@ def _worker_jax(args) -> dict:
     from grpo_jax import model, sampler
     from grpo_jax.data import demo_task
     from grpo_jax.models import gguf as gguf_lib
+    from grpo_jax.models import paged as paged_cache
     from grpo_jax.rollout import paged
 
+    if args.attend_rows >= 0:
+        paged_cache.ATTEND_ROWS = args.attend_rows
     gguf = demo_task.smollm2_gguf()
     cfg, params = model.load_gguf(gguf)
     tok = gguf_lib.load_tokenizer(gguf)
@@ -135,6 +138,7 @@ def _worker_jax(args) -> dict:
         "decode_steps": [int(lens.max()) for lens in lengths],
         "work": work,
         "pool_pages": pages[-1] if pages else None,
+        "attend_rows": paged_cache.ATTEND_ROWS,
     }
 
 
@@ -256,7 +260,7 @@ def _spawn(worker, args, hf_dir, python=sys.executable) -> dict:
            f"--repeats={args.repeats}", f"--vllm-python={args.vllm_python}",
            f"--omp-bind={args.omp_bind}", f"--prompts_file={args.prompts_file}",
            f"--max-num-seqs={args.max_num_seqs}",
-           f"--kv-cache-gib={args.kv_cache_gib}"]  # fmt: skip
+           f"--kv-cache-gib={args.kv_cache_gib}", f"--attend-rows={args.attend_rows}"]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=REPO)
     env.pop("XLA_FLAGS", None)
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
@@ -288,6 +292,9 @@ def main():
     p.add_argument("--kv-cache-gib", type=float, default=2.0,
                    help="the KV cache's memory: vLLM's VLLM_CPU_KVCACHE_SPACE and, with "
                         "--max-num-seqs, the paged engine's pool (the same bytes in pages)")
+    p.add_argument("--attend-rows", type=int, default=-1,
+                   help="the paged engine's XLA attention over this many rows at a time "
+                        "(models.paged.ATTEND_ROWS; 0: all rows at once); -1: the engine's")
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--no-vllm", action="store_true")
     p.add_argument("--vllm-python", default=os.environ.get("GRPO_JAX_VLLM_PYTHON", ""))
@@ -354,7 +361,9 @@ def main():
     engine = "grouped (sampler.sample)"
     if args.max_num_seqs:
         pages = runs["grpo_jax"][-1]["pool_pages"]
-        engine = f"paged, max_num_seqs={args.max_num_seqs}, {pages} pages"
+        rows = runs["grpo_jax"][-1]["attend_rows"]
+        engine = (f"paged, max_num_seqs={args.max_num_seqs}, {pages} pages, "
+                  f"attention over {rows or 'all'} rows at a time")
     out = {
         "benchmark": "rollout (real shape)",
         "workload": {"model": "SmolLM2-135M-Instruct fp32", "prompts": args.prompts, "n": args.n,

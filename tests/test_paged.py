@@ -4,10 +4,12 @@ the schedule, a pool that is bounded and reused, and clear errors."""
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import threading
 
 import jax
 import jax.numpy as jnp
+import numerics
 import numpy as np
 import pytest
 
@@ -248,6 +250,56 @@ def test_page_buckets_cover_every_count():
         buckets = paged_model.page_buckets(m)
         assert buckets[-1] == m and len(buckets) <= paged_model.PAGE_BUCKETS
         assert list(buckets) == sorted(set(buckets)) and buckets[0] >= 1
+
+
+@pytest.mark.parametrize("T", [1, 3], ids=["decode", "prefill chunk"])
+def test_the_attention_in_chunks_of_rows_is_the_attention_of_all_rows(tiny, T):
+    """`attend_rows` only cuts the batch into chunks (the last one padded with masked rows):
+    every row's output and the written pool are those of all rows at once, with and without
+    the page-count buckets."""
+    config, params = tiny
+    dparams = model.decode_params(config, params)
+    B, M, P = 7, 5, 4
+    rng = np.random.default_rng(0)
+    pool = paged_model.init_pool(config, 1 + B * M, P)
+    pool = paged_model.KVPool(
+        k=tuple(jnp.asarray(rng.standard_normal(k.shape), k.dtype) for k in pool.k),
+        v=tuple(jnp.asarray(rng.standard_normal(v.shape), v.dtype) for v in pool.v),
+    )
+    table = jnp.asarray(1 + rng.permutation(B * M).reshape(B, M), jnp.int32)
+    pos = jnp.asarray(rng.integers(0, M * P - T, (B, 1)) + np.arange(T), jnp.int32)
+    valid = (np.arange(M * P) <= np.asarray(pos)[:, :, None]) & (rng.random((B, T, M * P)) < 0.8)
+    valid |= np.arange(M * P) == np.asarray(pos)[:, :, None]  # each token sees its own slot
+    args = (jnp.asarray(rng.integers(4, config.vocab_size, (B, T)), jnp.int32), pos,
+            jnp.take_along_axis(table, pos // P, 1), pos % P, table, jnp.asarray(valid))
+    used = jnp.asarray(int(np.asarray(pos).max()) // P + 1, jnp.int32)
+    for pages_used in (None, used):
+        run = jax.jit(functools.partial(paged_model.paged_forward, config, pages_used=pages_used),
+                      static_argnames="attend_rows")  # fmt: skip
+        x_all, pool_all = run(dparams, pool, *args, attend_rows=0)
+        for rows in (3, 4):
+            x, pool_rows = run(dparams, pool, *args, attend_rows=rows)
+            numerics.assert_close(x, x_all, ulps=4, err_msg=f"rows={rows}")
+            for a, b in zip(jax.tree.leaves(pool_rows), jax.tree.leaves(pool_all)):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("schedule", ["all rows at once", "5 slots, chunks of 16"])
+def test_the_rollout_with_the_attention_in_chunks_of_rows_is_sampler_samples(
+    tiny, schedule, monkeypatch
+):
+    """The engine with the XLA attention over a few rows at a time (the CPU's schedule of many
+    rows in flight, `models.paged.ATTEND_ROWS`) still samples `sampler.sample`'s rollout."""
+    monkeypatch.setattr(paged_model, "ATTEND_ROWS", 4)
+    config, params = tiny
+    ids, mask, rng, kw, ref = _mixed_case(config, params, 1.0, -1, 1.0)
+    seqs, page, batched, segment = _SCHEDULES[schedule]
+    out = paged.sample_paged(
+        config, params, ids, mask, rng, max_num_seqs=seqs, page_size=page,
+        max_num_batched_tokens=batched, segment_steps=segment, **kw,
+    )  # fmt: skip
+    _assert_same_rollout(config, params, ids, mask, rng, ref, out, temperature=1.0, top_k=-1,
+                         top_p=1.0)  # fmt: skip
 
 
 def test_the_native_engine_pages_steps_of_more_than_max_num_seqs_rows_a_shard(

@@ -18,6 +18,17 @@ is JAX's Pallas TPU paged-attention kernel (`paged_kernel`): it reads only the p
 each row's two runs of slots (`paged_kernel.Spans`, the shared prompt and the row's own) and
 needs the pool in its layout, `init_pool(layout="pallas")`; prefill chunks run "xla" on either
 layout. `rollout/paged.py` picks one per platform (`paged_kernel.resolve`).
+
+The XLA attention gathers a copy of every page it reads (XLA:CPU's gather: 2-3 GB/s here). With
+many rows in flight it runs over `attend_rows` rows at a time (a `lax.scan` over chunks of the
+batch, the last one padded with masked rows of the trash page), so each chunk gathers and reads
+back a few MiB instead of tens. A row's attention is the same computation either way
+(tests/test_paged.py checks it). Measured on the 2-core CPU of docs/rollouts.md: the attention
+of 30 layers at 128 rows x 400 slots alone took 1.28 s in one piece and 0.54-0.62 s in chunks
+of 16-32 rows; a whole call of 64-128 rows in flight, 4-7 % less at ATTEND_ROWS = 32
+(docs/rollouts.md); at 16 rows chunks of 8 were slower, so up to ATTEND_ROWS rows run in one
+piece. `rollout/paged.py` chunks on the CPU only (a GPU gathers at its memory bandwidth; a TPU
+runs the kernel), and the planner plans the unchunked program.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from grpo_jax.models import config as config_lib
 from grpo_jax.models import decode, paged_kernel, transformer
 
 TRASH_PAGE = 0  # written by idle slots and padding, never read
+ATTEND_ROWS = 32  # the XLA attention's rows a chunk when more are in flight (module doc)
 
 
 LAYOUTS = ("xla", "pallas")  # KVPool.layout
@@ -113,6 +125,7 @@ def paged_forward(
     attention: str = "xla",
     interpret: bool | None = None,
     routing: bool = False,
+    attend_rows: int = ATTEND_ROWS,
 ):
     """T tokens of each of B sequences through the model over the paged cache.
 
@@ -137,6 +150,8 @@ def paged_forward(
       attention: "xla" or "pallas" (T = 1 only; a `layout="pallas"` pool), see the module doc.
       interpret: the kernel's Pallas interpret mode (`paged_kernel.attend`).
       routing: also return the experts each token was routed to (router replay R3).
+      attend_rows: the XLA attention runs over chunks of this many sequences when B is larger
+        (module doc); 0: all B at once. The result does not depend on it.
 
     Returns:
       (x_DX, pool): the final residual stream feature-major, [D, B * T] (row-major over (B, T);
@@ -211,7 +226,7 @@ def paged_forward(
             continue
         # Queries [N, H, B*T] -> [B, K, T*R, H] (head n = k * R + r, as the model's GQA).
         q_BKQH = q_NHX.reshape(K, R, H, B, T).transpose(3, 0, 4, 1, 2).reshape(B, K, T * R, H)
-        attend = functools.partial(_attend_first, pool.layout, P, dt)
+        attend = functools.partial(_attend_first, pool.layout, P, dt, attend_rows)
         if pages_used is None:
             o_BKTRH = attend(M, q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS)
         else:  # only the first pages any sequence uses: a branch per bucket of page counts
@@ -242,12 +257,26 @@ def page_buckets(num_pages: int) -> tuple[int, ...]:
     return tuple(sorted({-(-num_pages * i // PAGE_BUCKETS) for i in range(1, PAGE_BUCKETS + 1)}))
 
 
-def _attend_first(layout: str, P: int, dt, m: int, q_BKQH, k_pool, v_pool, page_table_BM,
-                  key_valid_BTS):  # fmt: skip
-    """`_attend_pages` over the first m pages (of P slots) of the tables."""
-    return _attend_pages(
-        layout, q_BKQH, k_pool, v_pool, page_table_BM[:, :m], key_valid_BTS[..., : m * P], dt
-    )
+def _attend_first(layout: str, P: int, dt, rows: int, m: int, q_BKQH, k_pool, v_pool,
+                  page_table_BM, key_valid_BTS):  # fmt: skip
+    """`_attend_pages` over the first m pages (of P slots) of the tables, `rows` sequences at
+    a time (all at once if rows is 0 or at least B)."""
+    page_table_BM, key_valid_BTS = page_table_BM[:, :m], key_valid_BTS[..., : m * P]
+    B = q_BKQH.shape[0]
+    if not rows or B <= rows:
+        return _attend_pages(layout, q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS, dt)
+    n = -(-B // rows)  # chunks; the last one padded with rows of the trash page, all masked
+
+    def chunks(x):
+        x = jnp.pad(x, [(0, n * rows - B)] + [(0, 0)] * (x.ndim - 1))
+        return x.reshape(n, rows, *x.shape[1:])
+
+    def chunk(_, xs):
+        q, table, valid = xs
+        return None, _attend_pages(layout, q, k_pool, v_pool, table, valid, dt)
+
+    _, o = jax.lax.scan(chunk, None, (chunks(q_BKQH), chunks(page_table_BM), chunks(key_valid_BTS)))
+    return o.reshape(n * rows, *o.shape[2:])[:B]
 
 
 def _attend_pages(layout: str, q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS, dt):

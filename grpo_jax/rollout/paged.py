@@ -204,6 +204,10 @@ class _Settings:
     interpret: bool | None = None
     # Record each fed token's experts (`PagedState.routing_DBLmTA`; router replay R3).
     record_routing: bool = False
+    # The XLA attention's sequences a chunk (`models.paged.paged_forward`; 0: all at once):
+    # `models.paged.ATTEND_ROWS` on the CPU, where it keeps the gathered pages in the cache;
+    # 0 on accelerators and in the planner's program.
+    attend_rows: int = 0
 
 
 @flax.struct.dataclass
@@ -299,6 +303,7 @@ def _step(st: _Settings, dparams, pages_used, pool, s: PagedState):
         st.config, dparams, pool, s.tok_DS[:, None], s.pos_DS[:, None], page_S[:, None],
         (w_S % P)[:, None], s.page_table_DSM, None, pages_used, spans=spans,
         attention=st.attention, interpret=st.interpret, routing=st.record_routing,
+        attend_rows=st.attend_rows,
     )  # fmt: skip
     if st.record_routing:
         # The fed token is the prompt's last (t = 0, prompt column Tb - 1) or the response's
@@ -377,7 +382,7 @@ def _prefill_shard(st: _Settings, dparams, pool, tokens_GC, pos_GC, valid_GC, pa
     valid_GCS = slots[None, None] <= pos_GC[:, :, None]
     _, pool, *experts = paged.paged_forward(
         st.config, dparams, pool, tokens_GC, pos_GC, page_GC, pos_GC % P, page_table_GM,
-        valid_GCS, routing=routing,
+        valid_GCS, routing=routing, attend_rows=st.attend_rows,
     )  # fmt: skip
     return (pool, *experts) if routing else pool
 
@@ -757,7 +762,8 @@ def sample_paged(
     attention = paged_kernel.resolve(attention, kv_dtype=config.dtype)
     st = _Settings(config, max_new_tokens, float(temperature), float(top_p), int(top_k),
                    eos_token_ids, int(pad_token_id), logprobs_mode, axes, attention,
-                   record_routing=bool(record_routing))  # fmt: skip
+                   record_routing=bool(record_routing),
+                   attend_rows=paged.ATTEND_ROWS if jax.default_backend() == "cpu" else 0)
     run = _Schedule(st, plan, prompts, n, segment_steps, shards, mesh, turns, finished)
     programs = _programs()
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
