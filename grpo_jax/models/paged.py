@@ -125,7 +125,7 @@ def paged_forward(
     attention: str = "xla",
     interpret: bool | None = None,
     routing: bool = False,
-    attend_rows: int = ATTEND_ROWS,
+    attend_rows: int = 0,
 ):
     """T tokens of each of B sequences through the model over the paged cache.
 
@@ -151,7 +151,8 @@ def paged_forward(
       interpret: the kernel's Pallas interpret mode (`paged_kernel.attend`).
       routing: also return the experts each token was routed to (router replay R3).
       attend_rows: the XLA attention runs over chunks of this many sequences when B is larger
-        (module doc); 0: all B at once. The result does not depend on it.
+        (module doc; `rollout/paged.py` passes ATTEND_ROWS on the CPU); 0: all B at once.
+        The result does not depend on it.
 
     Returns:
       (x_DX, pool): the final residual stream feature-major, [D, B * T] (row-major over (B, T);

@@ -205,8 +205,8 @@ class _Settings:
     # Record each fed token's experts (`PagedState.routing_DBLmTA`; router replay R3).
     record_routing: bool = False
     # The XLA attention's sequences a chunk (`models.paged.paged_forward`; 0: all at once):
-    # `models.paged.ATTEND_ROWS` on the CPU, where it keeps the gathered pages in the cache;
-    # 0 on accelerators and in the planner's program.
+    # `models.paged.ATTEND_ROWS` on the CPU (its module doc has the measurements); 0 on
+    # accelerators and in the planner's program.
     attend_rows: int = 0
 
 
