@@ -99,6 +99,7 @@ def _worker_jax(args) -> dict:
     ids, mask = _load_prompts(args.prompts_file)
     eos = tuple(sorted(set(cfg.eos_token_ids) | {tok.eos_token_id}))
 
+    num_pages = _pool_pages(cfg, args.kv_cache_gib) if args.max_num_seqs else None
     steps = []  # the paged engine's decode steps, call by call
     pages = []  # and its pool's pages
 
@@ -110,7 +111,7 @@ def _worker_jax(args) -> dict:
             stats = {}
             out = paged.sample_paged(cfg, params, ids, mask, jax.random.key(seed),
                                      max_num_seqs=args.max_num_seqs, stats=stats,
-                                     num_pages=_pool_pages(cfg, args.kv_cache_gib), **kw)
+                                     num_pages=num_pages, **kw)
             steps.append(stats["decode_steps"])
             pages.append(stats["num_pages"])
         else:
@@ -361,9 +362,10 @@ def main():
     engine = "grouped (sampler.sample)"
     if args.max_num_seqs:
         pages = runs["grpo_jax"][-1]["pool_pages"]
-        rows = runs["grpo_jax"][-1]["attend_rows"]
+        rows = runs["grpo_jax"][-1]["attend_rows"]  # chunks only when more slots than that
+        rows = rows if 0 < rows < args.max_num_seqs else "all"
         engine = (f"paged, max_num_seqs={args.max_num_seqs}, {pages} pages, "
-                  f"attention over {rows or 'all'} rows at a time")
+                  f"attention over {rows} rows at a time")
     out = {
         "benchmark": "rollout (real shape)",
         "workload": {"model": "SmolLM2-135M-Instruct fp32", "prompts": args.prompts, "n": args.n,
