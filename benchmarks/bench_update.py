@@ -25,6 +25,7 @@ token) and layer; the forward pass counts a third of each. XLA's own count of th
 """
 
 import argparse
+import ast
 import dataclasses
 import hashlib
 import json
@@ -49,6 +50,19 @@ def _matmul_gflops(jax, jnp) -> float:
         f(a).block_until_ready()
         times.append(time.perf_counter() - t0)
     return 2 * 2048**3 / statistics.median(times) / 1e9
+
+
+def _parse(old, value):
+    """A --config.X=value override as the field's type; a field that defaults to None (it
+    follows another field, e.g. rollout.log_prob_use_dynamic_bsz) takes the value's own."""
+    if isinstance(old, bool) or value in ("True", "False"):
+        return value in ("True", True)
+    if old is not None:
+        return type(old)(value)
+    try:
+        return ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return value
 
 
 def _cpu_seconds() -> float:
@@ -174,8 +188,7 @@ def main():
         node, leaf = c, name.split(".")
         for part in leaf[:-1]:
             node = node[part]
-        old = node[leaf[-1]]
-        node[leaf[-1]] = type(old)(value) if not isinstance(old, bool) else value in ("True", True)
+        node[leaf[-1]] = _parse(node[leaf[-1]], value)
     run = config_lib.from_dict(config_lib.RunConfig, config_dict.ConfigDict(c).to_dict())
     tx, _ = setup.make_optimizer(run, 10)
     ref_params = jax.tree.map(jnp.copy, params)
