@@ -106,7 +106,7 @@ BUGS = {
     ),
     "chunk-labels": (
         "a chunking error: labels shifted by one row across the chunks",
-        "grpo_jax/loss.py",
+        "grpo_jax/logprobs.py",
         "    xs = (_to_bits(z_NV).reshape(chunks, rows, vocab), labels_N.reshape(chunks, rows))",
         (
             "    xs = (_to_bits(z_NV).reshape(chunks, rows, vocab),"

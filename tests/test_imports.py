@@ -34,7 +34,7 @@ def _imported_frameworks(module):
     return out.stdout.strip()
 
 
-@pytest.mark.parametrize("module", ["grpo_jax.loss", "grpo_jax.advantage", "grpo_jax"])
+@pytest.mark.parametrize("module", ["grpo_jax.loss", "grpo_jax.logprobs", "grpo_jax.advantage", "grpo_jax"])
 def test_import_pulls_in_no_heavy_framework(module):
     assert _imported_frameworks(module) == "[]"
 

@@ -20,7 +20,7 @@ and 6, verl 0.9.1 engine workers):
 * Random draws in the loss (clip_cov's detached tokens, verl's torch.randperm) use
   `update_key(trainer.seed, state.step)` folded with the micro-batch index, so they are
   reproducible and a resumed run draws the same tokens.
-* Log-probs come from `model.hidden_states` and `loss.logprobs_and_entropy_from_hidden`
+* Log-probs come from `model.hidden_states` and `logprobs.logprobs_and_entropy_from_hidden`
   (chunked over token rows, never a [B, T, V] array), from logits divided by the rollout
   temperature as verl does.
 * Router replay (actor.router_replay, a MoE model): a batch with `routed_experts_BLSA` routes
@@ -52,6 +52,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from grpo_jax import logprobs
 from grpo_jax import loss as loss_lib
 from grpo_jax import model as model_lib
 from grpo_jax.models import lora as lora_lib
@@ -180,7 +181,7 @@ class LossConfig:
             clip_ratio_c=self.clip_ratio_c,
             kl_loss_type=self.kl_loss_type,
         )
-        loss_lib.check_temperature(self.temperature)
+        logprobs.check_temperature(self.temperature)
 
 
 def policy_params(base, params):
@@ -205,7 +206,7 @@ def response_log_probs(
     """Per-token log-probs (and entropy) of the response under `params`.
 
     Position Tp - 1 + t of the input predicts response token t, so the hidden states of columns
-    [Tp - 1, S - 1) are unembedded chunk by chunk (loss.logprobs_and_entropy_from_hidden).
+    [Tp - 1, S - 1) are unembedded chunk by chunk (logprobs.logprobs_and_entropy_from_hidden).
     `routing_BLSA`: experts to route the input tokens to (router replay, TrainBatch's).
 
     Returns:
@@ -222,7 +223,7 @@ def response_log_probs(
     else:
         h_BSD = model_lib.hidden_states(model_config, params, input_ids_BS, attention_mask_BS)
     h_BTD = h_BSD[:, prompt_len - 1 : prompt_len - 1 + num_response]
-    out = loss_lib.logprobs_and_entropy_from_hidden(
+    out = logprobs.logprobs_and_entropy_from_hidden(
         h_BTD,
         functools.partial(model_lib.unembed, model_config, params),
         response_ids_BT,
@@ -634,7 +635,7 @@ def packed_log_probs(
     h_GxD = h_RLD.reshape(G, (R // G) * L, D)
     h_GND = jnp.take_along_axis(h_GxD, micro.slot_pos_GN[..., None], axis=1)
     slots = h_GND.shape[0] * h_GND.shape[1]
-    out = loss_lib.logprobs_and_entropy_from_hidden(
+    out = logprobs.logprobs_and_entropy_from_hidden(
         h_GND,
         functools.partial(model_lib.unembed, model_config, params),
         micro.slot_label_GN,
