@@ -4,7 +4,7 @@ Run:
   python train.py --config=configs/gsm8k.py:model=qwen2.5-0.5b \
       --config.trainer.default_local_dir=runs/gsm8k_qwen05
   python train.py --config=configs/gsm8k.py --config.model.path=/path/to/hf_dir \
-      --config.data.path=train.jsonl --config.data.val_path=test.jsonl
+      --config.data.source=files --config.data.path=train.jsonl --config.data.val_path=test.jsonl
   python train.py --config=configs/gsm8k.py:smoke      # tiny random model, 2 steps, < 60 s CPU
 
 Expected (verl docs/algo/baseline.md): Qwen2.5-0.5B-Instruct 49.6 -> ~54-57 % val/gsm8k/acc
@@ -33,7 +33,7 @@ MODELS = {
 def get_config(arg=None):
     arg = common.parse_arg(arg, model="", smoke=False)
     c = common.grpo_config()
-    c.data.source = "tfds"  # GSM8K from tensorflow-datasets unless data.path is given
+    c.data.source = "tfds"  # GSM8K from tensorflow-datasets; data.source=files reads data.path
     c.data.max_prompt_length = 512
     c.data.max_response_length = 1024
     c.data.filter_overlong_prompts = True

@@ -195,6 +195,18 @@ class DataConfig:
             )
         if self.source == "hf":
             c.need(bool(self.paths), "path", self.path, "must name the dataset for source='hf'")
+        # A file given to a hub source would be ignored: the run would train on other data.
+        unread = {"tfds": ("path", "val_path"), "hf": ("val_path",)}.get(self.source, ())
+        hub_name = f"tfds' {self.tfds_name!r}" if self.source == "tfds" else repr(self.path)
+        for name in unread:
+            c.need(
+                not getattr(self, name),
+                name,
+                getattr(self, name),
+                f"is not read with source={self.source!r}, which reads the splits "
+                f"{self.train_split!r} / {self.val_split!r} of {hub_name}: set "
+                "data.source=files to train on your files, or drop it",
+            )
         c.done()
 
     @property

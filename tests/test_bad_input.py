@@ -307,6 +307,10 @@ def _cli_case(tmp_path, case):
              f"--config.data.val_path={bad_parquet}"],
             f"error: data.path: data file '{tmp_path / 'nope.parquet'}' does not exist",
         ),
+        "file_with_tfds": (
+            ["--config.data.source=tfds", f"--config.data.path={bad_parquet}"],
+            f"data.path='{bad_parquet}' is not read with source='tfds'",
+        ),
         "missing_model_dir": (
             ["--config.model.source=hf", "--config.model.tokenizer=hf",
              "--config.model.path=/nonexistent"],
@@ -327,8 +331,8 @@ def _cli_case(tmp_path, case):
 
 @pytest.mark.parametrize(
     "case",
-    ["typo", "typo_section", "not_parquet", "missing_data", "missing_model_dir", "missing_gguf",
-     "cudnn_on_cpu"],
+    ["typo", "typo_section", "not_parquet", "missing_data", "file_with_tfds", "missing_model_dir",
+     "missing_gguf", "cudnn_on_cpu"],
 )  # fmt: skip
 def test_cli_input_mistake_is_one_line_without_traceback(tmp_path, case):
     args, expected = _cli_case(tmp_path, case)

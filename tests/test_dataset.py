@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from grpo_jax import config, loading
+from grpo_jax import config, errors, loading
 from grpo_jax.data import demo_task, readers
 from grpo_jax.rewards import scorers
 
@@ -229,6 +229,39 @@ def test_tfds_source_reads_a_prepared_dataset_without_tensorflow(tmp_path):
     assert len(train) == 5
     assert sorted(e.ground_truth for e in val) == sorted(e.ground_truth for e in want)
     assert {e.data_source for e in val} == {"openai/gsm8k"}
+
+
+def test_tfds_without_network_names_the_source_and_the_way_out(tmp_path, monkeypatch):
+    """A first use of tfds downloads; with no network the run ends with what to do instead."""
+    import requests
+    import tensorflow_datasets as tfds
+
+    def offline(name, split, data_dir):
+        raise requests.exceptions.ConnectionError("Failed to resolve 'raw.githubusercontent.com'")
+
+    monkeypatch.setattr(tfds, "data_source", offline)
+    cfg = config.DataConfig(source="tfds", tfds_data_dir=str(tmp_path / "tfds"))
+    with pytest.raises(errors.InputError) as e:
+        loading.examples(cfg, "train")
+    msg = str(e.value)
+    for part in ("data.source='tfds'", "'gsm8k'", str(tmp_path / "tfds"), "needs network",
+                 "data.tfds_data_dir", "data.source=files"):  # fmt: skip
+        assert part in msg, msg
+
+
+def test_a_file_given_to_a_hub_source_is_an_error_not_ignored():
+    for kw, field in (
+        ({"source": "tfds", "path": "train.parquet"}, "data.path='train.parquet'"),
+        ({"source": "tfds", "val_path": "test.parquet"}, "data.val_path='test.parquet'"),
+        ({"source": "hf", "path": "gsm8k", "val_path": "t.jsonl"}, "data.val_path='t.jsonl'"),
+    ):
+        with pytest.raises(config.ConfigError) as e:
+            config.DataConfig(**kw).check_source()
+        assert f"{field} is not read with source={kw['source']!r}" in str(e.value)
+        assert "data.source=files" in str(e.value)
+    config.DataConfig(source="tfds").check_source()
+    config.DataConfig(source="hf", path="openai/gsm8k").check_source()
+    config.DataConfig(source="files", path="a.jsonl", val_path="b.jsonl").check_source()
 
 
 def test_arithmetic_rows_parse_and_are_disjoint():

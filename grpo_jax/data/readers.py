@@ -298,6 +298,15 @@ def read_tfds(
     import tensorflow_datasets as tfds
     import tensorflow_datasets.text  # noqa: F401 - registers the text builders (gsm8k among them)
 
-    source = tfds.data_source(name, split=split, data_dir=data_dir)
+    try:
+        source = tfds.data_source(name, split=split, data_dir=data_dir)
+    except OSError as e:  # requests' connection errors among them
+        raise InputError(
+            f"data.source='tfds' could not prepare {name!r} (split {split!r}) in "
+            f"{data_dir or '~/tensorflow_datasets'}: {e}. tfds downloads a dataset on its first "
+            "use, which needs network: prepare it where there is network and point "
+            "data.tfds_data_dir at a copy, or set data.source=files with data.path / "
+            "data.val_path"
+        ) from e
     rows = [_decoded(source[i]) for i in range(len(source))]
     return parse_rows(rows, source=f"tfds:{name}/{split}", on_malformed=on_malformed, layout=layout)
