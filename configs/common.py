@@ -82,6 +82,7 @@ def _config_dict(tree: dict) -> ml_collections.ConfigDict:
 def use_builtin_task(c: ml_collections.ConfigDict) -> None:
     """Switches `c` to the shipped arithmetic task, char tokenizer and a random tiny model."""
     c.data.source = "arithmetic"
+    c.data.path = c.data.val_path = None  # the recipe's files are not read
     c.data.prompt_suffix = ""
     c.model.source = "random"
     c.model.tokenizer = "char"

@@ -196,8 +196,10 @@ class DataConfig:
         if self.source == "hf":
             c.need(bool(self.paths), "path", self.path, "must name the dataset for source='hf'")
         # A file given to a hub source would be ignored: the run would train on other data.
-        unread = {"tfds": ("path", "val_path"), "hf": ("val_path",)}.get(self.source, ())
-        hub_name = f"tfds' {self.tfds_name!r}" if self.source == "tfds" else repr(self.path)
+        unread = {"tfds": ("path", "val_path"), "hf": ("val_path",),
+                  "arithmetic": ("path", "val_path")}.get(self.source, ())  # fmt: skip
+        hub_name = {"tfds": f"tfds' {self.tfds_name!r}", "hf": repr(self.path),
+                    "arithmetic": "the built-in task"}.get(self.source)  # fmt: skip
         for name in unread:
             c.need(
                 not getattr(self, name),

@@ -254,12 +254,14 @@ def test_a_file_given_to_a_hub_source_is_an_error_not_ignored():
         ({"source": "tfds", "path": "train.parquet"}, "data.path='train.parquet'"),
         ({"source": "tfds", "val_path": "test.parquet"}, "data.val_path='test.parquet'"),
         ({"source": "hf", "path": "gsm8k", "val_path": "t.jsonl"}, "data.val_path='t.jsonl'"),
+        ({"source": "arithmetic", "path": "a.jsonl"}, "data.path='a.jsonl'"),
     ):
         with pytest.raises(config.ConfigError) as e:
             config.DataConfig(**kw).check_source()
         assert f"{field} is not read with source={kw['source']!r}" in str(e.value)
         assert "data.source=files" in str(e.value)
     config.DataConfig(source="tfds").check_source()
+    config.DataConfig(source="arithmetic").check_source()
     config.DataConfig(source="hf", path="openai/gsm8k").check_source()
     config.DataConfig(source="files", path="a.jsonl", val_path="b.jsonl").check_source()
 
