@@ -198,15 +198,17 @@ class DataConfig:
         # A file given to a hub source would be ignored: the run would train on other data.
         unread = {"tfds": ("path", "val_path"), "hf": ("val_path",),
                   "arithmetic": ("path", "val_path")}.get(self.source, ())  # fmt: skip
-        hub_name = {"tfds": f"tfds' {self.tfds_name!r}", "hf": repr(self.path),
-                    "arithmetic": "the built-in task"}.get(self.source)  # fmt: skip
+        reads = {
+            "tfds": f"tfds' {self.tfds_name!r}, splits {self.train_split!r} / {self.val_split!r}",
+            "hf": f"{self.path!r}, splits {self.train_split!r} / {self.val_split!r}",
+            "arithmetic": "the built-in arithmetic task (data.arithmetic)",
+        }.get(self.source)
         for name in unread:
             c.need(
                 not getattr(self, name),
                 name,
                 getattr(self, name),
-                f"is not read with source={self.source!r}, which reads the splits "
-                f"{self.train_split!r} / {self.val_split!r} of {hub_name}: set "
+                f"is not read with source={self.source!r}, which reads {reads}: set "
                 "data.source=files to train on your files, or drop it",
             )
         c.done()
