@@ -195,19 +195,20 @@ class DataConfig:
             )
         if self.source == "hf":
             c.need(bool(self.paths), "path", self.path, "must name the dataset for source='hf'")
-        # A file given to a hub source would be ignored: the run would train on other data.
-        unread = {"tfds": ("path", "val_path"), "hf": ("val_path",),
-                  "arithmetic": ("path", "val_path")}.get(self.source, ())  # fmt: skip
-        reads = {
-            "tfds": f"tfds' {self.tfds_name!r}, splits {self.train_split!r} / {self.val_split!r}",
-            "hf": f"{self.path!r}, splits {self.train_split!r} / {self.val_split!r}",
-            "arithmetic": "the built-in arithmetic task (data.arithmetic)",
-        }.get(self.source)
+        # A file named where the source does not read it would be ignored: the run would train
+        # on other data than the one given.
+        splits = f"splits {self.train_split!r} / {self.val_split!r}"
+        unread, reads = {
+            "tfds": (("path", "val_path"), f"tfds' {self.tfds_name!r}, {splits}"),
+            "hf": (("val_path",), f"{self.path!r}, {splits}"),
+            "arithmetic": (("path", "val_path"), "the built-in arithmetic task (data.arithmetic)"),
+        }.get(self.source, ((), ""))
         for name in unread:
+            value = getattr(self, name)
             c.need(
-                not getattr(self, name),
+                not value,
                 name,
-                getattr(self, name),
+                value,
                 f"is not read with source={self.source!r}, which reads {reads}: set "
                 "data.source=files to train on your files, or drop it",
             )
