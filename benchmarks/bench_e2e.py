@@ -6,7 +6,9 @@ exports from it, so both start from the same float32 weights), the first prompts
 ../shared/data/gsm8k/train.jsonl in order, verl's GSM8K prompt in the chat template, P prompts x
 n samples, up to R new tokens at temperature 1, verl's strict GSM8K reward, GRPO advantages
 (group mean and std), PPO clip 0.2, token-mean loss, k3 KL to the reference at 0.001, AdamW lr
-1e-6, one optimizer step per step (on-policy), float32.
+1e-6, one optimizer step per step (on-policy), float32. With `--dtype bfloat16` both sides
+keep float32 weights and compute in bf16: grpo_jax's `model.dtype=bfloat16`, TRL's `bf16=True`
+(torch's bf16 autocast).
 
 Each side runs in its own process (TRL in the venv of scripts/build_trl_venv.sh), one after the
 other, `--rounds` times alternating which goes first. Reported per side: the median step time
@@ -160,7 +162,7 @@ def _trl_side(args, hf_dir, workdir, python) -> dict:
         f"--n={args.n}", f"--max_new_tokens={args.max_new_tokens}",
         f"--max_prompt_length={args.max_prompt_length}", f"--steps={args.trl_steps or args.steps}",
         f"--lr={args.lr}", f"--beta={args.beta}", f"--temperature={args.temperature}",
-        f"--micro={args.trl_micro}", f"--workdir={workdir}",
+        f"--micro={args.trl_micro}", f"--workdir={workdir}", f"--dtype={args.dtype}",
     ]  # fmt: skip
     out, wall, rss = _run(cmd, log_path=workdir + ".log")
     result = json.loads(out.strip().splitlines()[-1])

@@ -37,6 +37,8 @@ def main():
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--micro", type=int, default=8, help="completions per forward/backward")
     p.add_argument("--gradient_checkpointing", type=int, default=1)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="bfloat16: TRL's bf16=True (float32 weights, bf16 autocast compute)")
     p.add_argument("--workdir", required=True)
     args = p.parse_args()
 
@@ -87,7 +89,7 @@ def main():
         shuffle_dataset=False,
         max_steps=args.steps,
         gradient_checkpointing=bool(args.gradient_checkpointing),
-        bf16=False,
+        bf16=args.dtype == "bfloat16",
         logging_steps=1,
         report_to=[],
         save_strategy="no",
@@ -146,6 +148,7 @@ def main():
         "steps": steps, "peak_rss_gb": rss_gb, "versions": {
             "trl": trl.__version__, "transformers": transformers.__version__,
             "torch": torch.__version__}, "torch_threads": torch.get_num_threads(),
+        "dtype": args.dtype,
     }))  # fmt: skip
 
 
