@@ -276,6 +276,38 @@ def test_remat_and_bf16_param_options():
     np.testing.assert_allclose(np.asarray(logits), np.asarray(ref), atol=2e-2)
 
 
+
+def test_remat_policies_keep_the_same_projections_in_bf16_compute():
+    """In bf16 the projections are custom VJPs (grpo_jax/models/matmul.py) whose dots no
+    jax.checkpoint policy sees; each policy must keep the same projection outputs as in float32
+    (now in bf16), and the remat gradients equal the plain bf16 ones."""
+    params = _params()
+    ids_BT, mask_BT = _tokens(8, (2, 5)), jnp.ones((2, 5), jnp.int32)
+    L, F, D, BT = TINY.num_layers, TINY.intermediate_size, TINY.hidden_size, 2 * 5
+
+    def loss(config, p):
+        return jnp.mean(model.forward(config, p, ids_BT, mask_BT) ** 2)
+
+    def kept(config, dtype):
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            print_saved_residuals(lambda p: loss(config, p), params)
+        shapes = re.findall(rf"^{dtype}\[([\d,]+)\] (?:output of|named)", printed.getvalue(), re.M)
+        return shapes.count(f"{L},{BT},{F}"), shapes.count(f"{L},{BT},{D}")
+
+    g_plain = jax.grad(lambda p: loss(model.ModelConfig.tiny(dtype=jnp.bfloat16), p))(params)
+    for policy in model.REMAT_POLICIES:
+        f32 = model.ModelConfig.tiny(remat=True, remat_policy=policy)
+        bf16 = dataclasses.replace(f32, dtype=jnp.bfloat16)
+        assert kept(bf16, "bf16") == kept(f32, "f32"), policy
+        g_remat = jax.grad(lambda p, config=bf16: loss(config, p))(params)
+        chex.assert_trees_all_close(g_plain, g_remat, atol=1e-6)
+    # The MLP's gate and up outputs: kept by the dot policies, not by the two others.
+    assert kept(dataclasses.replace(bf16, remat_policy="dots_saveable"), "bf16")[0] == 2
+    except_mlp_in = dataclasses.replace(bf16, remat_policy="dots_except_mlp_in_saveable")
+    assert kept(except_mlp_in, "bf16")[0] == 0
+
+
 def test_clear_errors():
     with pytest.raises(ValueError, match="num_kv_heads"):
         model.ModelConfig.tiny(num_heads=4, num_kv_heads=3)

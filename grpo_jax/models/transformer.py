@@ -57,6 +57,7 @@ from flax import nnx
 
 from grpo_jax.models import attention, moe
 from grpo_jax.models import config as config_lib
+from grpo_jax.models import matmul as matmul_lib
 
 
 def _param(rngs, init, shape, axes, dtype) -> nnx.Param:
@@ -141,7 +142,8 @@ class Proj(nnx.Module):
 
     The contraction runs as one 2-D matmul, [tokens, in] x [in, out], with the kernel and input
     reshaped (free: both are contiguous): XLA:CPU's dot for the 3- and 4-D einsums took 30 %
-    longer in the forward and backward at training shapes.
+    longer in the forward and backward at training shapes. The matmul is `matmul.matmul` at the
+    compute dtype (in bf16: float32 accumulation, XLA:CPU's bf16 kernels in the backward too).
 
     With `lora_rank` r > 0 the projection also holds LoRA adapters (Hu et al. 2021) A [*in, r]
     and B [r, *out] (`LoraParam`, logical axes those of the kernel's in / out axes, the rank axis
@@ -167,14 +169,14 @@ class Proj(nnx.Module):
         inputs, out = spec.split("->")
         x_letters, k_letters = inputs.split(",")
         c = (len(x_letters) + len(k_letters) - len(out)) // 2  # contracted axes
-        kernel = self.kernel[...].astype(dtype)
+        kernel = self.kernel[...]
         fan_in = math.prod(kernel.shape[:c])
         x_2d = x.astype(dtype).reshape(-1, fan_in)
-        y = jnp.dot(x_2d, kernel.reshape(fan_in, -1))
+        y = matmul_lib.matmul(x_2d, kernel.reshape(fan_in, -1), dtype)
         if self.lora_rank:  # base + adapter, unmerged: x @ W + scale * (x @ A) @ B
-            a = self.lora_a[...].astype(dtype).reshape(fan_in, self.lora_rank)
-            b = self.lora_b[...].astype(dtype).reshape(self.lora_rank, -1)
-            y = y + jnp.dot(jnp.dot(x_2d, a), b) * self.lora_scale
+            a = self.lora_a[...].reshape(fan_in, self.lora_rank)
+            b = self.lora_b[...].reshape(self.lora_rank, -1)
+            y = y + matmul_lib.matmul(matmul_lib.matmul(x_2d, a, dtype), b, dtype) * self.lora_scale
         y = y.reshape(*x.shape[: x.ndim - c], *kernel.shape[c:])
         if self.use_bias:
             bias = self.bias[...].astype(dtype)
@@ -505,16 +507,30 @@ def remat_policy_fn(config: config_lib.ModelConfig):
     outputs: SmolLM2 saves 2,112 instead of 5,184 floats per token and layer, and its backward
     recomputes 2 of the layer's 7 matmuls. SmolLM2, a 4,096-token packed micro-batch: XLA's
     temporaries 3.3 -> 1.9 GiB (plan.py).
+
+    The low-precision projections (`matmul.matmul` in bf16) are custom VJPs whose dots no policy
+    sees; their outputs are named ``lowp_dot:KxN`` and count here as the 2-D dot (no batch dims)
+    with a [K, N] kernel they stand for: saved by the dots policies, the MLP's input projections
+    not by "dots_except_mlp_in_saveable", none by "nothing_saveable".
     """
-    if config.remat_policy != "dots_except_mlp_in_saveable":
-        return getattr(jax.checkpoint_policies, config.remat_policy)
-    no_batch_dims = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-    mlp_in = (config.hidden_size, config.intermediate_size)
+    if config.remat_policy == "nothing_saveable":
+        return jax.checkpoint_policies.nothing_saveable
+    if config.remat_policy == "dots_except_mlp_in_saveable":
+        base = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    else:
+        base = getattr(jax.checkpoint_policies, config.remat_policy)
+    skip = (
+        {(config.hidden_size, config.intermediate_size)}
+        if config.remat_policy == "dots_except_mlp_in_saveable" else set()
+    )  # fmt: skip
 
     def policy(prim, *avals, **params):
-        if prim is jax.lax.dot_general_p and len(avals) == 2 and avals[1].shape == mlp_in:
+        if str(prim) == "name":
+            kernel = matmul_lib.weight_shape(params["name"])
+            return kernel is not None and kernel not in skip
+        if prim is jax.lax.dot_general_p and len(avals) == 2 and avals[1].shape in skip:
             return False
-        return no_batch_dims(prim, *avals, **params)
+        return base(prim, *avals, **params)
 
     return policy
 
