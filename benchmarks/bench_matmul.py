@@ -8,7 +8,9 @@ projections; plus a square 2048^3 dot as the machine's reference peak. Each shap
 - JAX, float32; bfloat16 inputs with float32 accumulation (`preferred_element_type`, what
   `model.dtype=bfloat16` computes: bf16 operands, f32 results); plain bfloat16 (bf16 out), each
   compiled with XLA:CPU's default dots and with each alternative back-end this jaxlib accepts
-  (per-program `compiler_options`: YNNPACK's dot fusion, oneDNN);
+  (per-program `compiler_options`: YNNPACK's dot fusion, oneDNN); the weight gradient's shape also
+  as grpo_jax computes it in bf16 (grpo_jax/models/matmul.py: the activations' transpose written
+  row-major first, then the canonical dot);
 - torch (TRL's venv, scripts/build_trl_venv.sh, its own process): float32, bfloat16 (`a @ b` on
   bf16 tensors, what torch's bf16 autocast runs), both with torch's default threads.
 
@@ -46,7 +48,7 @@ SHAPES = (
 BACKENDS = {
     "xla_default": {},
     "ynnpack": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
-    "onednn": {"xla_cpu_use_onednn": "true"},
+    "onednn": {"xla_cpu_use_onednn": True},
 }
 
 
@@ -80,6 +82,9 @@ def jax_side(reps: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
+    sys.path.insert(0, REPO)
+    from grpo_jax.models import matmul
+
     out = {"jax": jax.__version__, "backends_rejected": {}}
     rng = np.random.default_rng(0)
     modes = {
@@ -108,6 +113,11 @@ def jax_side(reps: int) -> dict:
                     continue
                 s = _time(lambda f=f: f(a, b).block_until_ready(), reps)
                 rates.setdefault(name, {}).setdefault(mode, {})[backend] = 2 * m * k * n / s / 1e9
+            if transpose_a and acc is not None:  # grpo_jax's weight gradient: x^T copied first
+                f = jax.jit(lambda x, y, acc=acc: jnp.dot(
+                    matmul._row_major_transpose(x), y, preferred_element_type=acc))
+                s = _time(lambda f=f: f(a, b).block_until_ready(), reps)
+                rates[name][mode]["grpo_jax_row_major_transpose"] = 2 * m * k * n / s / 1e9
     out["gflop_s"] = rates
     return out
 
