@@ -73,7 +73,7 @@ from flax import linen as nn
 from grpo_jax import config as config_lib
 from grpo_jax import errors, sampler, sharding
 from grpo_jax import model as model_lib
-from grpo_jax.models import attention, gguf, lora, moe, paged_kernel
+from grpo_jax.models import attention, gguf, lora, matmul, moe, paged_kernel
 from grpo_jax.models import paged as paged_model
 from grpo_jax.rollout import paged
 from grpo_jax.trainer import actor as actor_lib
@@ -587,6 +587,12 @@ class Planner:
         compiles the real one."""
         return self.cfg.num_experts > 0 and self.backend in ("gpu", "tpu") and not self.native
 
+    def accelerator_stood_in_for(self) -> str | None:
+        """The accelerator the plan's programs are for (None: JAX's default backend), whether
+        CPU devices stand in for it or the TPU compiler compiles for it from this CPU-only
+        process: the bf16 projections then trace as on it (`matmul.lowering_for`)."""
+        return self.backend if self.backend in ("gpu", "tpu") else None
+
     def compiler_options(self) -> dict:
         """XLA options of the planner's compiles (on CPU devices) for an accelerator's plan.
 
@@ -622,7 +628,8 @@ class Planner:
         # Traced inside use_mesh so that the model's activation constraints see the mesh.
         if key not in self._compiled:
             stand_in = moe.capacity_stand_in() if self.moe_stand_in else contextlib.nullcontext()
-            with sharding.use_mesh(self.mesh, self.rules), stand_in:
+            lowering = matmul.lowering_for(self.accelerator_stood_in_for())
+            with sharding.use_mesh(self.mesh, self.rules), stand_in, lowering:
                 self._compiled[key] = compile_fn(*key[1:])
         return self._compiled[key]
 

@@ -54,6 +54,26 @@ def test_bf16_accumulates_in_float32_and_keeps_the_weight_gradient_unrounded():
     assert np.any(_bf16(dw) != np.asarray(dw, np.float64))
 
 
+def test_accelerator_programs_keep_jax_dot_and_its_derivative():
+    """Programs for a GPU or TPU (plan.py's stand-ins, the TPU compiler) keep the plain bf16 dot
+    and JAX's derivative: the CPU's custom VJP and transposes are not in them."""
+    x, w, dy = _inputs(3)
+    x = x.astype(jnp.bfloat16)
+    for platform in ("gpu", "tpu"):
+        with matmul.lowering_for(platform):
+            assert not matmul.cpu_kernels()
+            jaxpr = str(jax.make_jaxpr(jax.grad(
+                lambda x, w: jnp.sum(matmul.matmul(x, w, jnp.bfloat16).astype(jnp.float32))
+            ))(x, w))  # fmt: skip
+            y, dx, dw = _value_and_vjp(x, w, dy, jnp.bfloat16)
+        assert "custom_vjp" not in jaxpr and "optimization_barrier" not in jaxpr
+        y_ref, vjp = jax.vjp(lambda x, w: jnp.dot(x, w.astype(jnp.bfloat16)), x, w)
+        np.testing.assert_array_equal(y, y_ref)
+        for got, want in zip((dx, dw), vjp(dy.astype(jnp.bfloat16)), strict=True):
+            np.testing.assert_array_equal(got, want)
+    assert matmul.cpu_kernels() == (jax.default_backend() == "cpu")
+
+
 def test_checkpoint_names_round_trip():
     assert matmul.weight_shape(matmul.name(576, 1536)) == (576, 1536)
     assert matmul.weight_shape("some_other_name") is None

@@ -1,39 +1,67 @@
 """The projections' matmul, x [M, K] @ w [K, N], at the model's compute dtype.
 
-float32: ``jnp.dot`` and JAX's own derivative, unchanged.
+float32, and bfloat16 on a GPU or TPU: ``jnp.dot`` and JAX's own derivative (their
+bf16 dots accumulate in float32 inside cuBLAS and the MXU).
 
-bfloat16 (``model.dtype=bfloat16``, float32 master weights): the three dots of the matmul and of
-its derivative take bf16 operands and accumulate in float32, as torch's bf16 autocast and
-cuBLAS / the TPU's MXU do:
+bfloat16 on XLA:CPU (``model.dtype=bfloat16``, float32 master weights): the three dots of the
+matmul and of its derivative take bf16 operands and accumulate in float32, as torch's bf16
+autocast does:
 
   y  = bf16(x @ w)           [M, N], float32 sum rounded to bf16 (the activation)
   dx = bf16(dy @ w^T)        [M, K], rounded to bf16 (an activation's gradient)
   dw = (x^T @ dy)            [K, N], the float32 sum cast to w's dtype (no bf16 rounding of the
                              weight gradient when the weights are float32)
 
-It is a custom VJP because JAX's derivative of a dot with ``preferred_element_type=float32``
-multiplies the float32 cotangent with the bf16 operand, which XLA:CPU runs as a float32 dot;
-and a bf16 x bf16 -> bf16 dot XLA:CPU also runs through float32. XLA:CPU sends a dot to its
-bf16 kernels (YNNPACK: AMX or AVX512-BF16 where the CPU has them) only when it is bf16 x bf16 ->
-f32 with the lhs contracted on its last axis and neither operand column-major. The forward and
-dx are of that form. dw contracts the tokens, the first axis of both x and dy, so on CPU x^T is
-first written to a fresh row-major buffer (``_row_major_transpose``). On a 2-core Xeon with AMX
-(benchmarks/bench_matmul.py), the SmolLM2 MLP's [4096, 576] x [576, 1536] and its gradients ran
-at 100-150 GFLOP/s as plain bf16 dots or JAX's derivative, 350-1,100 in this form; the update of
-benchmarks/bench_update.py --dtype bfloat16 went from 142 to 83 s.
+XLA:CPU runs a bf16 x bf16 -> bf16 dot, and JAX's derivative of a bf16 dot with a float32
+result (a float32 cotangent times a bf16 operand), as float32 dots. It sends a dot to its bf16
+kernels (YNNPACK: AMX or AVX512-BF16 where the CPU has them) only when it is bf16 x bf16 -> f32
+with the lhs contracted on its last axis and neither operand column-major, so the derivative is
+written out (a custom VJP). The forward and dx are of that form; dw contracts the tokens, the
+first axis of both x and dy, so x^T is first written to a row-major buffer of its own
+(``_row_major_transpose``). On a 2-core Xeon with AMX (benchmarks/bench_matmul.py), the SmolLM2
+MLP's [4096, 576] x [576, 1536] and its gradients ran at 100-200 GFLOP/s as plain bf16 dots or
+JAX's derivative, 450-1,300 in this form; the update of `benchmarks/bench_update.py --dtype
+bfloat16` went from 142 to 83 s.
 
-``remat_policy_fn`` in transformer.py cannot see dots inside a custom VJP, so each bf16 matmul's
-output is named ``lowp_dot:KxN`` (`checkpoint_name`) and the policies treat the name as the dot
-it stands for (``saveable``).
+The platform is decided when the program is traced: JAX's default backend, unless
+``lowering_for`` says which accelerator a CPU-compiled program stands in for (plan.py).
+
+``remat_policy_fn`` in transformer.py cannot see dots inside a custom VJP, so each CPU bf16
+matmul's output is named ``lowp_dot:KxN`` (`checkpoint_name`) and the policies treat the name
+as the dot it stands for.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 NAME_PREFIX = "lowp_dot:"
+# The platform programs traced now stand in for (`lowering_for`); None: JAX's default backend.
+_STAND_IN_FOR: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "matmul_stand_in_for", default=None
+)
+
+
+@contextlib.contextmanager
+def lowering_for(platform: str | None):
+    """Programs traced inside compute as on `platform` ("gpu", "tpu", "cpu") whatever JAX's
+    default backend: plan.py's CPU devices standing in for an accelerator, or the TPU compiler
+    run from a CPU-only process, get the accelerator's program. None: JAX's default backend."""
+    token = _STAND_IN_FOR.set(platform)
+    try:
+        yield
+    finally:
+        _STAND_IN_FOR.reset(token)
+
+
+def cpu_kernels() -> bool:
+    """Whether the programs traced now are for XLA:CPU (see `lowering_for`)."""
+    return (_STAND_IN_FOR.get() or jax.default_backend()) == "cpu"
 
 
 def name(k: int, n: int) -> str:
@@ -51,15 +79,14 @@ def weight_shape(checkpoint_name_: str) -> tuple[int, int] | None:
 
 def matmul(x_MK, w_KN, dtype):
     """x @ w computed at `dtype` (see the module docstring); the result has `dtype`."""
-    if jnp.dtype(dtype) == jnp.float32:
+    if jnp.dtype(dtype) == jnp.float32 or not cpu_kernels():
         return jnp.dot(x_MK.astype(dtype), w_KN.astype(dtype))
     y_MN = _lowp_matmul(x_MK.astype(dtype), w_KN)
     return checkpoint_name(y_MN, name(*w_KN.shape))
 
 
 def _row_major_transpose(x_MK):
-    """x^T [K, M] in a buffer of its own, row-major, on CPU (see the module docstring); elsewhere
-    a transpose.
+    """x^T [K, M] in a buffer of its own, row-major (XLA:CPU; see the module docstring).
 
     Three parts, each needed on XLA:CPU (jaxlib 0.10): a pad by one column and a slice, so that
     the bf16 pass, which runs before layout assignment, sees a row-major operand (a transpose's
@@ -68,8 +95,6 @@ def _row_major_transpose(x_MK):
     on XLA:CPU and fails at run time); and the move done on the uint16 bits (XLA:CPU's bf16
     transpose was up to 4x slower). tests/test_matmul.py checks the compiled dots.
     """
-    if jax.default_backend() != "cpu":
-        return x_MK.T
     bits_KM = jax.lax.bitcast_convert_type(x_MK, jnp.uint16).T
     bits_KM = jax.lax.pad(bits_KM, jnp.uint16(0), ((0, 0, 0), (0, 1, 0)))[:, : bits_KM.shape[1]]
     return jax.lax.bitcast_convert_type(jax.lax.optimization_barrier(bits_KM), x_MK.dtype)
@@ -77,9 +102,8 @@ def _row_major_transpose(x_MK):
 
 @jax.custom_vjp
 def _lowp_matmul(x_MK, w_KN):
-    return jnp.dot(x_MK, w_KN.astype(x_MK.dtype), preferred_element_type=jnp.float32).astype(
-        x_MK.dtype
-    )
+    y_MN = jnp.dot(x_MK, w_KN.astype(x_MK.dtype), preferred_element_type=jnp.float32)
+    return y_MN.astype(x_MK.dtype)
 
 
 def _lowp_matmul_fwd(x_MK, w_KN):
