@@ -107,9 +107,20 @@ def test_a_checkpoint_written_before_the_move_resumes_as_it_would_have(tmp_path)
     if machine_line().split(";")[0] == want["machine"]:
         assert digest == want["state_sha256"]
     else:  # another CPU's rounding in step 3 only (tests/numerics.py)
-        names = sorted(sums)
+        # The smoke model scores 0 on every sample, so step 3's advantages are all 0 and its
+        # gradient is the rounding noise of the on-policy ratio and KL (grad norm ~4e-10): Adam's
+        # moments, and the zero-initialised biases that only that noise moves, differ between
+        # CPUs by 1-30 % of themselves (an AMX Xeon against the fixture's EPYC). They compare
+        # bit for bit on the fixture's CPU above; elsewhere the counters must be equal and every
+        # weight of real size (|sum| over 1e-3 of the largest) within rounding of its own scale.
+        params = [n for n in sums if n.startswith("['train']['params']")]
+        largest = max(want["leaf_abs_sums"][n] for n in params)
+        names = sorted(n for n in params if want["leaf_abs_sums"][n] >= 1e-3 * largest)
+        assert len(names) >= 8, names  # embedding, norms and every projection's kernel
         numerics.assert_close([sums[n] for n in names], [want["leaf_sums"][n] for n in names],
                               ulps=1024, scale=[want["leaf_abs_sums"][n] for n in names])  # fmt: skip
+        for n in ("['train']['step']", "['train']['opt_state'][1]['count']"):
+            assert sums[n] == want["leaf_sums"][n], n
     rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
     # step 2 twice: the resumed run validates before training, under the resumed step (verl)
     assert [r["step"] for r in rows] == [0, 1, 2, 2, 3]
