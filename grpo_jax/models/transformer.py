@@ -517,12 +517,9 @@ def remat_policy_fn(config: config_lib.ModelConfig):
         return jax.checkpoint_policies.nothing_saveable
     if config.remat_policy == "dots_except_mlp_in_saveable":
         base = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        skip = {(config.hidden_size, config.intermediate_size)}  # the MLP's gate and up kernels
     else:
-        base = getattr(jax.checkpoint_policies, config.remat_policy)
-    skip = (
-        {(config.hidden_size, config.intermediate_size)}
-        if config.remat_policy == "dots_except_mlp_in_saveable" else set()
-    )  # fmt: skip
+        base, skip = getattr(jax.checkpoint_policies, config.remat_policy), set()
 
     def policy(prim, *avals, **params):
         if str(prim) == "name":
