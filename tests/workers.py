@@ -9,18 +9,26 @@ A worker script gets `argv = [script, result_path, process_id, port, *args]` and
 `workers.answer(value)` (importable: the test directory is on its PYTHONPATH). Each worker has
 `devices` CPU devices and the test process's other XLA flags (a CPU variant of
 scripts/test_cpu_variants.sh reaches the workers too: all processes compile alike).
+
+A run that outlives its timeout is a hang (processes waiting on each other's collectives): before
+killing them, the harness asks every worker for the Python stack of each of its threads
+(`faulthandler` on SIGUSR1, registered ahead of the script), and the failure shows them.
 """
 
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 _TESTS = Path(__file__).resolve().parent
 _REPO = _TESTS.parent
+# Ahead of every worker script: SIGUSR1 writes each thread's stack to stderr (see the doc).
+_PRELUDE = "import faulthandler, signal\nfaulthandler.register(signal.SIGUSR1, all_threads=True)\n"
 
 
 def free_port() -> int:
@@ -51,7 +59,7 @@ def run(
     process order. Raises AssertionError with each failed worker's logs."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "worker.py"
-    path.write_text(script)
+    path.write_text(_PRELUDE + script)
     flags = re.sub(
         r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")
     )
@@ -73,20 +81,28 @@ def run(
         ):
             procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=env))
         results.append(result)
-    failed = []
+    failed, killed = [], False
     for i, p in enumerate(procs):
         try:
             code = p.wait(timeout=timeout)
+            if killed and code == -signal.SIGKILL:
+                code = "killed at another worker's timeout (its stacks at the end of stderr)"
         except subprocess.TimeoutExpired:
+            killed = True
+            for q in procs:  # where each one waits, then the kill
+                if q.poll() is None:
+                    q.send_signal(signal.SIGUSR1)
+            time.sleep(3)
             for q in procs:
                 q.kill()
-            code = f"timeout after {timeout} s"
+            code = f"timeout after {timeout} s (stacks of every thread at the end of stderr)"
         if code != 0 or not results[i].exists():
             failed.append((i, code))
     if failed:
         report = []
         for i, code in failed:
-            tails = [(tmp_path / f"{s}{i}.log").read_text()[-3000:] for s in ("stdout", "stderr")]
+            tails = [(tmp_path / f"{s}{i}.log").read_text()[-n:]
+                     for s, n in (("stdout", 3000), ("stderr", 12000))]  # fmt: skip
             report.append(
                 f"worker {i} ended with {code}:\n--- stdout\n{tails[0]}\n--- stderr\n{tails[1]}"
             )
