@@ -375,6 +375,13 @@ def _stage_run(*, dynamic_bsz, seed=0, loss_mode="vanilla", mini_batch_size=1, s
 
 
 _STAGE_TX = actor.make_optimizer(grad_clip=1.0, betas=(0.9, 0.999), weight_decay=0.01)
+
+
+def _placed(tree):
+    """`tree` on _MESH, as the loop places the state and the batch (setup.init_state): an update
+    of uncommitted arrays compiles its first step for them and its next step again for the
+    placed state that step returns, one whole program more per update."""
+    return jax.device_put(tree, sharding.replicated(_MESH))
 _MESH = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
 
 
@@ -396,9 +403,9 @@ def test_update_stage_draws_clip_cov_from_the_seed_and_the_step(params, dynamic_
     progs.precompiled.add("packed_grads")  # the spy has no .lower; shapes compile on first use
     batch, host = _stage_batch(1)
     state = actor.init_state(jax.tree.map(jnp.copy, params), _STAGE_TX)  # the update donates it
-    state = state.replace(step=jnp.int32(3))
+    state = _placed(state.replace(step=jnp.int32(3)))
     with sharding.use_mesh(_MESH):
-        new, record = train_stage.update(progs, run, state, batch, 1e-3, host, _MESH)
+        new, record = train_stage.update(progs, run, state, _placed(batch), 1e-3, host, _MESH)
     assert int(new.step) == 5 and record["actor/update_skipped"] == 0
     want = []
     for i, step in enumerate((3, 4)):
@@ -470,9 +477,9 @@ def test_actor_shuffle_is_the_update_of_the_reordered_batch(params, dynamic_bsz)
     def update(shuffle, batch, host):
         run = _stage_run(dynamic_bsz=dynamic_bsz, shuffle=shuffle)
         progs = programs.make_programs(run, CFG, _STAGE_TX, dp=1)
-        state = actor.init_state(jax.tree.map(jnp.copy, params), _STAGE_TX)
+        state = _placed(actor.init_state(jax.tree.map(jnp.copy, params), _STAGE_TX))
         with sharding.use_mesh(_MESH):
-            return train_stage.update(progs, run, state, batch, 1e-3, host, _MESH)
+            return train_stage.update(progs, run, state, _placed(batch), 1e-3, host, _MESH)
 
     _assert_is_the_update_of_the_reordered_batch(update, batch, host, order)
 
@@ -493,9 +500,9 @@ def test_sum_norm_without_a_scale_factor_divides_by_the_response_budget(params, 
         run = _stage_run(dynamic_bsz=dynamic_bsz, loss_agg_mode="seq-mean-token-sum-norm",
                          loss_scale_factor=factor)  # fmt: skip
         progs = programs.make_programs(run, CFG, _STAGE_TX, dp=1)
-        state = actor.init_state(jax.tree.map(jnp.copy, params), _STAGE_TX)
+        state = _placed(actor.init_state(jax.tree.map(jnp.copy, params), _STAGE_TX))
         with sharding.use_mesh(_MESH):
-            return train_stage.update(progs, run, state, batch, 1e-3, host, _MESH)[0]
+            return train_stage.update(progs, run, state, _placed(batch), 1e-3, host, _MESH)[0]
 
     default, budget = update(None), update(float(TR))
     _assert_same_params(default, budget)
@@ -606,9 +613,9 @@ def test_token_mean_with_rejection_divides_by_verls_tokens_before_rejection(
             lp, lp, np.asarray(batch.advantages_BT), their_mask, "token-mean", config_
         )
     ).value[0]
-    state = actor.init_state(jax.tree.map(jnp.copy, params), _STAGE_TX)
+    state = _placed(actor.init_state(jax.tree.map(jnp.copy, params), _STAGE_TX))
     with sharding.use_mesh(_MESH):
-        _, record = train_stage.update(progs, run, state, batch, 1e-3, host, _MESH)
+        _, record = train_stage.update(progs, run, state, _placed(batch), 1e-3, host, _MESH)
     np.testing.assert_allclose(record["actor/pg_loss"], float(theirs), rtol=1e-5, atol=1e-7)
     assert abs(float(theirs)) > 1e-3  # not trivially zero
 
@@ -638,7 +645,7 @@ def test_a_fully_rejected_mini_batch_takes_an_adamw_step_on_zero_loss(params, dy
 
     progs = dataclasses.replace(progs, **{name: spy})
     with sharding.use_mesh(_MESH):
-        _, record = train_stage.update(progs, run, state, batch, 1e-3, host, _MESH)
+        _, record = train_stage.update(progs, run, state, _placed(batch), 1e-3, host, _MESH)
     assert record["actor/update_skipped"] == 0
     before, after, metrics, args = steps[1]
     if dynamic_bsz:  # apply(state, grads, loss, lr): the summed micro-batch gradients
@@ -702,9 +709,9 @@ def test_update_metrics_are_verls_reduction_over_micro_and_mini_batches(
 
     progs = dataclasses.replace(progs, **{name: spy, "apply": apply_spy})
     progs.precompiled.add("packed_grads")  # the spy has no .lower; shapes compile on first use
-    state = actor.init_state(jax.tree.map(jnp.copy, params), _STAGE_TX)
+    state = _placed(actor.init_state(jax.tree.map(jnp.copy, params), _STAGE_TX))
     with sharding.use_mesh(_MESH):
-        _, record = train_stage.update(progs, run, state, batch, 1e-3, host, _MESH)
+        _, record = train_stage.update(progs, run, state, _placed(batch), 1e-3, host, _MESH)
 
     def sample(p, b):
         n = int(host.response_mask_BT[b].sum())
@@ -820,9 +827,9 @@ def test_update_stage_is_the_same_with_every_cpu_attention_impl(params, dynamic_
         run = _stage_run(dynamic_bsz=dynamic_bsz, mini_batch_size=1)
         cfg = dataclasses.replace(CFG, attention_impl=impl)
         progs = programs.make_programs(run, cfg, _SGD, dp=1)
-        state = actor.init_state(jax.tree.map(jnp.copy, params), _SGD)
+        state = _placed(actor.init_state(jax.tree.map(jnp.copy, params), _SGD))
         with sharding.use_mesh(_MESH):
-            return train_stage.update(progs, run, state, batch, SGD_LR, host, _MESH)
+            return train_stage.update(progs, run, state, _placed(batch), SGD_LR, host, _MESH)
 
     want, want_record = update("xla")
     want_g = _recovered(params, want.params)
