@@ -9,6 +9,7 @@ without replay.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -143,12 +144,13 @@ def test_update_logs_the_replay_mismatch_of_the_drifted_routers(rolled):
     tx = actor.make_optimizer(grad_clip=1.0, betas=(0.9, 0.999), weight_decay=0.0)
     batch = batch.replace(advantages_BT=jnp.ones(batch.response_mask_BT.shape, jnp.float32))
 
+    step = jax.jit(functools.partial(
+        actor.train_step, rng=None, model_config=config_, loss_config=actor.LossConfig(), tx=tx,
+        mini_batch_size=8, micro_batch_size=8,  # one micro-batch: several are averaged, as verl's
+    ))  # fmt: skip
+
     def mismatch(p, b):
-        _, metrics = actor.train_step(
-            actor.init_state(p, tx), b, jnp.int32(0), jnp.float32(1e-3), rng=None,
-            model_config=config_, loss_config=actor.LossConfig(), tx=tx, mini_batch_size=8,
-            micro_batch_size=8,  # one micro-batch: several are averaged, as verl's metrics
-        )  # fmt: skip
+        _, metrics = step(actor.init_state(p, tx), b, jnp.int32(0), jnp.float32(1e-3))
         return metrics.get("actor/router_replay_mismatch")
 
     assert mismatch(params, batch.replace(routed_experts_BLSA=None)) is None  # nothing replayed
