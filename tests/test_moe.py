@@ -2,6 +2,7 @@
 gradients, the load-balancing loss, greedy generate), the HF checkpoint round trip, and the
 sharded forward and gradient (experts split over the mesh) against one device."""
 
+import functools
 import json
 
 import jax
@@ -264,11 +265,11 @@ def test_train_step_logs_router_metrics_of_the_rollout_batch():
         advantages_BT=jnp.asarray(np.linspace(-1, 1, 16, dtype=np.float32).reshape(4, 4)),
     )
     tx = actor.make_optimizer(grad_clip=1.0, betas=(0.9, 0.999), weight_decay=0.0)
-    _, metrics = actor.train_step(
-        actor.init_state(params, tx), batch, jnp.int32(0), jnp.float32(1e-3), rng=None,
-        model_config=config, loss_config=actor.LossConfig(), tx=tx, mini_batch_size=4,
-        micro_batch_size=4,
-    )  # fmt: skip
+    step = jax.jit(functools.partial(
+        actor.train_step, rng=None, model_config=config, loss_config=actor.LossConfig(), tx=tx,
+        mini_batch_size=4, micro_batch_size=4,
+    ))  # fmt: skip
+    _, metrics = step(actor.init_state(params, tx), batch, jnp.int32(0), jnp.float32(1e-3))
     _, stats = transformer.hidden_states_and_routing(config, params, batch.input_ids_BS, mask_BS)
     assert float(metrics["actor/moe_aux_loss"]) == pytest.approx(
         float(moe.load_balancing_loss(stats)), rel=1e-5
