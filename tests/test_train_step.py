@@ -377,12 +377,19 @@ def _stage_run(*, dynamic_bsz, seed=0, loss_mode="vanilla", mini_batch_size=1, s
 _STAGE_TX = actor.make_optimizer(grad_clip=1.0, betas=(0.9, 0.999), weight_decay=0.01)
 
 
+_MESH = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+
+
 def _placed(tree):
     """`tree` on _MESH, as the loop places the state and the batch (setup.init_state): an update
     of uncommitted arrays compiles its first step for them and its next step again for the
     placed state that step returns, one whole program more per update."""
     return jax.device_put(tree, sharding.replicated(_MESH))
-_MESH = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+
+
+def _fresh_state(params, tx=_STAGE_TX):
+    """A new TrainState of a copy of `params` (the update donates it), placed on _MESH."""
+    return _placed(actor.init_state(jax.tree.map(jnp.copy, params), tx))
 
 
 @pytest.mark.parametrize("dynamic_bsz", [False, True])
@@ -477,7 +484,7 @@ def test_actor_shuffle_is_the_update_of_the_reordered_batch(params, dynamic_bsz)
     def update(shuffle, batch, host):
         run = _stage_run(dynamic_bsz=dynamic_bsz, shuffle=shuffle)
         progs = programs.make_programs(run, CFG, _STAGE_TX, dp=1)
-        state = _placed(actor.init_state(jax.tree.map(jnp.copy, params), _STAGE_TX))
+        state = _fresh_state(params)
         with sharding.use_mesh(_MESH):
             return train_stage.update(progs, run, state, _placed(batch), 1e-3, host, _MESH)
 
@@ -500,7 +507,7 @@ def test_sum_norm_without_a_scale_factor_divides_by_the_response_budget(params, 
         run = _stage_run(dynamic_bsz=dynamic_bsz, loss_agg_mode="seq-mean-token-sum-norm",
                          loss_scale_factor=factor)  # fmt: skip
         progs = programs.make_programs(run, CFG, _STAGE_TX, dp=1)
-        state = _placed(actor.init_state(jax.tree.map(jnp.copy, params), _STAGE_TX))
+        state = _fresh_state(params)
         with sharding.use_mesh(_MESH):
             return train_stage.update(progs, run, state, _placed(batch), 1e-3, host, _MESH)[0]
 
@@ -613,7 +620,7 @@ def test_token_mean_with_rejection_divides_by_verls_tokens_before_rejection(
             lp, lp, np.asarray(batch.advantages_BT), their_mask, "token-mean", config_
         )
     ).value[0]
-    state = _placed(actor.init_state(jax.tree.map(jnp.copy, params), _STAGE_TX))
+    state = _fresh_state(params)
     with sharding.use_mesh(_MESH):
         _, record = train_stage.update(progs, run, state, _placed(batch), 1e-3, host, _MESH)
     np.testing.assert_allclose(record["actor/pg_loss"], float(theirs), rtol=1e-5, atol=1e-7)
@@ -709,7 +716,7 @@ def test_update_metrics_are_verls_reduction_over_micro_and_mini_batches(
 
     progs = dataclasses.replace(progs, **{name: spy, "apply": apply_spy})
     progs.precompiled.add("packed_grads")  # the spy has no .lower; shapes compile on first use
-    state = _placed(actor.init_state(jax.tree.map(jnp.copy, params), _STAGE_TX))
+    state = _fresh_state(params)
     with sharding.use_mesh(_MESH):
         _, record = train_stage.update(progs, run, state, _placed(batch), 1e-3, host, _MESH)
 
@@ -827,7 +834,7 @@ def test_update_stage_is_the_same_with_every_cpu_attention_impl(params, dynamic_
         run = _stage_run(dynamic_bsz=dynamic_bsz, mini_batch_size=1)
         cfg = dataclasses.replace(CFG, attention_impl=impl)
         progs = programs.make_programs(run, cfg, _SGD, dp=1)
-        state = _placed(actor.init_state(jax.tree.map(jnp.copy, params), _SGD))
+        state = _fresh_state(params, _SGD)
         with sharding.use_mesh(_MESH):
             return train_stage.update(progs, run, state, _placed(batch), SGD_LR, host, _MESH)
 
