@@ -10,7 +10,7 @@ from absl import app, flags
 
 from grpo_jax import errors
 
-CONFIG_DOC = "grpo_jax/config.py and docs/training.md"  # where the fields are listed
+CONFIG_DOC = "grpo_jax/config/ and docs/training.md"  # where the fields are listed
 
 
 def unknown_field_message(error: Exception, argv) -> str:
@@ -68,7 +68,7 @@ def _apply_nulls(paths, argv) -> None:
             raise SystemExit(unknown_field_message(e, argv)) from None
         if config_lib.accepts_none(path) is False:
             raise SystemExit(
-                f"error: --config.{path} cannot be None or null (grpo_jax/config.py declares "
+                f"error: --config.{path} cannot be None or null (grpo_jax/config/ declares "
                 "it without None; give a value)"
             )
         node[leaf] = None

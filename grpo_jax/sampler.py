@@ -391,7 +391,7 @@ def select_tokens(
 
 
 def check_sampling_settings(*, temperature: float, top_p: float, top_k: int) -> None:
-    """The rules of the sampling settings, in one place (here, the sidecar, config.py).
+    """The rules of the sampling settings, in one place (here, the sidecar, grpo_jax/config/).
 
     Raises:
       ValueError: 'name=value why'.

@@ -78,7 +78,7 @@ def check_chat_template_kwargs(kwargs: Mapping[str, Any]) -> None:
     that tokenisation sets itself.
 
     Raises:
-      ValueError: 'apply_chat_template_kwargs=... why' (config.py prefixes the section).
+      ValueError: 'apply_chat_template_kwargs=... why' (grpo_jax/config/ prefixes the section).
     """
     if not isinstance(kwargs, Mapping):
         raise ValueError(
