@@ -11,7 +11,7 @@ r"""The memory planner's command line: will this GRPO config fit, and if not, wh
 --device=h200|v5p sets the memory per device, --hbm_gib=G any other; --devices=N simulates N CPU
 devices (set before JAX starts); --tpu_topology=NAME compiles for that TPU slice's chips with
 libtpu's compiler instead (pip install 'jax[tpu]', or scripts/build_tpu_venv.sh). What it
-compiles and how it advises: grpo_jax/planner.py.
+compiles and how it advises: grpo_jax/planner/.
 """
 
 import os

@@ -1,4 +1,4 @@
-"""Tests for the memory planner (grpo_jax/planner.py, planner.py) on 8 fake CPU devices with the
+"""Tests for the memory planner (grpo_jax/planner/ and plan.py) on 8 fake CPU devices with the
 tiny model."""
 
 import importlib.util
@@ -16,6 +16,8 @@ import reference
 import train
 from configs import gsm8k, gsm8k_qwen3_8b
 from grpo_jax import config, errors, model, planner, sharding
+from grpo_jax.planner import phases as planner_phases
+from grpo_jax.planner import render as planner_render
 
 # Tiny model (V=128, D=32, N=4, K=2, H=8, F=64, L=2, tied, qkv bias) on mesh (2,2,2): vocab,
 # heads, kv_heads, mlp split 2 ways over tensor, embed 2 ways over fsdp. Elements per device:
@@ -100,7 +102,7 @@ def test_bigger_micro_batch_needs_more_temp_and_search_finds_the_boundary():
     small, large = p.train(1), p.train(2)
     assert large.temp > small.temp
     budget = (p.train_peak(small) + p.train_peak(large)) // 2
-    best, seen = planner._largest([1, 2], lambda m: planner._fits(p.train(m), p.train_peak, budget))
+    best, seen = planner_phases.largest([1, 2], lambda m: planner_render._fits(p.train(m), p.train_peak, budget))
     assert best == 1 and seen[2] > budget >= seen[1]
     # Results are memoised: the search did not compile again.
     assert p.train(2) is large
@@ -119,9 +121,9 @@ def test_largest_is_a_binary_search():
         calls.append(c)
         return c <= 8, c
 
-    assert planner._largest([1, 2, 4, 8, 16, 32, 64], fits)[0] == 8
+    assert planner_phases.largest([1, 2, 4, 8, 16, 32, 64], fits)[0] == 8
     assert len(calls) == 3  # log2(7) rounded up: 8, 32, 16
-    assert planner._largest([2, 4], lambda c: (False, c))[0] is None
+    assert planner_phases.largest([2, 4], lambda c: (False, c))[0] is None
 
 
 def test_sampler_memory_grows_with_prompts_and_kv_cache_is_analytic(planner_222):
@@ -189,8 +191,8 @@ def test_moe_plans_for_an_accelerator_use_the_grouped_matmuls_memory_stand_in():
     assert not planner.from_run(run, model_name="tiny", backend="gpu").moe_stand_in
     micro = run.actor.ppo_micro_batch_size_per_gpu
     assert gpu.train(micro).temp < cpu.train(micro).temp
-    assert "balanced-capacity stand-in" in planner._moe_note(gpu)
-    assert "stand-in" not in planner._moe_note(cpu)
+    assert "balanced-capacity stand-in" in planner_render._moe_note(gpu)
+    assert "stand-in" not in planner_render._moe_note(cpu)
 
 
 def test_missing_model_is_a_clear_error():

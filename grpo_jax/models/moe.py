@@ -247,7 +247,7 @@ def _sorted_swiglu(x_XD, weights_XA, experts_XA, gate_EDF, up_EDF, down_EFD):
     return _unsort(jax.lax.ragged_dot(h_YF, down_EFD, sizes_E), order_Y, weights_XA)
 
 
-# Planning (grpo_jax/planner.py): XLA:CPU lowers ragged_dot to a dense dot of every row with
+# Planning (grpo_jax/planner/): XLA:CPU lowers ragged_dot to a dense dot of every row with
 # every expert, masked ([Y, E, F] temporaries), where GPU and TPU compilers run a grouped
 # matmul ([Y, F]); compiled on CPU devices for those, the experts run as `_capacity_swiglu`.
 _STAND_IN = contextvars.ContextVar("grpo_jax_moe_capacity_stand_in", default=False)

@@ -545,7 +545,7 @@ def peak_program(config: model_lib.ModelConfig, plan: PoolPlan, *, shards: int,
                  shard_axes: tuple[str, ...] | None, max_new_tokens: int,
                  attention: str = "xla"):  # fmt: skip
     """What a `sample_paged` call holds on the devices at once, as one function for the
-    memory planner (planner.py compiles it on abstract inputs): the decode weights, D pools and
+    memory planner (grpo_jax/planner/ compiles it on abstract inputs): the decode weights, D pools and
     slot states, one prefill call, one admission and one decode segment. `attention` "pallas"
     plans the TPU kernel (compiled, not interpreted: for a TPU compile from any backend).
 

@@ -2,7 +2,7 @@
 
 `make_programs(run, model_config, tx, dp=...)` builds (does not compile) every device function a
 step calls: the padded and packed updates, the log-prob passes, the optimizer step, the
-advantage estimator and the rollout correction. grpo_jax/planner.py compiles the same functions
+advantage estimator and the rollout correction. grpo_jax/planner/ compiles the same functions
 for its memory plan. `StepContext` bundles them with the engine, tokenizer, reward and mesh:
 what the stages (rollout_stage.py, train_stage.py) read and nothing changes.
 """

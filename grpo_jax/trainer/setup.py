@@ -1,5 +1,5 @@
 """What a run sets up before its first step: meshes, the optimizer, the sharded train state,
-the rollout engine. The loop (loop.py) and the memory planner (grpo_jax/planner.py) share it, so
+the rollout engine. The loop (loop.py) and the memory planner (grpo_jax/planner/) share it, so
 the planner compiles exactly the state and programs the loop runs.
 """
 
