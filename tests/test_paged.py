@@ -15,7 +15,7 @@ import pytest
 
 from grpo_jax import model, sampler
 from grpo_jax.models import paged as paged_model
-from grpo_jax.rollout import paged
+from grpo_jax.rollout import paged, paged_programs, paged_schedule
 
 _PAD, _EOS = 0, 3
 
@@ -174,7 +174,7 @@ def test_each_program_compiles_once_per_shape(tiny):
               max_num_batched_tokens=16)  # fmt: skip
     ids, mask = _prompts([7, 2, 5], config.vocab_size, seed=5)
     paged.sample_paged(config, params, ids, mask, jax.random.key(0), **kw)
-    programs = paged._programs()
+    programs = paged_programs.programs()
     sizes = {name: fn._cache_size() for name, fn in programs.items()}
     # Other prompts of the same bucket, another key: other schedules, no new program.
     ids, mask = _prompts([3, 9, 1], config.vocab_size, seed=6)
@@ -367,9 +367,9 @@ def test_each_data_shard_holds_its_own_pool_and_slots(tiny, mesh_shape):
                                  page_size=4, stats=stats, **kw)  # fmt: skip
         shards = mesh.shape["data"] * mesh.shape["fsdp"]
         assert stats["shards"] == shards and stats["max_num_seqs"] == 2
-        st = paged._Settings(config, 10, 1.0, 1.0, -1, (_EOS,), _PAD, "processed_logprobs",
+        st = paged_programs.Settings(config, 10, 1.0, 1.0, -1, (_EOS,), _PAD, "processed_logprobs",
                              sharding.BATCH_AXES)  # fmt: skip
-        pool = paged._programs()["pool"](st, shards, stats["num_pages"], 4)
+        pool = paged_programs.programs()["pool"](st, shards, stats["num_pages"], 4)
     K, H = config.num_kv_heads, config.head_dim
     for x in pool.k:
         assert x.shape == (shards, stats["num_pages"], K, H, 4)
@@ -551,9 +551,9 @@ def test_turns_wait_out_of_their_slots_and_reuse_their_pages(tiny):
 
     # No program compiles per turn: the same call with answers coming in another order adds
     # no entry to any paged program's cache, and gives the same rollout.
-    sizes = {name: fn._cache_size() for name, fn in paged._programs().items()}
+    sizes = {name: fn._cache_size() for name, fn in paged_programs.programs().items()}
     again = run(delay=lambda row: 0.2 if row % 2 else 0.0, max_num_seqs=6)
-    assert {name: fn._cache_size() for name, fn in paged._programs().items()} == sizes
+    assert {name: fn._cache_size() for name, fn in paged_programs.programs().items()} == sizes
     np.testing.assert_array_equal(np.asarray(again[0].response_ids), got_ids)
 
     # Row 0's answers come late: the others decode, and finish, while it waits.
@@ -640,10 +640,10 @@ def test_rows_holding_pages_behind_an_unprefilled_group_do_not_stall_the_pool():
     P, R = 4, 16
     plan = paged.PoolPlan(page_size=P, num_pages=12, max_num_seqs=2, prompt_pages=2,
                           response_pages=R // P, chunk=8, chunk_rows=2, rows=4)  # fmt: skip
-    st = paged._Settings(config=None, max_new_tokens=R, temperature=0.0, top_p=1.0, top_k=-1,
+    st = paged_programs.Settings(config=None, max_new_tokens=R, temperature=0.0, top_p=1.0, top_k=-1,
                          eos_token_ids=(0,), pad_token_id=0, logprobs_mode="raw_logprobs")  # fmt: skip
     prompts = [np.arange(1, 8, dtype=np.int32), np.arange(1, 8, dtype=np.int32)]
-    sh = paged._Shard(st, plan, prompts, n=2, g0=0, min_steps=4)
+    sh = paged_schedule.Shard(st, plan, prompts, n=2, g0=0, min_steps=4)
     # Group 1 is prefilled; its rows 2 and 3 paused after 8 tokens (2 own pages each) and
     # were resumed; group 0's rows wait first with no prompt pages.
     sh.group_pages[1], sh.prefilled[1], sh.prompt_held = [sh.free.pop(), sh.free.pop()], 6, 2

@@ -261,7 +261,7 @@ def test_the_paged_engine_records_the_grouped_samplers_experts(mixed, schedule):
     # decode step the token a row feeds; a preempted row records its recomputed tokens again.
     from test_paged import _one_row_pages
 
-    from grpo_jax.rollout import paged
+    from grpo_jax.rollout import paged, paged_programs
 
     config_, params, ids, mask, kw, ref = mixed
     seqs, page, batched, segment, spare = _PAGED[schedule]
@@ -279,13 +279,13 @@ def test_the_paged_engine_records_the_grouped_samplers_experts(mixed, schedule):
         np.testing.assert_array_equal(getattr(out, field), getattr(ref, field), err_msg=field)
     np.testing.assert_allclose(out.log_probs, ref.log_probs, atol=1e-5)
     # Recording is per call's shapes: other prompts of the bucket compile no new program.
-    sizes = {name: fn._cache_size() for name, fn in paged._programs().items()}
+    sizes = {name: fn._cache_size() for name, fn in paged_programs.programs().items()}
     other = paged.sample_paged(
         config_, params, np.roll(ids, 1, axis=0), np.roll(mask, 1, axis=0), jax.random.key(8),
         max_num_seqs=seqs, page_size=page, max_num_batched_tokens=batched,
         segment_steps=segment, num_pages=num_pages, **kw,
     )  # fmt: skip
-    assert {name: fn._cache_size() for name, fn in paged._programs().items()} == sizes
+    assert {name: fn._cache_size() for name, fn in paged_programs.programs().items()} == sizes
     assert other.routed_experts.shape == ref.routed_experts.shape
 
 
