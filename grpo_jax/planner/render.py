@@ -301,7 +301,8 @@ def report(
     backend: str | None = None,
     devices=None,
 ) -> str:
-    """The memory report of `run` (plan.py, ``train.py --plan``): see the module docstring."""
+    """The memory report of `run` (plan.py, ``train.py --plan``): see the package docstring
+    (grpo_jax/planner/__init__.py)."""
     planner = from_run(run, model_name=model_name, backend=backend, devices=devices)
     return plan(
         planner, hbm_bytes=int(hbm_gib * GIB * usable_fraction), search=search, max_micro=max_micro

@@ -53,7 +53,7 @@ def plan_pool(
     """The pool and batch sizes of a call: S = min(max_num_seqs, P * n) slots; by default
     (`num_pages` None, rollout.num_gpu_blocks_override unset) the pool holds S full responses
     and the prompts of ceil(S / n) + 1 groups, and no row is ever preempted; a smaller pool
-    grows rows page by page and preempts when it runs out (see the module doc).
+    grows rows page by page and preempts when it runs out (rollout.paged's module doc).
 
     Raises:
       ValueError naming the knobs, when the pool cannot hold one row's prompt and first page,

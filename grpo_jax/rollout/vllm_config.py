@@ -78,7 +78,7 @@ class VLLMConfig:
         VLLM_ALLOW_RUNTIME_LORA_UPDATING=1.
       logprobs_mode: the server's --logprobs-mode, what rollouts' log_probs hold (one of
         sampler.LOGPROBS_MODES; config rollout.logprobs_mode, verl's default
-        "processed_logprobs"; see the module docstring).
+        "processed_logprobs"; see rollout.vllm_sidecar's module docstring).
     """
 
     python: str = ""
