@@ -4,10 +4,12 @@ JAX's persistent compilation cache, on by default in train.py (trainer.compilati
 serves a second run every program the first one compiled; the run it serves computes the same
 numbers bitwise."""
 
+import json
 import os
 import subprocess
 import sys
 
+from grpo_jax import sampler
 from grpo_jax.trainer import metrics, perf
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -16,8 +18,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # gsm8k.py:smoke with packed micro-batches in every pass (update, old and reference log-probs)
 # under a 4-row budget and 48-token responses that the random model ends at random lengths:
 # the steps pack different row counts (micro-batches of 1, 2 or 4 rows) and the sampler's rows
-# finish at different times.
+# finish at different times. Its prompts (`_write_prompts`) come in widths of three 64-column
+# buckets, shuffled, so the batches differ in width as well (data.prompt_padding="dataset", the
+# default, pads every batch to the longest prompt).
+QUESTION_CHARS = (10, 90, 150, 40)  # char tokenizer: + 2 role tokens
 WORKLOAD = (
+    "--config.data.source=files",
+    "--config.data.max_prompt_length=256",
     "--config.trainer.total_training_steps=6",
     "--config.trainer.save_freq=-1",
     "--config.data.max_response_length=48",
@@ -26,6 +33,16 @@ WORKLOAD = (
     "--config.rollout.log_prob_use_dynamic_bsz=True",
     "--config.rollout.log_prob_max_token_len_per_gpu=512",
 )
+
+
+def _write_prompts(path):
+    """GSM8K-layout rows whose questions are QUESTION_CHARS characters long, in turn."""
+    words = "Ann has 3 apples and buys 4 more; how many apples does Ann have now? " * 3
+    with open(path, "w") as f:
+        for i in range(64):
+            question = words[: QUESTION_CHARS[i % len(QUESTION_CHARS)]]
+            f.write(json.dumps({"question": question, "answer": f"so #### {i % 9}"}) + "\n")
+    return f"--config.data.path={path}", f"--config.data.val_path={path}"
 
 
 def _train(workdir, cache, *args):
@@ -49,17 +66,20 @@ def _train(workdir, cache, *args):
 
 def test_only_the_first_step_compiles_and_a_second_run_reads_the_cache(tmp_path):
     cache = tmp_path / "cache"
-    first = _train(tmp_path / "a", cache, *WORKLOAD)
+    workload = (*WORKLOAD, *_write_prompts(tmp_path / "prompts.jsonl"))
+    first = _train(tmp_path / "a", cache, *workload)
     assert [r["step"] for r in first] == [1, 2, 3, 4, 5, 6]
     assert first[0]["perf/compiled_programs"] > 0
     # The bounded shape set: no step after the first meets a new program.
     assert [r["perf/compiled_programs"] for r in first[1:]] == [0] * 5
-    # ... although the steps differ: response lengths, packed micro-batches per mini-batch.
+    # ... although the steps differ: response lengths, packed micro-batches per mini-batch,
+    # and the longest prompt of the batch in the sampler's buckets (sampler.bucket_length).
     assert len({r["response_length/mean"] for r in first}) > 1
     assert len({r["actor/micro_batches"] for r in first}) > 1
+    assert len({sampler.bucket_length(int(r["prompt_length/max"])) for r in first}) > 1
     assert sum(r["perf/compile_cache_hits"] for r in first) == 0
     assert os.listdir(cache)  # the programs were written
-    second = _train(tmp_path / "b", cache, *WORKLOAD)
+    second = _train(tmp_path / "b", cache, *workload)
     programs = sum(r["perf/compiled_programs"] for r in second)
     assert programs > 0 and sum(r["perf/compile_cache_hits"] for r in second) == programs
     for a, b in zip(first, second, strict=True):  # the cached programs compute the same

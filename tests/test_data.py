@@ -66,6 +66,35 @@ def test_make_batch_left_pads():
     assert b.ground_truths == ("1", "0")
 
 
+def test_prompt_padding_gives_every_batch_one_width():
+    """data.prompt_padding: "dataset" pads every batch to the set's longest prompt (one width,
+    so one sampler program set, whichever prompts a batch draws); "batch" to its own longest;
+    "max_prompt_length" to verl's fixed width. The tokens and their order are the same."""
+    lengths = (3, 70, 5, 130, 9, 2)  # batches of 2 fall in three 64-column buckets
+    ps = prompts.PromptSet(
+        tuple(_examples(["q"] * len(lengths))),
+        tuple(tuple(range(1, n + 1)) for n in lengths),
+        0,
+    )
+    batches = [[0, 2], [1, 4], [3, 5]]
+    width = {
+        padding: prompts.pad_width(ps, padding, max_prompt_length=200)
+        for padding in prompts.PADDINGS
+    }
+    assert width == {"batch": 0, "dataset": 130, "max_prompt_length": 200}
+    for padding, expect in (("batch", [5, 70, 130]), ("dataset", [130] * 3),
+                            ("max_prompt_length", [200] * 3)):  # fmt: skip
+        got = [prompts.make_batch(ps, b, pad_token_id=0, width=width[padding]) for b in batches]
+        assert [g.prompt_ids_PT.shape[1] for g in got] == expect, padding
+        for g, b in zip(got, batches):
+            for row, i in zip(range(2), b):
+                mask = g.prompt_mask_PT[row].astype(bool)
+                assert mask.sum() == lengths[i] and mask[-lengths[i] :].all()  # left-padded
+                assert tuple(g.prompt_ids_PT[row][mask]) == ps.prompt_ids[i]
+    with pytest.raises(ValueError, match="data.prompt_padding must be one of"):
+        prompts.pad_width(ps, "longest", max_prompt_length=200)
+
+
 def _run(n, bs, steps, pos=prompts.Position(), seed=3):
     out = []
     for _ in range(steps):

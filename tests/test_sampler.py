@@ -319,6 +319,26 @@ def test_rollout_layout_and_bucketing(tiny):
     assert out.log_probs.dtype == jnp.float32 and bool(jnp.all(out.log_probs < 0))
 
 
+def test_samples_do_not_depend_on_the_prompt_width(tiny):
+    """data.prompt_padding pads a batch wider than its longest prompt (the set's longest, or
+    max_prompt_length): the extra columns are masked, so the same prompts in a wider bucket
+    give the same tokens and, up to float rounding, the same log-probs."""
+    config, params = tiny
+    ids_PT, mask_PT = _left_padded([5, 9, 3], 9, config.vocab_size, seed=1)
+    kw = dict(n=2, max_new_tokens=12, temperature=1.0, top_k=30,
+              eos_token_ids=tuple(range(3, config.vocab_size, 12)), pad_token_id=_PAD)  # fmt: skip
+    narrow = sampler.sample(config, params, ids_PT, mask_PT, jax.random.key(4), **kw)
+    wide_ids, wide_mask = (np.pad(x, ((0, 0), (61, 0)), constant_values=c)  # 70: bucket 128
+                           for x, c in ((ids_PT, _PAD), (mask_PT, 0)))  # fmt: skip
+    wide = sampler.sample(config, params, wide_ids, wide_mask, jax.random.key(4), **kw)
+    assert narrow.prompt_ids.shape[1] == 64 and wide.prompt_ids.shape[1] == 128
+    np.testing.assert_array_equal(wide.prompt_ids[:, -64:], narrow.prompt_ids)
+    np.testing.assert_array_equal(wide.response_ids, narrow.response_ids)
+    np.testing.assert_array_equal(wide.response_mask, narrow.response_mask)
+    assert 0 < int(narrow.response_mask.sum()) < narrow.response_mask.size  # some stopped at EOS
+    np.testing.assert_allclose(wide.log_probs, narrow.log_probs, rtol=0, atol=1e-5)
+
+
 def test_log_probs_match_teacher_forced_forward(tiny):
     config, params = tiny
     ids_PT, mask_PT = _left_padded([6, 2], 6, config.vocab_size, seed=2)

@@ -92,7 +92,7 @@ DEVIATIONS = {
 OWN = (
     "data.source", "data.train_split", "data.val_split", "data.hf_name", "data.tfds_name",
     "data.tfds_data_dir", "data.ground_truth_key", "data.prompt_suffix",
-    "data.prompt_length_bucket", "data.on_malformed", "data.arithmetic.",
+    "data.prompt_length_bucket", "data.prompt_padding", "data.on_malformed", "data.arithmetic.",
     # verl reads data.apply_chat_template_kwargs with a get() and an empty default
     "data.apply_chat_template_kwargs",
     "model.source", "model.tokenizer",

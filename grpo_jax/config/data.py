@@ -67,6 +67,11 @@ class DataConfig:
     max_prompt_length: int = 512  # tokens after the chat template
     max_response_length: int = 512  # generated tokens per completion
     prompt_length_bucket: int = 64  # the update's prompt width rounds up to this (fewer compiles)
+    # How wide a batch of prompts is padded (left): "dataset" (the longest prompt of the train or
+    # validation set: one sampler program set for the whole run), "batch" (the batch's longest:
+    # less padding to decode over, but a batch of a new width bucket compiles the sampler's
+    # programs again) or "max_prompt_length" (verl's RLHFDataset). data/prompts.py's doc.
+    prompt_padding: str = "dataset"
     filter_overlong_prompts: bool = False  # drop prompts longer than max_prompt_length
     truncation: str = "error"  # "error" | "left" | "right" for overlong prompts not dropped
     shuffle: bool = True  # reshuffle the train set every epoch (seeded)
@@ -83,6 +88,7 @@ class DataConfig:
         c = Checks("data")
         c.choice("source", self.source, DATA_SOURCES)
         c.choice("truncation", self.truncation, prompts.TRUNCATION_MODES)
+        c.choice("prompt_padding", self.prompt_padding, prompts.PADDINGS)
         c.choice("on_malformed", self.on_malformed, readers.ON_MALFORMED_MODES)
         positive(c, self, "train_batch_size", "val_batch_size", "max_prompt_length")
         positive(c, self, "max_response_length", "prompt_length_bucket")

@@ -17,6 +17,12 @@
   `default_rng([seed, e]).permutation(n)` (identity when shuffle is off). verl's dataloader
   drops the last incomplete batch, and so do we. The whole state is `Position(epoch, index)`,
   stored in checkpoints, so a resumed run sees exactly the batches the original would have.
+* Width (data.prompt_padding): a batch is left-padded to its longest prompt ("batch"), to the
+  longest prompt of its whole set ("dataset", the default) or to data.max_prompt_length
+  (verl's RLHFDataset, "max_prompt_length") (`pad_width`). The sampler compiles its programs
+  per width bucket of 64 (`sampler.bucket_length`): with "batch" a later batch of another
+  bucket compiles them again (GSM8K's batches of 8 fall in 3 buckets), with "dataset" one
+  bucket serves the whole run.
 """
 
 import dataclasses
@@ -27,6 +33,7 @@ from typing import Any
 import numpy as np
 
 TRUNCATION_MODES = ("error", "left", "right")  # data.truncation of an overlong prompt
+PADDINGS = ("batch", "dataset", "max_prompt_length")  # data.prompt_padding (module doc)
 # apply_chat_template arguments that tokenisation sets itself (a prompt's text, with the
 # generation prompt), so data.apply_chat_template_kwargs may not.
 RESERVED_CHAT_TEMPLATE_KWARGS = (
@@ -270,19 +277,33 @@ class PromptBatch:
         return tuple(ex.ground_truth for ex in self.examples)
 
 
+def pad_width(prompts: PromptSet, padding: str, *, max_prompt_length: int) -> int:
+    """The width every batch of `prompts` is padded to at least under data.prompt_padding =
+    `padding` (module doc): 0 for "batch" (each batch its own longest prompt)."""
+    if padding not in PADDINGS:
+        raise ValueError(f"data.prompt_padding must be one of {PADDINGS}, got {padding!r}")
+    if padding == "batch":
+        return 0
+    if padding == "max_prompt_length":
+        return max_prompt_length
+    return max(prompts.length(i) for i in range(len(prompts)))
+
+
 def make_batch(
     prompts: PromptSet,
     indices: Sequence[int],
     *,
     pad_token_id: int,
     rows: tuple[int, int] | None = None,
+    width: int = 0,
 ) -> PromptBatch:
-    """Left-pads the prompts at `indices` into one PromptBatch.
+    """Left-pads the prompts at `indices` into one PromptBatch, as wide as its longest prompt
+    or `width` (`pad_width`), whichever is more.
 
     With `rows` = (start, stop) (multi-process: this process's block of the batch), only those
     rows are tokenised and held, padded to the width of the whole batch.
     """
-    t = max(prompts.length(i) for i in indices)
+    t = max(width, *(prompts.length(i) for i in indices))
     held = indices if rows is None else indices[rows[0] : rows[1]]
     seqs = [prompts.prompt_ids[i] for i in held]
     ids_PT = np.full((len(seqs), t), pad_token_id, np.int32)

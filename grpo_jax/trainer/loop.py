@@ -329,6 +329,9 @@ def _train(
             sampling=val_sampling,
             batch_size=run.data.val_batch_size,
             pad_id=pad_id,
+            prompt_width=prompts.pad_width(
+                val_set, run.data.prompt_padding, max_prompt_length=run.data.max_prompt_length
+            ),
             seed=run.trainer.seed,
             pool=pool,
             policy_version=int(jax.device_get(state.step)),
@@ -486,10 +489,13 @@ class _LoopState:
 class _PromptReader:
     """`next_prompts(count, pad_to=None)` for a rollout: the next `count` prompts of the train
     set's epoch order, read `run.read_chunk` at a time from a data position on, the batch padded
-    with the last one to `pad_to` prompts; `position` is where it stopped."""
+    with the last one to `pad_to` prompts and left-padded to `width` columns at least
+    (data.prompt_padding); `position` is where it stopped."""
 
-    def __init__(self, train_set: prompts.PromptSet, position: prompts.Position, run, pad_id):
+    def __init__(self, train_set: prompts.PromptSet, position: prompts.Position, run, pad_id,
+                 width: int = 0):  # fmt: skip
         self.train_set, self.position, self.run, self.pad_id = train_set, position, run, pad_id
+        self.width = width
 
     def __call__(self, count: int, pad_to: int | None = None) -> prompts.PromptBatch:
         idx, self.position = prompts.read(
@@ -499,7 +505,9 @@ class _PromptReader:
         size = pad_to or count
         idx = np.concatenate([idx, np.repeat(idx[-1:], size - count)])
         rows = distributed.process_rows(size) if jax.process_count() > 1 else None
-        return prompts.make_batch(self.train_set, idx, pad_token_id=self.pad_id, rows=rows)
+        return prompts.make_batch(
+            self.train_set, idx, pad_token_id=self.pad_id, rows=rows, width=self.width
+        )
 
 
 def _steps(
@@ -521,13 +529,16 @@ def _steps(
     steps_per_epoch = prompts.steps_per_epoch(len(train_set), run.data.train_batch_size)
     history, last_val = [], {}
     t = run.trainer
+    width = prompts.pad_width(
+        train_set, run.data.prompt_padding, max_prompt_length=run.data.max_prompt_length
+    )
 
     def sample(i: int, position: prompts.Position, policy, version: int, sampled_at: int):
         """Batch i from the data `position` on, sampled by `policy` (policy version `version`)
         in loop step `sampled_at`, and the data position after its prompts. It reads and writes
         nothing of the loop's: a batch sampled ahead (in a background thread) hands its position
         over when it is taken."""
-        reader = _PromptReader(train_set, position, run, ctx.engine.pad_id)
+        reader = _PromptReader(train_set, position, run, ctx.engine.pad_id, width)
         rng = jax.random.fold_in(jax.random.wrap_key_data(loop.root_key), i)
         batch = rollout_stage.rollout_stage(
             ctx, policy, reader, rng, policy_version=version, sampled_at=sampled_at

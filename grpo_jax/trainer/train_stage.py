@@ -486,10 +486,16 @@ def train_stage(
     state and the step's metrics."""
     run, timing = ctx.run, dict(rollout_batch.timing)
     rollout, host = rollout_batch.rollout, rollout_batch.host
+    # Padded passes take the prompt columns of the longest prompt's bucket (less to compute);
+    # packed ones read the real tokens whatever the width, so they keep the rollout's (one width
+    # a run under data.prompt_padding="dataset": no new program when a batch's prompts differ).
+    packed = run.actor.use_dynamic_bsz and run.log_prob_use_dynamic_bsz
     batch = train_batch(
         rollout,
-        prompt_width=int(host.prompt_mask_BP.sum(1).max()),
-        bucket=run.data.prompt_length_bucket,
+        prompt_width=(
+            rollout.prompt_ids.shape[1] if packed else int(host.prompt_mask_BP.sum(1).max())
+        ),
+        bucket=1 if packed else run.data.prompt_length_bucket,
     )
     batch, old_metrics = log_probs(
         ctx.programs,

@@ -80,6 +80,7 @@ def run(
     batch_size: int,
     pad_id: int,
     seed: int,
+    prompt_width: int = 0,
     pool=None,
     policy_version: int | None = None,
     num_generations: int = 0,
@@ -92,7 +93,8 @@ def run(
     `keep_outputs` every completion, gathered from every process).
 
     The prompts go in chunks of `batch_size`; the last chunk is padded with its last prompt so
-    every call has one compiled shape (the padding rows are not scored). `overlong_buffer`
+    every call has one compiled shape (the padding rows are not scored), each chunk left-padded
+    to `prompt_width` columns at least (prompts_lib.pad_width). `overlong_buffer`
     (reward.overlong_buffer) penalises overlong responses as in training: verl's DAPO reward
     manager scores validation the same way. With `agent` (rollout.multi_turn) the samples are
     multi-turn trajectories, as verl validates them, and num_turns is theirs. With
@@ -113,7 +115,9 @@ def run(
         real = len(idx)
         idx += [idx[-1]] * (batch_size - real)
         rows = distributed.process_rows(batch_size) if procs > 1 else None
-        pb = prompts_lib.make_batch(prompts, idx, pad_token_id=pad_id, rows=rows)
+        pb = prompts_lib.make_batch(
+            prompts, idx, pad_token_id=pad_id, rows=rows, width=prompt_width
+        )
         rollout, examples, _ = rollout_stage.sample_rollout(
             engine, params, pb, jax.random.key(seed), sampling, agent=agent,
             policy_version=policy_version,
