@@ -19,7 +19,7 @@ each row's two runs of slots (`paged_kernel.Spans`, the shared prompt and the ro
 needs the pool in its layout, `init_pool(layout="pallas")`; prefill chunks run "xla" on either
 layout. `rollout/paged.py` picks one per platform (`paged_kernel.resolve`).
 
-The XLA attention gathers a copy of every page it reads (XLA:CPU's gather: 2-3 GB/s here). With
+The XLA attention gathers a copy of every page it reads (docs/rollouts.md measures it). With
 many rows in flight it runs over `attend_rows` rows at a time (a `lax.scan` over chunks of the
 batch, the last one padded with masked rows of the trash page), so each chunk gathers and reads
 back a few MiB instead of tens. A row's attention is the same computation either way
