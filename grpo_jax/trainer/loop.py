@@ -317,6 +317,9 @@ def _train(
         run.rollout.val_kwargs.top_p,
         run.rollout.val_kwargs.top_k,
     )
+    val_width = 0 if val_set is None else prompts.pad_width(
+        val_set, run.data.prompt_padding, max_prompt_length=run.data.max_prompt_length
+    )  # fmt: skip
 
     def evaluate(state, step_done: int):
         engine.sync(ctx.policy(state), int(jax.device_get(state.step)))  # after an update: push
@@ -329,9 +332,7 @@ def _train(
             sampling=val_sampling,
             batch_size=run.data.val_batch_size,
             pad_id=pad_id,
-            prompt_width=prompts.pad_width(
-                val_set, run.data.prompt_padding, max_prompt_length=run.data.max_prompt_length
-            ),
+            prompt_width=val_width,
             seed=run.trainer.seed,
             pool=pool,
             policy_version=int(jax.device_get(state.step)),

@@ -489,14 +489,11 @@ def train_stage(
     # Padded passes take the prompt columns of the longest prompt's bucket (less to compute);
     # packed ones read the real tokens whatever the width, so they keep the rollout's (one width
     # a run under data.prompt_padding="dataset": no new program when a batch's prompts differ).
-    packed = run.actor.use_dynamic_bsz and run.log_prob_use_dynamic_bsz
-    batch = train_batch(
-        rollout,
-        prompt_width=(
-            rollout.prompt_ids.shape[1] if packed else int(host.prompt_mask_BP.sum(1).max())
-        ),
-        bucket=1 if packed else run.data.prompt_length_bucket,
-    )
+    if run.actor.use_dynamic_bsz and run.log_prob_use_dynamic_bsz:
+        width, bucket = rollout.prompt_ids.shape[1], 1
+    else:
+        width, bucket = int(host.prompt_mask_BP.sum(1).max()), run.data.prompt_length_bucket
+    batch = train_batch(rollout, prompt_width=width, bucket=bucket)
     batch, old_metrics = log_probs(
         ctx.programs,
         run,
