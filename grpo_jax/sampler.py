@@ -247,7 +247,7 @@ def top_k_top_p_filter(logits_BV: jax.Array, *, top_k: int, top_p: float) -> jax
         return logits_BV
     if not use_top_k:
         return jnp.where(_top_p_keep(logits_BV, top_p), logits_BV, -jnp.inf)
-    desc_BK = jax.lax.top_k(logits_BV, top_k)[0]
+    desc_BK, index_BK = jax.lax.top_k(logits_BV, top_k)
     threshold_B1 = desc_BK[..., -1:]
     if use_top_p:
         asc_BK = jnp.flip(desc_BK, axis=-1)
@@ -255,7 +255,16 @@ def top_k_top_p_filter(logits_BV: jax.Array, *, top_k: int, top_p: float) -> jax
         keep_BK = cum_BK > (1.0 - top_p)
         keep_BK = keep_BK.at[..., -1].set(True)  # the most likely token is always kept
         threshold_B1 = jnp.min(jnp.where(keep_BK, asc_BK, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(logits_BV >= threshold_B1, logits_BV, -jnp.inf)
+    # The tokens top-k picked that pass the threshold are kept by index too. XLA may compute
+    # `logits_BV` twice, into top-k and into the comparison below, and nothing makes the two
+    # copies round alike: with LLVM's optimisations off (--xla_backend_optimization_level=0)
+    # the copy compared rounded below the one top-k returned, every token of some rows was
+    # dropped and the draw left the vocabulary. By index the kept set never comes out empty.
+    by_index_BV = jnp.put_along_axis(
+        jnp.zeros(logits_BV.shape, bool), index_BK, desc_BK >= threshold_B1, axis=-1,
+        inplace=False,
+    )
+    return jnp.where((logits_BV >= threshold_B1) | by_index_BV, logits_BV, -jnp.inf)
 
 
 def _top_p_keep(logits_BV: jax.Array, top_p: float) -> jax.Array:

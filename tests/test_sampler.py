@@ -1,6 +1,9 @@
 """Tests for grpo_jax.sampler: token selection, bucketing, and the grouped KV-cache sampler."""
 
+import json
 import os
+import subprocess
+import sys
 import types
 
 import chex
@@ -251,6 +254,39 @@ def test_logprobs_modes_are_vllms(temperature, top_k, top_p):
         untruncated = (scaled - np.log(np.exp(scaled).sum(-1, keepdims=True)))[rows, tokens_B]
         gap = np.asarray(out["processed_logprobs"][1]) - untruncated
         assert (gap > -1e-6).all() and np.median(gap) > 1e-2
+
+
+# Run with LLVM's optimisations off: XLA:CPU then computes the filter's input twice (into
+# top-k and into the threshold comparison) with different roundings, the case that once dropped
+# every token of some rows (the draw then left the vocabulary, token 127 of 50).
+_UNOPTIMISED_DRAW = """
+import json, jax, numpy as np
+from grpo_jax import sampler
+logits_BV = jax.random.normal(jax.random.key(3), (64, 50)) * 2.0
+keys_B = sampler.row_keys(jax.random.key(4), 64)
+select = jax.jit(sampler.select_tokens, static_argnames=(
+    "temperature", "top_k", "top_p", "logprobs_mode"))
+print(json.dumps({f"{k} {p} {mode}": np.asarray(select(
+    logits_BV, keys_B, temperature=0.9, top_k=k, top_p=p, logprobs_mode=mode)[0]).tolist()
+    for k, p in ((20, 0.7), (10, 1.0)) for mode in sampler.LOGPROBS_MODES}))
+"""
+
+
+def test_top_k_keeps_its_tokens_however_xla_compiles_the_filter():
+    env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", _UNOPTIMISED_DRAW], env=env, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    draws = json.loads(out.stdout.strip().splitlines()[-1])
+    logits = np.asarray(jax.random.normal(jax.random.key(3), (64, 50)) * 2.0)
+    rank = np.argsort(np.argsort(-logits, axis=-1), axis=-1)  # 0 = the row's largest
+    for name, tokens in draws.items():
+        top_k = int(name.split()[0])
+        first = draws[name.rsplit(" ", 1)[0] + " processed_logprobs"]
+        assert tokens == first, name  # the mode never changes the draw
+        tokens = np.asarray(tokens)
+        assert ((0 <= tokens) & (tokens < 50)).all(), name
+        assert (rank[np.arange(64), tokens] < top_k).all(), name
 
 
 def test_inverse_cdf_sparse_support_and_edges():
