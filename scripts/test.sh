@@ -26,6 +26,9 @@ bash scripts/test_cpu_variants.sh isa-sse42 -- tests/test_packing.py tests/test_
   -k "every_agg_mode or micro_batches or reinforce or (two_processes_train_as_one and grouped)" \
   >"$variant_log" 2>&1 &
 variant_pid=$!
+# However the command ends (an interrupted suite included), the variant and its pytest stop and
+# its log goes.
+trap 'pkill -P "$variant_pid" 2>/dev/null || true; kill "$variant_pid" 2>/dev/null || true; rm -f "$variant_log"' EXIT
 # Two worker processes (GRPO_JAX_TEST_WORKERS), each test file in one of them (module fixtures
 # are built once): much of a test's time is single-threaded (XLA compiles, subprocess start-up,
 # waiting on a server), so two files at a time keep both cores busy.
@@ -34,6 +37,5 @@ python -m pytest -q -ra -n "${GRPO_JAX_TEST_WORKERS:-2}" --dist loadfile tests "
 variant=0
 wait "$variant_pid" || variant=$?
 cat "$variant_log"
-rm -f "$variant_log"
 [ "$suite" = 0 ] || exit "$suite"
 exit $variant

@@ -266,9 +266,9 @@ logits_BV = jax.random.normal(jax.random.key(3), (64, 50)) * 2.0
 keys_B = sampler.row_keys(jax.random.key(4), 64)
 select = jax.jit(sampler.select_tokens, static_argnames=(
     "temperature", "top_k", "top_p", "logprobs_mode"))
-print(json.dumps({f"{k} {p} {mode}": np.asarray(select(
+print(json.dumps({k: {mode: np.asarray(select(
     logits_BV, keys_B, temperature=0.9, top_k=k, top_p=p, logprobs_mode=mode)[0]).tolist()
-    for k, p in ((20, 0.7), (10, 1.0)) for mode in sampler.LOGPROBS_MODES}))
+    for mode in sampler.LOGPROBS_MODES} for k, p in ((20, 0.7), (10, 1.0))}))
 """
 
 
@@ -280,13 +280,13 @@ def test_top_k_keeps_its_tokens_however_xla_compiles_the_filter():
     draws = json.loads(out.stdout.strip().splitlines()[-1])
     logits = np.asarray(jax.random.normal(jax.random.key(3), (64, 50)) * 2.0)
     rank = np.argsort(np.argsort(-logits, axis=-1), axis=-1)  # 0 = the row's largest
-    for name, tokens in draws.items():
-        top_k = int(name.split()[0])
-        first = draws[name.rsplit(" ", 1)[0] + " processed_logprobs"]
-        assert tokens == first, name  # the mode never changes the draw
-        tokens = np.asarray(tokens)
-        assert ((0 <= tokens) & (tokens < 50)).all(), name
-        assert (rank[np.arange(64), tokens] < top_k).all(), name
+    for top_k, by_mode in draws.items():
+        for mode, tokens in by_mode.items():
+            name = f"top_k={top_k} {mode}"
+            assert tokens == by_mode["processed_logprobs"], name  # the mode never changes the draw
+            tokens = np.asarray(tokens)
+            assert ((0 <= tokens) & (tokens < 50)).all(), name
+            assert (rank[np.arange(64), tokens] < int(top_k)).all(), name
 
 
 def test_inverse_cdf_sparse_support_and_edges():
