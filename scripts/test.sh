@@ -29,6 +29,8 @@ variant_pid=$!
 # However the command ends (an interrupted suite included), the variant and its pytest stop and
 # its log goes.
 trap 'pkill -P "$variant_pid" 2>/dev/null || true; kill "$variant_pid" 2>/dev/null || true; rm -f "$variant_log"' EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 # Two worker processes (GRPO_JAX_TEST_WORKERS), each test file in one of them (module fixtures
 # are built once): much of a test's time is single-threaded (XLA compiles, subprocess start-up,
 # waiting on a server), so two files at a time keep both cores busy.
