@@ -16,7 +16,7 @@ import reference
 from jax.ad_checkpoint import print_saved_residuals
 
 from grpo_jax import model
-from grpo_jax.models import transformer
+from grpo_jax.models import paged, transformer
 
 TINY = model.ModelConfig.tiny()
 # Logits of the same model computed in another order (tests/numerics.py): cached vs full
@@ -194,6 +194,49 @@ def test_group_cache_decode_equals_full_forward_across_blocks_and_dropped_rows(c
         numerics.assert_close(np.asarray(logits_BV), full_BTV[rows, 5 + r], ulps=FORWARD_ULPS)
     assert int(cache.index) == steps
     np.testing.assert_array_equal(np.asarray(cache.row_B), [4, 1, 3])
+
+
+def test_a_bf16_models_float32_kv_cache_holds_the_bf16_caches_values():
+    """ModelConfig.kv_cache_dtype "auto" (decode.cache_dtype): a bfloat16 model's KV cache is
+    float32 on XLA:CPU (the suite's backend), the compute dtype on TPU and GPU. The float32
+    cache holds the keys and values a bfloat16 one holds, up to their last rounding to bf16
+    (XLA may skip it before the float32 store: excess precision); the decode attention over it
+    differs only by its float32 arithmetic, so the logits agree within bf16 rounding. The paged
+    engine's pool follows the same rule."""
+    bf16 = dataclasses.replace(TINY, dtype=jnp.bfloat16)
+    stored = dataclasses.replace(bf16, kv_cache_dtype="bfloat16")
+    assert model.cache_dtype(bf16) == jnp.float32 and model.cache_dtype(TINY) == jnp.float32
+    assert model.cache_dtype(bf16, "tpu") == model.cache_dtype(bf16, "gpu") == jnp.bfloat16
+    assert model.cache_dtype(stored) == jnp.bfloat16
+    assert paged.init_pool(bf16, 2, 4).k[0].dtype == jnp.float32
+    assert paged.pool_bytes(bf16, 2, 4) == 2 * paged.pool_bytes(stored, 2, 4)
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8'"):
+        dataclasses.replace(TINY, kv_cache_dtype="int8")
+    params = _params()
+    P, n = 2, 2
+    prompt_PT = _tokens(13, (P, 5))
+    mask_PT = jnp.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], jnp.int32)
+    tokens_B = _tokens(14, (P * n,))
+    caches, logits = {}, {}
+    for config in (bf16, stored):
+        _, prompt_cache = model.prefill(
+            config, params, prompt_PT, mask_PT, model.init_cache(config, P, 5)
+        )
+        cache = model.group_cache(prompt_cache, n=n, response_slots=4)
+        dparams = model.decode_params(config, params)
+        logits_BV, cache = model.decode_step(config, dparams, tokens_B, cache)
+        caches[config.kv_cache_dtype], logits[config.kv_cache_dtype] = cache, logits_BV
+    f32, b16 = caches["auto"], caches["bfloat16"]
+    assert f32.k_BKHC[0][0].dtype == jnp.float32 and b16.k_BKHC[0][0].dtype == jnp.bfloat16
+
+    def kv(c):
+        return jax.tree.leaves((c.prompt_k_PKHT, c.prompt_v_PKTH, c.k_BKHC, c.v_BKCH))
+
+    for a, b in zip(kv(f32), kv(b16), strict=True):  # at most 1 bf16 ulp of their scale apart
+        b = np.asarray(b.astype(jnp.float32))
+        np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=2**-8 * np.abs(b).max())
+    got, want = np.asarray(logits["auto"]), np.asarray(logits["bfloat16"])
+    np.testing.assert_allclose(got, want, rtol=0, atol=8 * 2**-8 * np.abs(want).max())
 
 
 def test_no_retrace_across_batches_of_same_shape():

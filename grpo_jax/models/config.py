@@ -49,6 +49,9 @@ REMAT_POLICIES = (
 # model.attention_impl: how causal self-attention runs (grpo_jax/models/attention.py).
 ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn", "splash")
 
+# The sampler's KV cache (decode.cache_dtype says what "auto" stores).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
 
 # The projections LoRA can adapt (HF module names; PEFT's "all-linear" is all of them: the
 # output head is excluded, as PEFT does).
@@ -84,6 +87,10 @@ class ModelConfig:
         ("auto", "xla": dense float32 scores, "blockwise": memory linear in the row length,
         "cudnn": cuDNN's fused attention on NVIDIA GPUs, "splash": Pallas splash attention
         on TPUs (interpret mode elsewhere); ``attention.resolve`` says what "auto" runs).
+      kv_cache_dtype: what the sampler's KV cache (grouped or paged) stores, one of
+        KV_CACHE_DTYPES (its decode attention computes in the wider of it and `dtype`); "auto"
+        is the compute dtype, except float32 for a bfloat16 model on XLA:CPU
+        (``decode.cache_dtype`` says why).
       eos_token_ids: every EOS id from config.json (an int or list there).
       lora_rank: r of the LoRA adapters (grpo_jax/models/lora.py) the projections in `lora_targets`
         take when the params carry them (``params["lora"]``); 0 = no adapters. The adapters
@@ -124,6 +131,7 @@ class ModelConfig:
     remat: bool = False
     remat_policy: str = "nothing_saveable"
     attention_impl: str = "auto"
+    kv_cache_dtype: str = "auto"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -183,6 +191,11 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.attention_impl={self.attention_impl!r}; expected one of "
                 f"{ATTENTION_IMPLS}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"ModelConfig.kv_cache_dtype={self.kv_cache_dtype!r}; expected one of "
+                f"{KV_CACHE_DTYPES}"
             )
         object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
         if self.lora_rank < 0:

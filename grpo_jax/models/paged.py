@@ -81,7 +81,7 @@ def init_pool(
     layout: str = "xla",
 ) -> KVPool:  # fmt: skip
     """An empty pool (zeros) of `num_pages` pages of `page_size` slots, in `dtype` (default:
-    the compute dtype, as ``decode.init_cache``) and `layout` (`KVPool`)."""
+    ``decode.cache_dtype(config)``, as ``decode.init_cache``) and `layout` (`KVPool`)."""
     if num_pages < 2 or page_size < 1:
         raise ValueError(
             f"a KV pool needs num_pages >= 2 (page {TRASH_PAGE} is the trash page) and "
@@ -89,7 +89,7 @@ def init_pool(
         )
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}: expected one of {LAYOUTS}")
-    dtype = config.dtype if dtype is None else dtype
+    dtype = decode.cache_dtype(config) if dtype is None else dtype
     K, H, L = config.num_kv_heads, config.head_dim, config.num_layers
     if layout == "pallas":
         k_shape = v_shape = (K, num_pages, page_size, H)
@@ -104,7 +104,7 @@ def init_pool(
 
 def pool_bytes(config: config_lib.ModelConfig, num_pages: int, page_size: int, dtype=None) -> int:
     """The bytes of `init_pool(config, num_pages, page_size, dtype=dtype)`."""
-    dtype = jnp.dtype(config.dtype if dtype is None else dtype)
+    dtype = jnp.dtype(decode.cache_dtype(config) if dtype is None else dtype)
     per_slot = 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
     return num_pages * page_size * per_slot
 
@@ -161,7 +161,6 @@ def paged_forward(
       (Lm = 0 for a dense model).
     """
     c = config
-    dt = c.dtype
     B, T = tokens_BT.shape
     M = page_table_BM.shape[1]
     N, K, H = c.num_heads, c.num_kv_heads, c.head_dim
@@ -227,7 +226,10 @@ def paged_forward(
             continue
         # Queries [N, H, B*T] -> [B, K, T*R, H] (head n = k * R + r, as the model's GQA).
         q_BKQH = q_NHX.reshape(K, R, H, B, T).transpose(3, 0, 4, 1, 2).reshape(B, K, T * R, H)
+        # In the wider of the compute and pool dtypes (``decode.cache_dtype``).
+        dt = jnp.promote_types(c.dtype, k_pool.dtype)
         attend = functools.partial(_attend_first, pool.layout, P, dt, attend_rows)
+        q_BKQH = q_BKQH.astype(dt)
         if pages_used is None:
             o_BKTRH = attend(M, q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS)
         else:  # only the first pages any sequence uses: a branch per bucket of page counts

@@ -553,7 +553,7 @@ class Planner:
         devices standing in for a TPU it would not compile."""
         if not compiles_natively(self.mesh, self.backend):
             return "xla"
-        return paged_kernel.resolve("auto", self.backend, kv_dtype=self.cfg.dtype)
+        return paged_kernel.resolve("auto", self.backend, kv_dtype=model_lib.cache_dtype(self.cfg))
 
     # Analytic sizes, for the report (the compiled temporaries already contain them).
     def kv_cache_bytes(self, prompts: int) -> int:
@@ -767,6 +767,8 @@ def from_run(
         cfg,
         remat_policy=run.model.gradient_checkpointing_policy,
         attention_impl="blockwise" if stand_in_for else impl,
+        # "auto" resolved for the planned backend, not for the fake devices it compiles on.
+        kv_cache_dtype=model_lib.cache_dtype(cfg, backend).name,
     )
     tx, _ = setup.make_optimizer(run, total_steps=1)
     # config.mesh.rules (None = sharding.LOGICAL_RULES) overrides the logical-axis rules.

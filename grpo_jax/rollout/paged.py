@@ -257,7 +257,7 @@ def sample_paged(
         max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
         num_pages=num_pages,
     )  # fmt: skip
-    attention = paged_kernel.resolve(attention, kv_dtype=config.dtype)
+    attention = paged_kernel.resolve(attention, kv_dtype=model_lib.cache_dtype(config))
     st = Settings(config, max_new_tokens, float(temperature), float(top_p), int(top_k),
                    eos_token_ids, int(pad_token_id), logprobs_mode, axes, attention,
                    record_routing=bool(record_routing),
