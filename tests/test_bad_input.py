@@ -601,7 +601,7 @@ def test_every_prompt_overlong_is_an_error(tmp_path):
 # ------------------------------------------------------------------------------------------
 
 
-# test_faults.failing_reward raises on odd-length completions and returns NaN on even ones, so
+# fault_rewards.failing_reward raises on odd-length completions and returns NaN on even ones, so
 # every call fails (it lives there because this module imports train.py, whose flags a
 # subprocess train.py would then define twice).
 REWARD_RUN = (
@@ -619,7 +619,7 @@ REWARD_RUN = (
     "--config.checkpoint.export_hf=False",
     "--config.model.tiny.hidden_size=32",
     "--config.model.tiny.intermediate_size=64",
-    "--config.reward.fn=grpo_jax.rewards.functions:gsm8k_score,test_faults:failing_reward",
+    "--config.reward.fn=grpo_jax.rewards.functions:gsm8k_score,fault_rewards:failing_reward",
 )
 
 
@@ -633,7 +633,7 @@ def test_failing_reward_raise_names_function_and_sample(tmp_path, jax_cache):
         jax_cache=jax_cache,
     )
     assert r.returncode != 0
-    assert "reward function test_faults:failing_reward on sample 0" in r.stderr, r.stderr[-3000:]
+    assert "reward function fault_rewards:failing_reward on sample 0" in r.stderr, r.stderr[-3000:]
     assert "ground truth" in r.stderr and "completion tail" in r.stderr and "failed:" in r.stderr
     assert not metrics.read(str(tmp_path / "run"))  # no step completed
     TRIED["reward failures"] += 1
@@ -653,7 +653,7 @@ def test_failing_reward_zero_is_counted(tmp_path, jax_cache):
     (row,) = metrics.read(workdir)
     # 4 prompts x rollout.n 2 = 8 samples, each failing once (the gsm8k scorer never fails).
     assert row["reward/num_errors"] == 8
-    assert row["reward/test_faults:failing_reward/mean"] == 0.0
-    assert "reward function test_faults:failing_reward on sample 7" in r.stderr
+    assert row["reward/fault_rewards:failing_reward/mean"] == 0.0
+    assert "reward function fault_rewards:failing_reward on sample 7" in r.stderr
     assert "; scored 0" in r.stderr
     TRIED["reward failures"] += 8

@@ -17,10 +17,11 @@ Exact resume compares a run that was killed and restarted with one that never st
     process, not the training, and differ between any two runs. Every other value (rewards,
     losses, grad norms, lengths, lr, epoch, token counts, eval accuracy) must be bitwise equal;
   * the final params (the HF safetensors export), bitwise.
-The reward is `digit_reward` (a dense, text-dependent score) so that advantages, gradients and
-updates are non-zero from the first step: with the demo's sparse reward a random model scores 0,
-every advantage is 0 and the comparison would hold even if resume were broken. The train set
-has 10 prompts, so 4 steps of 4 prompts cross an epoch boundary and the reshuffle matters.
+The reward is `fault_rewards.digit_reward` (a dense, text-dependent score) so that advantages,
+gradients and updates are non-zero from the first step: with the demo's sparse reward a random
+model scores 0, every advantage is 0 and the comparison would hold even if resume were broken.
+The train set has 10 prompts, so 4 steps of 4 prompts cross an epoch boundary and the reshuffle
+matters.
 The multi-turn kill test runs test_multi_turn.py's tool loop instead (`_multi_turn_overrides`:
 the tiny model warmed up to call an add tool, trajectories of tool calls on the paged engine),
 and kills one launch while a tool call runs.
@@ -35,7 +36,6 @@ import errno
 import glob
 import hashlib
 import json
-import math
 import os
 import random
 import re
@@ -77,7 +77,7 @@ BASE_OVERRIDES = (
     "--config.trainer.progress_bar=False",
     "--config.model.tiny.hidden_size=32",
     "--config.model.tiny.intermediate_size=64",
-    "--config.reward.fn=test_faults:digit_reward",
+    "--config.reward.fn=fault_rewards:digit_reward",
 )
 # Wall-clock, memory and compile measurements, different in every run (module docstring).
 TIMING_PREFIX = ("timing_s/", "timing_per_token_ms/", "perf/max_memory_", "actor/perf/")
@@ -96,21 +96,6 @@ FIGURES = {
     "corrupt checkpoints recovered": 0,
     "steps lost beyond the last save": 0,
 }
-
-
-def digit_reward(solution_str: str, ground_truth: str) -> float:
-    """Fraction of digit characters in the completion: dense and text-dependent (test reward)."""
-    del ground_truth
-    return sum(ch.isdigit() for ch in solution_str) / max(len(solution_str), 1)
-
-
-def failing_reward(solution_str: str, ground_truth: str) -> float:
-    """Raises on completions of odd length, returns NaN on even ones: every call fails
-    (tests/test_bad_input.py)."""
-    del ground_truth
-    if len(solution_str) % 2:
-        raise ZeroDivisionError("odd length")
-    return math.nan
 
 
 # ------------------------------------------------------------------------------------------
@@ -498,7 +483,7 @@ def _multi_turn_overrides(directory) -> tuple[str, ...]:
         "--config.trainer.tensorboard=False",
         "--config.trainer.progress_bar=False",
         "--config.model.tiny.intermediate_size=128",
-        "--config.reward.fn=test_faults:digit_reward",  # the tool's responses count too
+        "--config.reward.fn=fault_rewards:digit_reward",  # the tool's responses count too
         "--config.reward.num_workers=0",
     )
 
