@@ -164,8 +164,9 @@ def cache_dtype(config: config_lib.ModelConfig, backend: str | None = None) -> j
 
     "auto" is the compute dtype, except float32 for a bfloat16 model on XLA:CPU: there the
     attention's batched bf16 x bf16 -> float32 dots over the cache cost more per cached token
-    than float32 ones (SmolLM2, 32 rows, 320 prompt columns + 256 tokens on an AVX512-BF16
-    EPYC: 133.7 ms a decode step against 117.7 with a float32 cache; docs/performance.md).
+    than float32 ones (SmolLM2, 32 rows over 320 prompt columns + 256 tokens, on an
+    AVX512-BF16 EPYC: 140.5-147.7 ms a decode step against 101.0-110.5 with a float32 cache,
+    `benchmarks/bench_kv_cache.py`; docs/performance.md).
     The keys and values are computed in bf16 either way; into a float32 cache XLA may store
     them without their last rounding to bf16 (its excess precision), and the attention's
     arithmetic is float32 (its probabilities are not rounded to bf16 before the value
