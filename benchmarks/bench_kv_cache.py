@@ -25,21 +25,12 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    except OSError:
-        names = []
-    return names[0] if names else platform.processor() or platform.machine()
 
 
 CONFIGS = (("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16"))
@@ -60,6 +51,7 @@ def main():
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from bench_code_reward import _cpu
     from bench_matmul import _cpu_flags
     from bench_rollout import _prompts
 
@@ -102,7 +94,7 @@ def main():
     f32, auto, b16 = (step[f"{d} model, {k} cache"] for d, k in CONFIGS)
     print(json.dumps({
         "benchmark": "kv_cache_dtype",
-        "machine": {"cpu": _cpu_model(), "cpu_flags": _cpu_flags(), "cores": os.cpu_count(),
+        "machine": {"cpu": _cpu()["model"], "cpu_flags": _cpu_flags(), "cores": os.cpu_count(),
                     "jax": jax.__version__},
         "workload": {"model": "SmolLM2-135M-Instruct (GGUF)", "prompts": args.prompts,
                      "n": args.n, "width": args.width, "new_tokens": [args.short, args.long],

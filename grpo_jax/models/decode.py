@@ -181,6 +181,12 @@ def cache_dtype(config: config_lib.ModelConfig, backend: str | None = None) -> j
     return jnp.dtype(config.dtype)
 
 
+def attention_dtype(config: config_lib.ModelConfig, kv_dtype) -> jnp.dtype:
+    """The dtype a decode attention over a cache (or pool) of `kv_dtype` computes in: the wider
+    of it and the compute dtype."""
+    return jnp.promote_types(config.dtype, kv_dtype)
+
+
 def init_cache(
     config: config_lib.ModelConfig, batch_size: int, max_len: int, *, dtype=None
 ) -> KVCache:
@@ -439,8 +445,7 @@ def _decode_layers(
         k_BKHC = _write_block(cache.k_BKHC[layer], k_KHB.transpose(2, 0, 1)[..., None], index, 3)
         v_BKCH = _write_block(cache.v_BKCH[layer], v_KHB.transpose(2, 0, 1)[:, :, None], index, 2)
         q_BKRH = q_NHB.transpose(2, 0, 1).reshape(B, K, R, H)
-        # In the wider of the compute and cache dtypes (``cache_dtype``).
-        dt = jnp.promote_types(c.dtype, cache.prompt_k_PKHT[layer].dtype)
+        dt = attention_dtype(c, cache.prompt_k_PKHT[layer].dtype)
         o_BKRH = _attend_group(
             q_BKRH.astype(dt),
             cache.prompt_k_PKHT[layer].astype(dt),

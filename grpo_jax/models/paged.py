@@ -226,8 +226,7 @@ def paged_forward(
             continue
         # Queries [N, H, B*T] -> [B, K, T*R, H] (head n = k * R + r, as the model's GQA).
         q_BKQH = q_NHX.reshape(K, R, H, B, T).transpose(3, 0, 4, 1, 2).reshape(B, K, T * R, H)
-        # In the wider of the compute and pool dtypes (``decode.cache_dtype``).
-        dt = jnp.promote_types(c.dtype, k_pool.dtype)
+        dt = decode.attention_dtype(c, k_pool.dtype)
         attend = functools.partial(_attend_first, pool.layout, P, dt, attend_rows)
         q_BKQH = q_BKQH.astype(dt)
         if pages_used is None:
