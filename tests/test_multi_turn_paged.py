@@ -11,9 +11,10 @@ import time
 import jax
 import numpy as np
 import pytest
+import whole_context
 from test_multi_turn import qwen_tool_tokenizer
 
-from grpo_jax import model, sampler, sharding
+from grpo_jax import model, sharding
 from grpo_jax.data import prompts
 from grpo_jax.rollout import chat_turns, engines, multi_turn
 from grpo_jax.tools import base as tool_base
@@ -117,20 +118,28 @@ def _assert_drawn_from_whole_context(setup, out, rng, temperature):
     n = r.response_ids.shape[0] // batch.prompt_ids_PT.shape[0]
     ids, valid = np.asarray(r.response_ids), np.asarray(r.response_mask)
     loss, lp = np.asarray(r.loss_mask), np.asarray(r.log_probs)
-    for b in range(ids.shape[0]):
-        prompt = batch.prompt_ids_PT[b // n][batch.prompt_mask_PT[b // n] == 1]
-        k = int(valid[b].sum())
-        seq = np.concatenate([prompt, ids[b, :k]])[None]
-        logits_TV = model.forward(config, params, seq, np.ones_like(seq))[0]
-        t_S = np.flatnonzero(loss[b, :k])
-        logits_SV = logits_TV[len(prompt) - 1 + t_S]
-        keys_S = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.fold_in(rng, b), t_S)
-        want, want_lp = sampler.select_tokens(logits_SV, keys_S, temperature=temperature,
-                                              top_k=-1, top_p=1.0)  # fmt: skip
-        same = np.asarray(want) == ids[b, t_S]
-        assert same.all(), (b, t_S[~same])
-        np.testing.assert_allclose(lp[b, t_S], np.asarray(want_lp), atol=1e-4)
+    lengths = valid.sum(1)
+    heads = [batch.prompt_ids_PT[b // n][batch.prompt_mask_PT[b // n] == 1]
+             for b in range(ids.shape[0])]  # fmt: skip
+    logits = whole_context.sequence_logits(
+        config, params, [np.concatenate([p, ids[b, :k]]) for b, (p, k) in
+                         enumerate(zip(heads, lengths))],
+    )  # fmt: skip
+    rows, t_S, logits_SV, keys_S = [], [], [], []
+    for b, k in enumerate(lengths):  # every sampled token of every row, in one draw
+        sampled = np.flatnonzero(loss[b, :k])
+        rows += [b] * len(sampled)
+        t_S.append(sampled)
+        logits_SV.append(logits[b][len(heads[b]) - 1 + sampled])
+        keys_S.append(jax.vmap(jax.random.fold_in, (None, 0))(jax.random.fold_in(rng, b), sampled))
         assert (lp[b, :k][loss[b, :k] == 0] == 0).all()
+    rows, t_S = np.asarray(rows), np.concatenate(t_S)
+    want, want_lp = whole_context.select_tokens(
+        np.concatenate(logits_SV), jax.numpy.concatenate(keys_S), temperature=temperature,
+        top_k=-1, top_p=1.0)  # fmt: skip
+    same = np.asarray(want) == ids[rows, t_S]
+    assert same.all(), list(zip(rows[~same], t_S[~same]))
+    np.testing.assert_allclose(lp[rows, t_S], np.asarray(want_lp), atol=1e-4)
 
 
 def _fields(out):

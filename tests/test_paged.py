@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numerics
 import numpy as np
 import pytest
+import whole_context
 
 from grpo_jax import model, sampler
 from grpo_jax.models import paged as paged_model
@@ -534,20 +535,26 @@ def test_turns_wait_out_of_their_slots_and_reuse_their_pages(tiny):
     assert stats["paused_turns"] >= 4 and stats["appended_tokens"] == 3 * stats["paused_turns"]
     got_ids = np.asarray(want.response_ids)
     valid, logp = np.asarray(want.response_mask), np.asarray(want.log_probs)
-    for b in range(8):
-        k = int(valid[b].sum())
+    lengths = valid.sum(1)
+    prompts = [ids[b // 2][mask[b // 2] > 0] for b in range(8)]
+    logits = whole_context.sequence_logits(
+        config, params, [np.concatenate([prompts[b], got_ids[b, : lengths[b]]]) for b in range(8)]
+    )
+    rows, drawn, logits_SV, keys_S = [], [], [], []
+    for b, k in enumerate(lengths):
         assert valid[b, :k].all() and not valid[b, k:].any()
-        seq = np.concatenate([ids[b // 2][mask[b // 2] > 0], got_ids[b, :k]])[None]
-        logits_TV = model.forward(config, params, jnp.asarray(seq), jnp.ones_like(seq))[0]
-        plen = int(mask[b // 2].sum())
-        drawn = [t for t in range(k) if logp[b, t] != 0]  # appended tokens have log-prob 0
-        assert len(drawn) == k - 3 * hook.turns[b] + 3  # all but the appended ones
-        keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.fold_in(rng, b),
-                                                        jnp.asarray(drawn))  # fmt: skip
-        tokens, lp = sampler.select_tokens(logits_TV[plen - 1 + np.asarray(drawn)], keys,
-                                           temperature=1.0, top_k=-1, top_p=1.0)  # fmt: skip
-        np.testing.assert_array_equal(np.asarray(tokens), got_ids[b, drawn])
-        np.testing.assert_allclose(np.asarray(lp), logp[b, drawn], atol=1e-5)
+        drawn_b = np.flatnonzero(logp[b, :k] != 0)  # appended tokens have log-prob 0
+        assert len(drawn_b) == k - 3 * hook.turns[b] + 3  # all but the appended ones
+        rows += [b] * len(drawn_b)
+        drawn.append(drawn_b)
+        logits_SV.append(logits[b][len(prompts[b]) - 1 + drawn_b])
+        keys_S.append(jax.vmap(jax.random.fold_in, (None, 0))(jax.random.fold_in(rng, b),
+                                                             jnp.asarray(drawn_b)))  # fmt: skip
+    drawn = np.concatenate(drawn)
+    tokens, lp = whole_context.select_tokens(np.concatenate(logits_SV), jnp.concatenate(keys_S),
+                                             temperature=1.0, top_k=-1, top_p=1.0)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(tokens), got_ids[rows, drawn])
+    np.testing.assert_allclose(np.asarray(lp), logp[rows, drawn], atol=1e-5)
 
     # No program compiles per turn: the same call with answers coming in another order adds
     # no entry to any paged program's cache, and gives the same rollout.
@@ -640,8 +647,9 @@ def test_rows_holding_pages_behind_an_unprefilled_group_do_not_stall_the_pool():
     P, R = 4, 16
     plan = paged.PoolPlan(page_size=P, num_pages=12, max_num_seqs=2, prompt_pages=2,
                           response_pages=R // P, chunk=8, chunk_rows=2, rows=4)  # fmt: skip
-    st = paged_programs.Settings(config=None, max_new_tokens=R, temperature=0.0, top_p=1.0, top_k=-1,
-                         eos_token_ids=(0,), pad_token_id=0, logprobs_mode="raw_logprobs")  # fmt: skip
+    st = paged_programs.Settings(config=None, max_new_tokens=R, temperature=0.0, top_p=1.0,
+                                 top_k=-1, eos_token_ids=(0,), pad_token_id=0,
+                                 logprobs_mode="raw_logprobs")  # fmt: skip
     prompts = [np.arange(1, 8, dtype=np.int32), np.arange(1, 8, dtype=np.int32)]
     sh = paged_schedule.Shard(st, plan, prompts, n=2, g0=0, min_steps=4)
     # Group 1 is prefilled; its rows 2 and 3 paused after 8 tokens (2 own pages each) and

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference
+import whole_context
 
 from grpo_jax import model
 from grpo_jax.models import decode, paged, paged_kernel
@@ -145,11 +146,11 @@ def test_a_paged_rollout_with_the_kernel_has_the_xla_paths_tokens():
     out = paged_rollout.sample_paged(config, params, ids, mask, rng, attention="pallas", **kw)
     # No near-tie on these rows: every greedy token leads the runner-up by far more than the
     # kernel's bfloat16 rounding of K and V moves a logit (~1e-3 here).
-    for b in range(ref.response_ids.shape[0]):
-        seq = np.concatenate([ids[b // 2][mask[b // 2] > 0], np.asarray(ref.response_ids[b])])
-        logits = model.forward(config, params, jnp.asarray(seq)[None], jnp.ones((1, len(seq))))
-        top2 = jnp.sort(logits[0, -7:-1], axis=-1)[:, -2:]
-        assert float(jnp.min(top2[:, 1] - top2[:, 0])) > 1e-2
+    seqs = [np.concatenate([ids[b // 2][mask[b // 2] > 0], np.asarray(ref.response_ids[b])])
+            for b in range(ref.response_ids.shape[0])]  # fmt: skip
+    for logits_TV in whole_context.sequence_logits(config, params, seqs):
+        top2 = np.sort(logits_TV[-7:-1], axis=-1)[:, -2:]
+        assert float(np.min(top2[:, 1] - top2[:, 0])) > 1e-2
     np.testing.assert_array_equal(out.response_ids, ref.response_ids)
     np.testing.assert_array_equal(out.response_mask, ref.response_mask)
     np.testing.assert_allclose(out.log_probs, ref.log_probs, rtol=0, atol=1e-2)
