@@ -88,25 +88,31 @@ def _assert_equals_xla(attend, T, N, K):
         _assert_equals_xla_on(attend, mask, T, N, K, name)
 
 
+def _xla(q, k, v, mask):
+    return attention.self_attention(q, k, v, mask, "xla")
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _output_and_grads(attend, q, k, v, mask, w):
+    """(attend's output, the gradients of sum(output * w) in q, k, v): one program per
+    implementation and shape, whatever the layout (run eagerly, each layout's ops compiled
+    one by one: a couple of hundred small programs a test)."""
+
+    def loss(q, k, v):
+        o = attend(q, k, v, mask)
+        return jnp.sum(o * w), o
+
+    (_, o), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return o, grads
+
+
 def _assert_equals_xla_on(attend, mask, T, N, K, name):
     """`_assert_equals_xla` on one mask; returns attend's output."""
     q, k, v = _qkv(T, N, K, 16, jnp.float32)
     seen = np.asarray(mask.dense()).any(-1)  # queries that see a key (not padding)
     w = jax.random.normal(jax.random.key(1), q.shape) * seen[:, :, None, None]
-
-    def loss(f, q, k, v, mask=mask, w=w):
-        o = f(q, k, v, mask)
-        return jnp.sum(o * w), o
-
-    def xla(q, k, v, mask):
-        return attention.self_attention(q, k, v, mask, "xla")
-
-    (_, want), want_g = jax.value_and_grad(
-        functools.partial(loss, xla), argnums=(0, 1, 2), has_aux=True
-    )(q, k, v)
-    (_, got), got_g = jax.value_and_grad(
-        functools.partial(loss, attend), argnums=(0, 1, 2), has_aux=True
-    )(q, k, v)
+    want, want_g = _output_and_grads(_xla, q, k, v, mask, w)
+    got, got_g = _output_and_grads(attend, q, k, v, mask, w)
     assert np.isfinite(np.asarray(got)).all() and got.shape == want.shape, name
     sel = np.broadcast_to(seen[:, :, None, None], got.shape)
     numerics.assert_close(np.asarray(got)[sel], np.asarray(want)[sel], ulps=ULPS,

@@ -323,7 +323,7 @@ def test_clip_cov_update_detaches_the_tokens_its_key_draws(params):
                                rtol=1e-6)  # fmt: skip
     # Another key detaches other tokens: the check has teeth.
     other = jax.grad(reference)(params, jax.random.key(12))
-    moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), g, other)
+    moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()), g, other)
     assert max(jax.tree.leaves(moved)) > 1e-4
 
 
@@ -627,6 +627,28 @@ def test_token_mean_with_rejection_divides_by_verls_tokens_before_rejection(
     assert abs(float(theirs)) > 1e-3  # not trivially zero
 
 
+# The test's own tree arithmetic, jitted: run eagerly, each op compiles again for every one of
+# the model's tensor shapes (369 small programs, 14 s of the test).
+_tree_copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
+
+
+@jax.jit
+def _moving_adam_state(params):
+    """An optimizer state whose Adam moments move the params without a gradient."""
+    grads = jax.tree.map(lambda x: jnp.full_like(x, 0.01), params)
+    state, _ = actor.apply_gradients(actor.init_state(params, _STAGE_TX), grads, 0.0, 1e-3,
+                                     _STAGE_TX)  # fmt: skip
+    return state
+
+
+@jax.jit
+def _adamw_step_on_zero_gradients(state):
+    """optax's update of `state` with zero gradients at lr 1e-3: (params, opt_state)."""
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    updates, opt_state = _STAGE_TX.update(zeros, state.opt_state, state.params)
+    return jax.tree.map(lambda p, u: p - 1e-3 * u, state.params, updates), opt_state
+
+
 @pytest.mark.parametrize("dynamic_bsz", [False, True])
 def test_a_fully_rejected_mini_batch_takes_an_adamw_step_on_zero_loss(params, dynamic_bsz):
     # Mini-batch 1 (rows 4..7) is rejected whole. verl divides its zero sum by its tokens as
@@ -637,15 +659,12 @@ def test_a_fully_rejected_mini_batch_takes_an_adamw_step_on_zero_loss(params, dy
         params, dynamic_bsz=dynamic_bsz, mini_batch_size=1, reject_rows=range(4, 8)
     )
     assert not np.asarray(batch.response_mask_BT)[4:].any()
-    grads = jax.tree.map(lambda x: jnp.full_like(x, 0.01), params)
-    state, _ = actor.apply_gradients(  # Adam moments that move the params without a gradient
-        actor.init_state(jax.tree.map(jnp.copy, params), _STAGE_TX), grads, 0.0, 1e-3, _STAGE_TX
-    )
+    state = _moving_adam_state(params)
     name = "apply" if dynamic_bsz else "update"
     real, steps = getattr(progs, name), []
 
     def spy(state, *args, **kwargs):
-        before = jax.tree.map(jnp.copy, state)  # `state` is donated
+        before = _tree_copy(state)  # `state` is donated
         after, metrics = real(state, *args, **kwargs)
         steps.append((before, after, metrics, args))
         return after, metrics
@@ -663,10 +682,8 @@ def test_a_fully_rejected_mini_batch_takes_an_adamw_step_on_zero_loss(params, dy
     assert float(metrics["actor/grad_norm"]) == 0.0
     assert float(metrics["actor/update_skipped"]) == 0.0
     assert int(after.step) == int(before.step) + 1
-    zeros = jax.tree.map(jnp.zeros_like, before.params)
-    updates, opt_state = _STAGE_TX.update(zeros, before.opt_state, before.params)
-    want = jax.tree.map(lambda p, u: p - 1e-3 * u, before.params, updates)
-    moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), want,
+    want, opt_state = _adamw_step_on_zero_gradients(before)
+    moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()), want,
                          before.params)  # fmt: skip
     assert min(jax.tree.leaves(moved)) > 0  # every tensor moves
     numerics.assert_trees_close(after.params, want, ulps=4)
