@@ -159,15 +159,16 @@ def test_a_paged_rollout_with_the_kernel_has_the_xla_paths_tokens():
 def test_a_sharded_paged_rollout_with_the_kernel_has_the_xla_paths_tokens():
     # On a mesh the kernel runs per device in a shard_map (data shards and kv heads split over
     # the tensor axis): the same tokens as the XLA path on the same mesh, and each device's
-    # pool is its own shard's pages and kv heads.
+    # pool is its own shard's pages and kv heads. One prompt (two rows) a data shard: interpret
+    # mode simulates each of the kernel's DMAs in a host callback, so its time follows the rows.
     from grpo_jax import sharding
 
     config = _config(num_kv_heads=2)
     params = model.init_params(config, jax.random.key(0))
     rng = np.random.default_rng(5)
-    ids = rng.integers(4, config.vocab_size, size=(8, 6)).astype(np.int32)
+    ids = rng.integers(4, config.vocab_size, size=(4, 6)).astype(np.int32)
     mask = np.ones_like(ids)
-    mask[::3, :2] = 0  # left padding on some prompts
+    mask[::3, :2] = 0  # left padding on prompts 0 and 3
     mesh = sharding.make_mesh((2, 2, 2))  # 4 data shards (data x fsdp), kv heads over tensor
     kw = dict(n=2, max_new_tokens=5, temperature=0.0, max_num_seqs=1, page_size=P,
               max_num_batched_tokens=8, segment_steps=2)  # fmt: skip
