@@ -118,6 +118,13 @@ def test_shipped_configs_validate(get):
     assert isinstance(run, config.RunConfig)
 
 
+def test_kv_cache_dtype_is_the_native_engines():
+    # The vLLM server's cache dtype is its own engine argument; a value set here would be lost.
+    with pytest.raises(config.ConfigError, match=r"kv_cache_dtype='bfloat16' is the native"):
+        config.RolloutConfig(name="vllm", kv_cache_dtype="bfloat16")
+    assert config.RolloutConfig(kv_cache_dtype="bfloat16").kv_cache_dtype == "bfloat16"
+
+
 @pytest.mark.parametrize(
     "field, value, match",
     [
@@ -168,6 +175,11 @@ def test_shipped_configs_validate(get):
         ),
         ("trainer.save_freq", 0, r"trainer.save_freq=0 must be -1 \(never\) or >= 1"),
         ("reward.timeout_s", 0.0, r"reward.timeout_s=0.0 must be > 0"),
+        (
+            "rollout.kv_cache_dtype",
+            "fp8",
+            r"rollout.kv_cache_dtype='fp8' must be one of \['auto', 'float32', 'bfloat16'",
+        ),
     ],
 )
 def test_invalid_values_name_field_and_allowed(field, value, match):

@@ -340,6 +340,13 @@ def test_the_native_engine_pages_steps_of_more_than_max_num_seqs_rows_a_shard(
     np.testing.assert_allclose(np.asarray(out[1].log_probs), np.asarray(out[2].log_probs),
                                atol=1e-5)  # fmt: skip
     assert out[1].response_ids.sharding.is_equivalent_to(out[2].response_ids.sharding, 2)
+    # rollout.kv_cache_dtype reaches the engine's model config, whose cache_dtype the pool and
+    # the grouped cache store (tests/test_model.py); the trainer's own config keeps "auto"
+    run = config_lib.RunConfig(rollout=config_lib.RolloutConfig(kv_cache_dtype="bfloat16"))
+    engine = setup.make_engine(run, config, mesh, eos_ids=(_EOS,), pad_id=_PAD,
+                               workdir=str(tmp_path))  # fmt: skip
+    assert model.cache_dtype(engine.model_config) == jnp.bfloat16
+    assert model.cache_dtype(config) == jnp.float32
 
 
 def _on_mesh(config, params, mesh, ids, mask):

@@ -102,7 +102,9 @@ def test_bigger_micro_batch_needs_more_temp_and_search_finds_the_boundary():
     small, large = p.train(1), p.train(2)
     assert large.temp > small.temp
     budget = (p.train_peak(small) + p.train_peak(large)) // 2
-    best, seen = planner_phases.largest([1, 2], lambda m: planner_render._fits(p.train(m), p.train_peak, budget))
+    best, seen = planner_phases.largest(
+        [1, 2], lambda m: planner_render._fits(p.train(m), p.train_peak, budget)
+    )
     assert best == 1 and seen[2] > budget >= seen[1]
     # Results are memoised: the search did not compile again.
     assert p.train(2) is large
@@ -607,6 +609,28 @@ def test_accelerator_plans_in_16_bit_skip_xla_cpus_hoisted_float32_layer_stack()
     assert f"compiled for gpu in bfloat16: XLA:CPU without {planner.CPU_ONLY_HOIST}" in text
     text = planner.report(_run(c), model_name="tiny", hbm_gib=80, search=False)
     assert "XLA:CPU without" not in text
+
+
+def test_the_kv_cache_is_planned_in_rollout_kv_cache_dtype():
+    # rollout.kv_cache_dtype (model.cache_dtype): a float32 model's bfloat16 cache is half the
+    # bytes, grouped and paged; "auto" on a bfloat16 model is bfloat16 for a GPU or TPU and
+    # float32 for XLA:CPU, as the native engine stores it there.
+    def planned(backend=None, **overrides):
+        return planner.from_run(_config(**overrides), model_name="tiny", backend=backend)
+
+    f32, half = planned(), planned(**{"rollout.kv_cache_dtype": "bfloat16"})
+    assert (f32.cfg.kv_cache_dtype, half.cfg.kv_cache_dtype) == ("float32", "bfloat16")
+    assert f32.kv_cache_bytes(8) == 2 * half.kv_cache_bytes(8) > 0
+    paged = {**_PAGED, "rollout.max_num_seqs": 32}
+    f32, half = planned(**paged), planned(**paged, **{"rollout.kv_cache_dtype": "bfloat16"})
+    assert f32.is_paged(64) and f32.pool_plan(64) == half.pool_plan(64)
+    assert f32.kv_cache_bytes(64) == 2 * half.kv_cache_bytes(64) > 0
+    bf16 = {"model.dtype": "bfloat16"}
+    assert planned(**bf16).cfg.kv_cache_dtype == "float32"
+    for backend in ("gpu", "tpu"):
+        assert planned(backend, **bf16).cfg.kv_cache_dtype == "bfloat16"
+        wide = planned(backend, **bf16, **{"rollout.kv_cache_dtype": "float32"})
+        assert wide.cfg.kv_cache_dtype == "float32"
 
 
 def test_a_tpu_topology_without_libtpu_names_what_to_install():

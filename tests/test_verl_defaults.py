@@ -100,6 +100,8 @@ OWN = (
     "rollout.num_devices", "rollout.vllm.",
     # vLLM's --num-gpu-blocks-override, which verl passes in engine_kwargs.vllm (a free dict)
     "rollout.num_gpu_blocks_override",
+    # vLLM's --kv-cache-dtype (not in verl's YAML), for the native engine
+    "rollout.kv_cache_dtype",
     # grpo_jax's multi-turn knobs (docs/rollouts.md), and verl <= 0.5's interactions (refused)
     "rollout.multi_turn.tool_timeout", "rollout.multi_turn.validate_tool_arguments",
     "rollout.multi_turn.interaction_config_path",

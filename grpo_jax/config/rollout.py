@@ -8,6 +8,7 @@ import shlex
 import typing
 
 from grpo_jax import loss, registry, sampler
+from grpo_jax import model as model_lib
 from grpo_jax.config.checks import Checks, positive
 from grpo_jax.rollout import vllm_pool, vllm_sidecar
 
@@ -197,6 +198,12 @@ class RolloutConfig:
     # (vLLM's recompute preemption; the tokens are the same). It must hold one row's full
     # length (prompt + response), else the first paged call fails naming this field.
     num_gpu_blocks_override: int | None = None
+    # What the native engine's KV cache (grouped or paged) stores (vLLM's --kv-cache-dtype;
+    # model.KV_CACHE_DTYPES): "auto" = the compute dtype (model.dtype), but float32 for a
+    # bfloat16 model on XLA:CPU, where bf16 dots over the cache decode slower (model.cache_dtype,
+    # docs/models.md); "bfloat16" halves the cache of a float32 model (its attention still
+    # computes in float32). The vLLM server's is its own: rollout.vllm.extra_args.
+    kv_cache_dtype: str = "auto"
     # verl's switch for the rollout to record each token's MoE experts (Rollout.routed_experts),
     # required by actor.router_replay.mode="R3" and refused with any other mode.
     enable_rollout_routing_replay: bool = False
@@ -221,6 +228,10 @@ class RolloutConfig:
         c.need(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2,
                "num_gpu_blocks_override", self.num_gpu_blocks_override,
                "must be >= 2 pages (one is the trash page) or None (a pool that never preempts)")
+        c.choice("kv_cache_dtype", self.kv_cache_dtype, model_lib.KV_CACHE_DTYPES)
+        c.need(self.kv_cache_dtype == "auto" or self.name == "jax", "kv_cache_dtype",
+               self.kv_cache_dtype, "is the native engine's (name='jax'); the vLLM server takes "
+               "--kv-cache-dtype in rollout.vllm.extra_args")  # fmt: skip
         c.need(self.num_devices == 0 or self.name == "jax", "num_devices", self.num_devices,
                "is for the native sampler (name='jax'); the vLLM server has its own devices")
         # Training divides the log-probs by the temperature, so the log-prob rule (> 0) applies

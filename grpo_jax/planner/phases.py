@@ -569,7 +569,8 @@ class Planner:
         slots = ((prompts * w.prompt_len + prompts * w.n * num_blocks * block)
                  / self.sample_shards(prompts))  # fmt: skip
         kv_heads = c.num_kv_heads / self.mesh.shape["tensor"]
-        return int(2 * c.num_layers * slots * kv_heads * c.head_dim * c.dtype.itemsize)
+        itemsize = model_lib.cache_dtype(c).itemsize  # from_run resolved "auto" for the backend
+        return int(2 * c.num_layers * slots * kv_heads * c.head_dim * itemsize)
 
     def sample_logits_bytes(self, prompts: int) -> int:
         return int(prompts * self.w.n / self.sample_shards(prompts) * self.cfg.vocab_size * 4)
@@ -767,8 +768,11 @@ def from_run(
         cfg,
         remat_policy=run.model.gradient_checkpointing_policy,
         attention_impl="blockwise" if stand_in_for else impl,
-        # "auto" resolved for the planned backend, not for the fake devices it compiles on.
-        kv_cache_dtype=model_lib.cache_dtype(cfg, backend).name,
+        # rollout.kv_cache_dtype; "auto" resolved for the planned backend, not for the fake
+        # devices it compiles on.
+        kv_cache_dtype=model_lib.cache_dtype(
+            dataclasses.replace(cfg, kv_cache_dtype=run.rollout.kv_cache_dtype), backend
+        ).name,
     )
     tx, _ = setup.make_optimizer(run, total_steps=1)
     # config.mesh.rules (None = sharding.LOGICAL_RULES) overrides the logical-axis rules.

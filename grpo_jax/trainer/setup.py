@@ -200,7 +200,7 @@ def make_engine(
     """
     if run.rollout.name == "jax":
         return engines.NativeEngine(
-            model_config,
+            dataclasses.replace(model_config, kv_cache_dtype=run.rollout.kv_cache_dtype),
             rollout_mesh or mesh,
             eos_ids=eos_ids,
             pad_id=pad_id,
