@@ -361,8 +361,8 @@ def test_planner_reads_the_seed_recipe():
     assert (w.prompts, w.n, w.mini_rows, w.prompt_len, w.response_len) == (1024, 5, 1280, 1024,
                                                                            2048)  # fmt: skip
     # Token budgets: rows of 1024 + 2048 = 3072 tokens (a multiple of 128), 8 a device.
-    assert (w.packed, w.tokens_per_device, w.row_len, p.packed_rows(24576)) == (True, 24576,
-                                                                                 3072, 64)  # fmt: skip
+    budget = (w.packed, w.tokens_per_device, w.row_len, p.packed_rows(24576))
+    assert budget == (True, 24576, 3072, 64)
     # 4 mini-batches per step (off-policy after the first): old log-probs; KL loss: reference.
     assert (w.needs_old, w.needs_ref, w.vllm, p.jax_share()) == (True, True, True, 0.4)
     # Every float32 parameter is split 8 ways over embed but the q/k norms ([36, 128] each, no
