@@ -141,30 +141,15 @@ def _per_step_ops(trace_dir: str, steps: int, top: int = 8) -> dict:
     `steps` decode steps: by op kind (numbered suffix dropped), and the `top` single op names
     (one name may stand for the same op of several phases' programs)."""
     import collections
-    import glob
-    import gzip
     import re
 
-    path = sorted(glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz")))
-    with gzip.open(path[-1]) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"
-                  and e.get("args", {}).get("hlo_module") == "jit__decode"]  # fmt: skip
-    by_thread = collections.defaultdict(list)
-    for e in events:
-        by_thread[e["tid"]].append(e)
-    child = collections.Counter()
-    for es in by_thread.values():
-        es.sort(key=lambda e: (e["ts"], -e["dur"]))
-        stack = []
-        for e in es:
-            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
-                stack.pop()
-            if stack:
-                child[id(stack[-1])] += e["dur"]
-            stack.append(e)
+    from bench_update import trace_self_times
+
     by_kind, by_op = collections.Counter(), collections.Counter()
-    for e in events:
-        ms = (e["dur"] - child[id(e)]) / 1e3 / steps
+    for e, us in trace_self_times(
+        trace_dir, lambda e: e.get("args", {}).get("hlo_module") == "jit__decode"
+    ):
+        ms = us / 1e3 / steps
         by_kind[re.sub(r"\.\d+$", "", e["name"])] += ms
         by_op[e["name"]] += ms
     return {"steps": steps, "total": round(sum(by_kind.values()), 1),

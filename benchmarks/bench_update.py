@@ -314,17 +314,16 @@ def main():
     print(json.dumps(report, indent=1))
 
 
-def _top_ops(trace_dir: str, top: int = 15) -> dict:
-    """Self time per XLA op kind (the numbered suffix dropped) in the newest trace."""
+def trace_self_times(trace_dir: str, keep) -> list[tuple[dict, float]]:
+    """(event, self time in us) of each complete event `keep(event)` accepts in the newest trace
+    under `trace_dir`: its duration less that of the events nested in it on its thread."""
     import collections
     import glob
     import gzip
-    import re
 
     path = sorted(glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz")))
     with gzip.open(path[-1]) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-    events = [e for e in events if not e["name"].startswith(("$", "Thunk", "Slinky", "end:"))]
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and keep(e)]
     by_thread = collections.defaultdict(list)
     for e in events:
         by_thread[(e["pid"], e["tid"])].append(e)
@@ -338,9 +337,19 @@ def _top_ops(trace_dir: str, top: int = 15) -> dict:
             if stack:
                 child[id(stack[-1])] += e["dur"]
             stack.append(e)
+    return [(e, e["dur"] - child[id(e)]) for e in events]
+
+
+def _top_ops(trace_dir: str, top: int = 15) -> dict:
+    """Self time per XLA op kind (the numbered suffix dropped) in the newest trace."""
+    import collections
+    import re
+
     total = collections.Counter()
-    for e in events:
-        total[re.sub(r"\.\d+$", "", e["name"])] += (e["dur"] - child[id(e)]) / 1e6
+    for e, us in trace_self_times(
+        trace_dir, lambda e: not e["name"].startswith(("$", "Thunk", "Slinky", "end:"))
+    ):
+        total[re.sub(r"\.\d+$", "", e["name"])] += us / 1e6
     return dict(total.most_common(top))
 
 
