@@ -89,10 +89,12 @@ def _worker_jax(args) -> dict:
     from grpo_jax.data import demo_task
     from grpo_jax.models import gguf as gguf_lib
     from grpo_jax.models import paged as paged_cache
-    from grpo_jax.rollout import paged
+    from grpo_jax.rollout import paged, paged_programs
 
     if args.attend_rows >= 0:
         paged_cache.ATTEND_ROWS = args.attend_rows
+    if args.no_cascade:  # the plain attention: every row gathers its prompt's pages itself
+        paged_programs.cascade = lambda *_: {"cascade_groups": 0, "cascade_rows": 0}
     gguf = demo_task.smollm2_gguf()
     cfg, params = model.load_gguf(gguf)
     tok = gguf_lib.load_tokenizer(gguf)
@@ -101,6 +103,7 @@ def _worker_jax(args) -> dict:
 
     num_pages = _pool_pages(cfg, args.kv_cache_gib) if args.max_num_seqs else None
     steps = []  # the paged engine's decode steps, call by call
+    cascaded = []  # and those of them in the cascade attention
     pages = []  # and its pool's pages
 
     def call(seed, compaction=True):
@@ -113,6 +116,7 @@ def _worker_jax(args) -> dict:
                                      max_num_seqs=args.max_num_seqs, stats=stats,
                                      num_pages=num_pages, **kw)
             steps.append(stats["decode_steps"])
+            cascaded.append(stats["cascade_steps"])
             pages.append(stats["num_pages"])
         else:
             out = sampler.sample(cfg, params, ids, mask, jax.random.key(seed),
@@ -140,6 +144,7 @@ def _worker_jax(args) -> dict:
         "work": work,
         "pool_pages": pages[-1] if pages else None,
         "attend_rows": paged_cache.ATTEND_ROWS,
+        "cascade_steps": cascaded[1:],
     }
 
 
@@ -261,7 +266,8 @@ def _spawn(worker, args, hf_dir, python=sys.executable) -> dict:
            f"--repeats={args.repeats}", f"--vllm-python={args.vllm_python}",
            f"--omp-bind={args.omp_bind}", f"--prompts_file={args.prompts_file}",
            f"--max-num-seqs={args.max_num_seqs}",
-           f"--kv-cache-gib={args.kv_cache_gib}", f"--attend-rows={args.attend_rows}"]  # fmt: skip
+           f"--kv-cache-gib={args.kv_cache_gib}", f"--attend-rows={args.attend_rows}",
+           *(["--no-cascade"] if args.no_cascade else [])]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=REPO)
     env.pop("XLA_FLAGS", None)
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
@@ -296,6 +302,9 @@ def main():
     p.add_argument("--attend-rows", type=int, default=-1,
                    help="the paged engine's XLA attention over this many rows at a time "
                         "(models.paged.ATTEND_ROWS; 0: all rows at once); -1: the engine's")
+    p.add_argument("--no-cascade", action="store_true",
+                   help="the paged engine's plain XLA attention (each row reads its group's "
+                        "prompt pages itself), not the cascade form")
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--no-vllm", action="store_true")
     p.add_argument("--vllm-python", default=os.environ.get("GRPO_JAX_VLLM_PYTHON", ""))
@@ -364,8 +373,10 @@ def main():
         pages = runs["grpo_jax"][-1]["pool_pages"]
         rows = runs["grpo_jax"][-1]["attend_rows"]  # chunks only when more slots than that
         rows = rows if 0 < rows < args.max_num_seqs else "all"
+        cascaded = runs["grpo_jax"][-1]["cascade_steps"]
         engine = (f"paged, max_num_seqs={args.max_num_seqs}, {pages} pages, "
-                  f"attention over {rows} rows at a time")
+                  f"attention over {rows} rows at a time, "
+                  + ("plain" if args.no_cascade else f"cascade on {cascaded} decode steps"))
     out = {
         "benchmark": "rollout (real shape)",
         "workload": {"model": "SmolLM2-135M-Instruct fp32", "prompts": args.prompts, "n": args.n,

@@ -116,6 +116,12 @@ def test_the_rollout_is_sampler_samples_whatever_the_schedule(
     assert stats["prefill_tokens"] == int(np.sum(lengths - 1))
     assert stats["peak_rows"] <= min(seqs, 18)
     assert stats["peak_pages"] <= stats["num_pages"] - 1
+    # The CPU's XLA attention ran in the cascade form (groups of n rows read their shared
+    # prompt pages once) on the steps where the groups in flight fit (all, with every row in
+    # flight), the plain form on the others.
+    assert 0 < stats["cascade_steps"] <= stats["decode_steps"]
+    if seqs >= 18:
+        assert stats["cascade_steps"] == stats["decode_steps"]
     mask_out = np.asarray(out.response_mask)
     assert (mask_out.sum(axis=1) < 20).any() and (mask_out.sum(axis=1) == 20).any()
 
@@ -283,6 +289,92 @@ def test_the_attention_in_chunks_of_rows_is_the_attention_of_all_rows(tiny, T):
             numerics.assert_close(x, x_all, ulps=4, err_msg=f"rows={rows}")
             for a, b in zip(jax.tree.leaves(pool_rows), jax.tree.leaves(pool_all)):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _cascade_case(config, B=8, Mp=2, Mo=4, P=4, seed=0):
+    """A decode step over a random pool: rows 0-2 share prompt pages (6 slots), rows 3-4
+    others (8 slots, the prompt ending on a page boundary), row 5 a one-row group (3 slots),
+    row 6 is idle and row 7 has no shared slots; each row's own pages follow."""
+    rng = np.random.default_rng(seed)
+    pool = paged_model.init_pool(config, 1 + 4 * Mp + B * Mo, P)
+    pool = paged_model.KVPool(
+        k=tuple(jnp.asarray(rng.standard_normal(k.shape), k.dtype) for k in pool.k),
+        v=tuple(jnp.asarray(rng.standard_normal(v.shape), v.dtype) for v in pool.v),
+    )
+    group = np.array([0, 0, 0, 1, 1, 2, 3, 3])
+    shared_len = np.array([6, 6, 6, 8, 8, 3, 0, 0])
+    own_len = np.array([1, 5, 16, 9, 2, 12, 0, 7])
+    table = np.zeros((B, Mp + Mo), np.int32)
+    own = 1 + 4 * Mp + rng.permutation(B * Mo).reshape(B, Mo)
+    for b in range(B):
+        table[b, :Mp] = 1 + group[b] * Mp + np.arange(Mp)
+        table[b, Mp:] = own[b]
+    spans = paged_model.paged_kernel.Spans(
+        jnp.asarray(shared_len, jnp.int32), jnp.full((B,), Mp, jnp.int32),
+        jnp.asarray(own_len, jnp.int32),
+    )  # fmt: skip
+    w = Mp * P + np.maximum(own_len - 1, 0)  # the fed token's logical slot
+    write_page = np.where(own_len > 0, table[np.arange(B), w // P], paged_model.TRASH_PAGE)
+    args = (jnp.asarray(rng.integers(4, config.vocab_size, (B, 1)), jnp.int32),
+            jnp.asarray(shared_len + own_len, jnp.int32)[:, None],
+            jnp.asarray(write_page, jnp.int32)[:, None], jnp.asarray(w % P, jnp.int32)[:, None],
+            jnp.asarray(table))  # fmt: skip
+    return pool, spans, args
+
+
+def test_rows_are_grouped_by_their_shared_pages(tiny):
+    """`group_rows` puts the rows that share a first page in one group, one place each; the
+    idle row and the row with no shared slots in none."""
+    config, _ = tiny
+    _, spans, args = _cascade_case(config)
+    table = args[-1]
+    groups = paged_model.group_rows(table, spans, 4, groups=3, members=3)
+    assert bool(groups.use) and int(groups.own_pages) == 4
+    members, slot = np.asarray(groups.members_GN), np.asarray(groups.slot_B)
+    assert sorted(sorted(r for r in g if r < 8) for g in members.tolist()) == [
+        [0, 1, 2], [3, 4], [5]]
+    for b in range(8):  # each grouped row sits where its slot says, the others nowhere
+        assert (slot[b] < 9) == (b < 6)
+        if b < 6:
+            assert members.reshape(-1)[slot[b]] == b
+    # Too few groups or too few members a group: the plain attention runs.
+    assert not bool(paged_model.group_rows(table, spans, 4, groups=2, members=3).use)
+    assert not bool(paged_model.group_rows(table, spans, 4, groups=3, members=2).use)
+
+
+def test_the_cascade_attention_is_the_attention_of_each_rows_pages(tiny):
+    """The cascade form (each group's prompt pages once for its rows' queries, merged with
+    each row's own pages by log-sum-exp) gives every row the plain attention's output up to
+    float rounding (rows in flight; so are the keys and values the later layers write), with
+    and without page buckets and chunks of rows; where the groups do not fit it runs the plain
+    attention itself (bit for bit)."""
+    config, params = tiny
+    dparams = model.decode_params(config, params)
+    pool, spans, args = _cascade_case(config)
+    table = args[-1]
+    used = jnp.asarray(6, jnp.int32)
+    run = jax.jit(functools.partial(paged_model.paged_forward, config, spans=spans),
+                  static_argnames=("attend_rows", "shared_pages"))  # fmt: skip
+    for pages_used, rows in ((None, 0), (used, 0), (used, 3)):
+        x_plain, pool_plain = run(dparams, pool, *args, pages_used=pages_used, attend_rows=rows)
+        for G, N, fits in ((3, 3, True), (8, 4, True), (2, 3, False)):
+            groups = paged_model.group_rows(table, spans, 4, groups=G, members=N)
+            x, pool_out = run(dparams, pool, *args, pages_used=pages_used, attend_rows=rows,
+                              groups=groups, shared_pages=2)  # fmt: skip
+            pools = [(np.asarray(a), np.asarray(b))
+                     for a, b in zip(jax.tree.leaves(pool_out), jax.tree.leaves(pool_plain))]
+            if fits:  # the idle row 6 attends to nothing: its output is never used, its
+                # writes go to the trash page
+                live = np.asarray(spans.own_len_B) > 0
+                numerics.assert_close(x[:, live], x_plain[:, live], ulps=8,
+                                      err_msg=f"{G}x{N}, rows={rows}")  # fmt: skip
+                trash = paged_model.TRASH_PAGE
+                for a, b in pools:
+                    numerics.assert_close(np.delete(a, trash, 0), np.delete(b, trash, 0), ulps=8)
+            else:
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(x_plain))
+                for a, b in pools:
+                    np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("schedule", ["all rows at once", "5 slots, chunks of 16"])

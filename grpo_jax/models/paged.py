@@ -19,7 +19,10 @@ each row's two runs of slots (`paged_kernel.Spans`, the shared prompt and the ro
 needs the pool in its layout, `init_pool(layout="pallas")`; prefill chunks run "xla" on either
 layout. `rollout/paged.py` picks one per platform (`paged_kernel.resolve`).
 
-The XLA attention gathers a copy of every page it reads (docs/rollouts.md measures it). With
+The XLA attention gathers a copy of every page it reads (docs/rollouts.md measures it). In a
+decode step given `groups` it runs in the cascade form (`Groups`): a GRPO group's n rows read
+their shared prompt pages through one gather, with all n rows' queries in one product, instead
+of n gathers of the same pages. With
 many rows in flight it runs over `attend_rows` rows at a time (a `lax.scan` over chunks of the
 batch, the last one padded with masked rows of the trash page), so each chunk gathers and reads
 back a few MiB instead of tens. A row's attention is the same computation either way
@@ -109,6 +112,52 @@ def pool_bytes(config: config_lib.ModelConfig, num_pages: int, page_size: int, d
     return num_pages * page_size * per_slot
 
 
+@flax.struct.dataclass
+class Groups:
+    """A decode step's rows grouped by the prompt pages they share (`group_rows`), for the
+    cascade form of the XLA attention: each group's shared prompt slots are gathered once and
+    attended by all its rows' queries together, each row's own slots alone, and the two merge
+    by their log-sum-exps (the cascade attention of FlashInfer and vLLM V1).
+
+    Attributes:
+      members_GN: int32 [G, N], the rows of each group (B: no row).
+      slot_B: int32 [B], each row's index in members_GN flattened (G * N: none; the row has
+        no shared slots).
+      use: bool scalar, whether the cascade runs: every row with shared slots has a place,
+        and a group's rows share their slots' count (else the plain attention runs).
+      own_pages: int32 scalar, the most own pages any row reads (the own part's page bucket).
+    """
+
+    members_GN: jax.Array
+    slot_B: jax.Array
+    use: jax.Array
+    own_pages: jax.Array
+
+
+def group_rows(page_table_BM, spans: paged_kernel.Spans, page_size: int, *, groups: int,
+               members: int) -> Groups:  # fmt: skip
+    """Rows with shared slots (`spans.shared_len_B` > 0) grouped by their first page, at
+    most `groups` groups of `members` rows (`use` is False if they do not fit)."""
+    B = page_table_BM.shape[0]
+    G, N = groups, members
+    has_B = spans.shared_len_B > 0
+    key_B = jnp.where(has_B, page_table_BM[:, 0], jnp.iinfo(jnp.int32).max)
+    order = jnp.argsort(key_B, stable=True)
+    key, has, shared_len = key_B[order], has_B[order], spans.shared_len_B[order]
+    i = jnp.arange(B, dtype=jnp.int32)
+    new = has & ((i == 0) | (key != jnp.roll(key, 1)))
+    gid = jnp.cumsum(new, dtype=jnp.int32) - 1
+    start = jnp.full((B + 1,), B, jnp.int32).at[jnp.where(new, gid, B)].set(i)[:B]
+    head = start[jnp.clip(gid, 0, B - 1)]
+    rank = i - head
+    use = (jnp.sum(new) <= G) & jnp.all(~has | ((rank < N) & (shared_len == shared_len[head])))
+    slot = jnp.where(has & (gid < G) & (rank < N), gid * N + rank, G * N)
+    slot_B = jnp.zeros((B,), jnp.int32).at[order].set(slot)
+    members_GN = jnp.full((G * N + 1,), B, jnp.int32).at[slot_B].set(i)[: G * N].reshape(G, N)
+    own_B = jnp.where(spans.own_len_B > 0, -(-spans.own_len_B // page_size), 1)
+    return Groups(members_GN, slot_B, use, jnp.max(own_B))
+
+
 def paged_forward(
     config: config_lib.ModelConfig,
     params: decode.DecodeParams,
@@ -126,6 +175,8 @@ def paged_forward(
     interpret: bool | None = None,
     routing: bool = False,
     attend_rows: int = 0,
+    groups: Groups | None = None,
+    shared_pages: int = 0,
 ):
     """T tokens of each of B sequences through the model over the paged cache.
 
@@ -153,6 +204,10 @@ def paged_forward(
       attend_rows: the XLA attention runs over chunks of this many sequences when B is larger
         (module doc; `rollout/paged.py` passes ATTEND_ROWS on the CPU); 0: all B at once.
         The result does not depend on it.
+      groups: a decode step's (T = 1, "xla", given `spans`) rows grouped by their shared
+        prompt pages (`group_rows`): where `groups.use`, the attention runs in the cascade
+        form (`Groups`), reading each group's first `shared_pages` pages once. The same
+        attention up to float rounding (two softmax parts merged instead of one).
 
     Returns:
       (x_DX, pool): the final residual stream feature-major, [D, B * T] (row-major over (B, T);
@@ -174,6 +229,13 @@ def paged_forward(
             "the Pallas kernel runs decode steps (T = 1) given spans over a layout='pallas' "
             f"pool; got T={T}, spans={'given' if spans is not None else None}, "
             f"layout={pool.layout!r}"
+        )
+    if groups is not None and (attention != "xla" or spans is None or T != 1
+                               or not 0 < shared_pages <= M):  # fmt: skip
+        raise ValueError(
+            "groups (the cascade attention) are for XLA decode steps (T = 1) given spans and "
+            f"0 < shared_pages <= {M}; got attention={attention!r}, T={T}, "
+            f"shared_pages={shared_pages}"
         )
     if key_valid_BTS is None:
         if spans is None or T != 1:
@@ -229,15 +291,28 @@ def paged_forward(
         dt = decode.attention_dtype(c, k_pool.dtype)
         attend = functools.partial(_attend_first, pool.layout, P, dt, attend_rows)
         q_BKQH = q_BKQH.astype(dt)
-        if pages_used is None:
-            o_BKTRH = attend(M, q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS)
-        else:  # only the first pages any sequence uses: a branch per bucket of page counts
+
+        def plain(q_BKQH, k_pool, v_pool):
+            # With groups, the plain form is the rare step's whose groups do not fit: one
+            # branch over every page (half the program to compile, not another bucket set).
+            if pages_used is None or groups is not None:
+                return attend(M, q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS)
+            # Only the first pages any sequence uses: a branch per bucket of page counts.
             buckets = page_buckets(M)
-            branches = [functools.partial(attend, m) for m in buckets]
-            o_BKTRH = jax.lax.switch(
-                jnp.searchsorted(jnp.asarray(buckets, jnp.int32), pages_used), branches,
+            return jax.lax.switch(
+                jnp.searchsorted(jnp.asarray(buckets, jnp.int32), pages_used),
+                [functools.partial(attend, m) for m in buckets],
                 q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS,
             )  # fmt: skip
+
+        if groups is None:
+            o_BKTRH = plain(q_BKQH, k_pool, v_pool)
+        else:
+            cascade = functools.partial(
+                _attend_cascade, pool.layout, P, dt, attend_rows, shared_pages, page_table_BM,
+                spans, groups,
+            )  # fmt: skip
+            o_BKTRH = jax.lax.cond(groups.use, cascade, plain, q_BKQH, k_pool, v_pool)
         # [B, K, T, R, H] -> [N * H, B * T]
         o_XX = o_BKTRH.transpose(1, 3, 4, 0, 2).reshape(N * H, X)
         x_DX = out_mlp(w, x_DX, o_XX)
@@ -260,13 +335,14 @@ def page_buckets(num_pages: int) -> tuple[int, ...]:
 
 
 def _attend_first(layout: str, P: int, dt, rows: int, m: int, q_BKQH, k_pool, v_pool,
-                  page_table_BM, key_valid_BTS):  # fmt: skip
-    """`_attend_pages` over the first m pages (of P slots) of the tables, `rows` sequences at
-    a time (all at once if rows is 0 or at least B)."""
+                  page_table_BM, key_valid_BTS, *, partial: bool = False):  # fmt: skip
+    """`_attend_pages` (`_partials` if `partial`) over the first m pages (of P slots) of the
+    tables, `rows` sequences at a time (all at once if rows is 0 or at least B)."""
+    attend = _partials if partial else _attend_pages
     page_table_BM, key_valid_BTS = page_table_BM[:, :m], key_valid_BTS[..., : m * P]
     B = q_BKQH.shape[0]
     if not rows or B <= rows:
-        return _attend_pages(layout, q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS, dt)
+        return attend(layout, q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS, dt)
     n = -(-B // rows)  # chunks; the last one padded with rows of the trash page, all masked
 
     def chunks(x):
@@ -275,15 +351,66 @@ def _attend_first(layout: str, P: int, dt, rows: int, m: int, q_BKQH, k_pool, v_
 
     def chunk(_, xs):
         q, table, valid = xs
-        return None, _attend_pages(layout, q, k_pool, v_pool, table, valid, dt)
+        return None, attend(layout, q, k_pool, v_pool, table, valid, dt)
 
     _, o = jax.lax.scan(chunk, None, (chunks(q_BKQH), chunks(page_table_BM), chunks(key_valid_BTS)))
-    return o.reshape(n * rows, *o.shape[2:])[:B]
+    return jax.tree.map(lambda x: x.reshape(n * rows, *x.shape[2:])[:B], o)
+
+
+def _attend_cascade(layout: str, P: int, dt, rows: int, shared_pages: int, page_table_BM,
+                    spans: paged_kernel.Spans, groups: Groups, q_BKQH, k_pool, v_pool):  # fmt: skip
+    """A decode step's attention (T = 1) in two parts merged by their log-sum-exps: each
+    group's first `shared_pages` pages (its prompt) gathered once for the queries of all its
+    rows, and each row's own slots (`spans`); float32 [B, K, 1, R, H] (`Groups`)."""
+    B, K, R, H = q_BKQH.shape
+    G, N = groups.members_GN.shape
+    M = page_table_BM.shape[1]
+    lowest = jnp.finfo(jnp.float32).min
+    # The shared part: a group's rows' queries [G, K, N * R, H] over its prompt slots.
+    first_G = jnp.minimum(groups.members_GN[:, 0], B - 1)
+    shared_G = jnp.where(groups.members_GN[:, 0] < B, spans.shared_len_B[first_G], 0)
+    valid_G1S = (jnp.arange(shared_pages * P)[None] < shared_G[:, None])[:, None]
+    q_GNKRH = jnp.concatenate([q_BKQH, jnp.zeros_like(q_BKQH[:1])])[groups.members_GN]
+    q_GKQH = q_GNKRH.transpose(0, 2, 1, 3, 4).reshape(G, K, N * R, H)
+    parts = _partials(layout, q_GKQH, k_pool, v_pool, page_table_BM[first_G, :shared_pages],
+                      valid_G1S, dt)  # fmt: skip
+
+    def to_rows(x_GK1QY, pad):  # [G, K, 1, N * R, Y] -> each row's [B, K, 1, R, Y]
+        Y = x_GK1QY.shape[-1]
+        x = x_GK1QY.reshape(G, K, N, R, Y).transpose(0, 2, 1, 3, 4).reshape(G * N, K, R, Y)
+        x = jnp.concatenate([x, jnp.full_like(x[:1], pad)])[groups.slot_B]
+        return x[:, :, None]
+
+    m_p, l_p, o_p = to_rows(parts[0], lowest), to_rows(parts[1], 0.0), to_rows(parts[2], 0.0)
+    # The own part: each row's pages from own_start on, its first own_len slots.
+    own_BM = jnp.take_along_axis(
+        page_table_BM, jnp.minimum(spans.own_start_B[:, None] + jnp.arange(M)[None], M - 1), 1
+    )
+    own_B1S = (jnp.arange(M * P)[None] < spans.own_len_B[:, None])[:, None]
+    buckets = page_buckets(M)
+    attend = functools.partial(_attend_first, layout, P, dt, rows, partial=True)
+    m_r, l_r, o_r = jax.lax.switch(
+        jnp.searchsorted(jnp.asarray(buckets, jnp.int32), groups.own_pages),
+        [functools.partial(attend, m) for m in buckets],
+        q_BKQH, k_pool, v_pool, own_BM, own_B1S,
+    )  # fmt: skip
+    m = jnp.maximum(m_p, m_r)
+    a_p, a_r = jnp.exp(m_p - m), jnp.exp(m_r - m)
+    return (o_p * a_p + o_r * a_r) / (l_p * a_p + l_r * a_r)
 
 
 def _attend_pages(layout: str, q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS, dt):
     """Softmax attention of q [B, K, T*R, H] over the pages of each sequence's table (gathered
     from a pool in `layout`), where `key_valid_BTS` admits; float32 [B, K, T, R, H]."""
+    m, l, o = _partials(layout, q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS, dt)
+    return o / l
+
+
+def _partials(layout: str, q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS, dt):
+    """`_attend_pages` before the division: (m, l, o), float32 [B, K, T, R, 1], [.., 1] and
+    [.., H]: each query's largest admitted score, the sum of exp(score - m) over the admitted
+    slots, and the values weighted by those (a query that admits no slot: m = the float32
+    minimum, and every slot weighs 1)."""
     B, K, Q, H = q_BKQH.shape
     T, S = key_valid_BTS.shape[1], key_valid_BTS.shape[2]
     # The sequences' pages, gathered, as [B, K, H, S] keys and [B, K, S, H] values.
@@ -302,6 +429,5 @@ def _attend_pages(layout: str, q_BKQH, k_pool, v_pool, page_table_BM, key_valid_
     )  # fmt: skip
     m = jnp.max(s_BKTRS, axis=-1, keepdims=True)
     e = jnp.exp(s_BKTRS - m)
-    return jnp.einsum(
-        "bktrs,bksh->bktrh", e.astype(dt), v_BKSH, preferred_element_type=jnp.float32
-    ) / jnp.sum(e, axis=-1, keepdims=True)
+    o = jnp.einsum("bktrs,bksh->bktrh", e.astype(dt), v_BKSH, preferred_element_type=jnp.float32)
+    return m, jnp.sum(e, axis=-1, keepdims=True), o

@@ -528,7 +528,7 @@ class Planner:
         fn, inputs = paged.peak_program(
             self.cfg, self.pool_plan(prompts, max_num_seqs), shards=shards,
             shard_axes=self._sample_rows(prompts)[0] if shards > 1 else None,
-            max_new_tokens=self.w.response_len, attention=self.paged_attention(),
+            max_new_tokens=self.w.response_len, attention=self.paged_attention(), n=self.w.n,
         )  # fmt: skip
 
         def call(p, r, *args):

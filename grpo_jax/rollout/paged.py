@@ -121,7 +121,12 @@ so no transpose on the hot path). XLA cannot partition a Pallas call, so the ker
 collective. A row's keys are two runs of its table (the shared prompt slots, whose last page
 is partly filled, then its own), so the kernel runs once per run and the two merge by
 log-sum-exp. Prefill chunks, GPUs, CPUs and float32 pools take the XLA attention, which
-gathers each row's pages. The kernel is tested on the CPU in Pallas interpret mode
+gathers the pages it reads. In a decode step it runs in the cascade form (`models.paged.Groups`,
+`paged_programs.cascade`; n > 1): the rows in flight are grouped by their shared prompt pages,
+each group's prompt pages are gathered once and attended by all its rows' queries together,
+each row's own pages alone, and the two parts merge by log-sum-exp; a step whose groups do not
+fit the program's (more groups in flight than twice S / n) runs the plain form, every row
+gathering its whole table. The kernel is tested on the CPU in Pallas interpret mode
 (tests/test_paged_kernel.py): its decode attention equals the XLA one over the pool rounded to
 bfloat16 (the kernel reads K and V as bfloat16) within float32 rounding, and a greedy
 `sample_paged` call gives the XLA path's tokens, on one device and over data shards and a
@@ -261,7 +266,8 @@ def sample_paged(
     st = Settings(config, max_new_tokens, float(temperature), float(top_p), int(top_k),
                    eos_token_ids, int(pad_token_id), logprobs_mode, axes, attention,
                    record_routing=bool(record_routing),
-                   attend_rows=paged.ATTEND_ROWS if jax.default_backend() == "cpu" else 0)
+                   attend_rows=paged.ATTEND_ROWS if jax.default_backend() == "cpu" else 0,
+                   **paged_programs.cascade(attention, plan, n))
     run = Schedule(st, plan, prompts, n, segment_steps, shards, mesh, turns, finished)
     programs = paged_programs.programs()
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():

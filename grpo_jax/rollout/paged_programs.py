@@ -51,6 +51,11 @@ class Settings:
     # `models.paged.ATTEND_ROWS` on the CPU (its module doc has the measurements); 0 on
     # accelerators and in the planner's program.
     attend_rows: int = 0
+    # The cascade form of the XLA decode attention (`models.paged.Groups`): at most
+    # `cascade_groups` groups in flight of `cascade_rows` rows each (the rollout's n) read
+    # their shared prompt pages once per group; 0: off (the Pallas kernel; n = 1).
+    cascade_groups: int = 0
+    cascade_rows: int = 0
 
 
 @flax.struct.dataclass
@@ -121,9 +126,28 @@ def _over_shards(st: Settings, fn, in_axes=0):
     return call
 
 
-def _step(st: Settings, dparams, pages_used, pool, s: PagedState):
-    """One decode step of one shard's slots (fields without the D axis). Returns (pool, s,
-    the rows that finished)."""
+def _spans(s: PagedState) -> paged_kernel.Spans:
+    """The slots each of a shard's slots attends to in a decode step: its group's shared
+    prompt slots [0, prompt_len) and its own slots up to the fed token's; not a prefix of the
+    table (the last shared page is filled only up to prompt_len), so two runs. Idle: none."""
+    zero = jnp.zeros_like(s.plen_DS)
+    return paged_kernel.Spans(
+        shared_len_B=jnp.where(s.active_DS, s.prompt_len_DS, zero),
+        own_start_B=s.prompt_pages_DS,
+        own_len_B=jnp.where(s.active_DS, s.plen_DS + 1, zero),
+    )
+
+
+def _groups(st: Settings, P: int, s: PagedState) -> paged.Groups:
+    """A shard's slots grouped by their shared prompt pages (the cascade attention's)."""
+    return paged.group_rows(s.page_table_DSM, _spans(s), P, groups=st.cascade_groups,
+                            members=st.cascade_rows)  # fmt: skip
+
+
+def _step(st: Settings, shared_pages: int, dparams, pages_used, groups, pool, s: PagedState):
+    """One decode step of one shard's slots (fields without the D axis), given the cascade
+    attention's `groups` over the tables' first `shared_pages` pages (or None). Returns
+    (pool, s, the rows that finished)."""
     P = pool.page_size
     B, R = s.ids_DBR.shape
     eos = jnp.asarray(st.eos_token_ids, jnp.int32)
@@ -133,20 +157,11 @@ def _step(st: Settings, dparams, pages_used, pool, s: PagedState):
         s.active_DS, jnp.take_along_axis(s.page_table_DSM, (w_S // P)[:, None], 1)[:, 0],
         paged.TRASH_PAGE,
     )  # fmt: skip
-    # The slots the row attends to: its group's shared prompt slots [0, prompt_len) and its
-    # own slots up to the fed token's; not a prefix of the table (the last shared page is
-    # filled only up to prompt_len), so two runs (`paged_kernel.Spans`).
-    zero = jnp.zeros_like(s.plen_DS)
-    spans = paged_kernel.Spans(
-        shared_len_B=jnp.where(s.active_DS, s.prompt_len_DS, zero),
-        own_start_B=s.prompt_pages_DS,
-        own_len_B=jnp.where(s.active_DS, s.plen_DS + 1, zero),
-    )
     x_DS, pool, *experts = paged.paged_forward(
         st.config, dparams, pool, s.tok_DS[:, None], s.pos_DS[:, None], page_S[:, None],
-        (w_S % P)[:, None], s.page_table_DSM, None, pages_used, spans=spans,
+        (w_S % P)[:, None], s.page_table_DSM, None, pages_used, spans=_spans(s),
         attention=st.attention, interpret=st.interpret, routing=st.record_routing,
-        attend_rows=st.attend_rows,
+        attend_rows=st.attend_rows, groups=groups, shared_pages=shared_pages,
     )  # fmt: skip
     if st.record_routing:
         # The fed token is the prompt's last (t = 0, prompt column Tb - 1) or the response's
@@ -189,29 +204,45 @@ def _decode(st: Settings, dparams, pool, state: PagedState, page_table_DSM, max_
     max_steps, no live slot, or a shard has refill_at_D rows finished (its waiting rows can
     start). The host grows the tables so that max_steps steps never write past them.
 
-    Returns (pool, state, the steps taken)."""
+    Returns (pool, state, int32 [2]: the steps taken, and those of them that ran the cascade
+    attention)."""
     P = pool.page_size
     state = dataclasses.replace(state, page_table_DSM=page_table_DSM)
 
     def cond(carry):
-        _, state, steps, finished_D = carry
+        _, state, (steps, _), finished_D = carry
         return (steps < max_steps) & jnp.any(state.active_DS) & jnp.all(finished_D < refill_at_D)
 
-    step = _over_shards(st, functools.partial(_step, st), in_axes=(None, None, 0, 0))
+    # The tables' first pages hold the shared prompts (PoolPlan.prompt_pages), then a full
+    # response's pages.
+    shared_pages = page_table_DSM.shape[-1] - -(-state.ids_DBR.shape[-1] // P)
+    cascade = bool(st.cascade_groups) and shared_pages > 0
+    # The branch and bucket choices (pages used; whether the cascade's groups fit) are one
+    # for all shards: a choice vmapped over D would run every branch.
+    groups_axes = paged.Groups(0, 0, None, None) if cascade else None
+    step = _over_shards(st, functools.partial(_step, st, shared_pages),
+                        in_axes=(None, None, groups_axes, 0, 0))  # fmt: skip
+    group = _over_shards(st, functools.partial(_groups, st, P))
 
     def body(carry):
-        pool, s, steps, finished_D = carry
+        pool, s, (steps, cascaded), finished_D = carry
         # How many leading pages any row of any shard reads (one attention bucket for all).
         w_DS = s.prompt_pages_DS * P + s.plen_DS
         pages_used = jnp.max(jnp.where(s.active_DS, w_DS // P + 1, 1))
-        pool, s, done_D = step(dparams, pages_used, pool, s)
-        return pool, s, steps + 1, finished_D + done_D
+        groups = None
+        if cascade:
+            g = group(s)
+            groups = paged.Groups(g.members_GN, g.slot_B, jnp.all(g.use), jnp.max(g.own_pages))
+            cascaded = cascaded + groups.use.astype(jnp.int32)
+        pool, s, done_D = step(dparams, pages_used, groups, pool, s)
+        return pool, s, (steps + 1, cascaded), finished_D + done_D
 
     finished = jnp.zeros_like(refill_at_D)
+    zero = jnp.int32(0)
     pool, state, steps, _ = jax.lax.while_loop(
-        cond, body, (pool, state, jnp.int32(0), finished)
+        cond, body, (pool, state, (zero, zero), finished)
     )
-    return pool, state, steps
+    return pool, state, jnp.stack(steps)
 
 
 def _prefill_shard(st: Settings, dparams, pool, tokens_GC, pos_GC, valid_GC, page_table_GM,
@@ -384,20 +415,32 @@ def _outputs(state: PagedState):
                  for x in (state.ids_DBR, state.mask_DBR, state.log_probs_DBR)) + (routing,)
 
 
+def cascade(attention: str, plan: PoolPlan, n: int) -> dict[str, int]:
+    """The cascade attention's sizes (`Settings.cascade_groups` / `cascade_rows`) for a call:
+    with the XLA attention and groups of n > 1 rows, room for the groups that S slots hold
+    when every group has all its n rows in flight, and twice that (rows of groups that run
+    longer than their siblings keep their group in flight); otherwise off."""
+    if attention != "xla" or n < 2:
+        return {"cascade_groups": 0, "cascade_rows": 0}
+    return {"cascade_groups": min(plan.max_num_seqs, 2 * -(-plan.max_num_seqs // n)),
+            "cascade_rows": n}
+
+
 def peak_program(config: model_lib.ModelConfig, plan: PoolPlan, *, shards: int,
                  shard_axes: tuple[str, ...] | None, max_new_tokens: int,
-                 attention: str = "xla"):  # fmt: skip
+                 attention: str = "xla", n: int = 1):  # fmt: skip
     """What a `sample_paged` call holds on the devices at once, as one function for the
     memory planner (grpo_jax/planner/ compiles it on abstract inputs): the decode weights, D
     pools and slot states, one prefill call, one admission and one decode segment. `attention`
     "pallas" plans the TPU kernel (compiled, not interpreted: for a TPU compile from any
-    backend).
+    backend). `n`: the rows of a group (the cascade attention's, `cascade`).
 
     Returns (fn, inputs): fn(params, rng, *inputs) and the (shape, dtype) of each input, each
     with the leading shard axis D but the last (a decode segment's step limit, a scalar).
     """
     st = Settings(config, max_new_tokens, 1.0, 1.0, -1, (0,), 0, "processed_logprobs",
-                   shard_axes, attention, interpret=False if attention == "pallas" else None)
+                   shard_axes, attention, interpret=False if attention == "pallas" else None,
+                   **cascade(attention, plan, n))
     D, S, G, C = shards, plan.max_num_seqs, plan.chunk_rows, plan.chunk
     Mp, M = plan.prompt_pages, plan.prompt_pages + plan.response_pages
     i32 = np.int32

@@ -413,8 +413,9 @@ class Schedule:
         per = len(prompts) // shards
         self.shards = [Shard(st, plan, prompts[d * per : (d + 1) * per], n, d * per,
                               segment_steps) for d in range(shards)]  # fmt: skip
-        self.counts = {"decode_calls": 0, "decode_steps": 0, "prefill_calls": 0,
-                       "admit_calls": 0, "append_calls": 0}  # fmt: skip
+        # cascade_steps: decode steps that ran the cascade attention (Settings.cascade_groups)
+        self.counts = {"decode_calls": 0, "decode_steps": 0, "cascade_steps": 0,
+                       "prefill_calls": 0, "admit_calls": 0, "append_calls": 0}  # fmt: skip
         # ("prefill", groups) / ("admit", rows) / ("decode", steps), and with turns ("pause",
         # rows) / ("resume", rows) / ("finish", rows), in order; groups and rows of the call
         self.trace: list[tuple[str, object]] = []
@@ -593,12 +594,13 @@ class Schedule:
             refill_at = np.asarray([1 if self.turns is not None else sh.refill_at()
                                     for sh in shards], np.int32)  # fmt: skip
             tables = np.stack([sh.tables for sh in shards])
-            pool, state, taken = programs["decode"](
+            pool, state, (taken, cascaded) = programs["decode"](
                 self.st, dparams, pool, state, *self._put([tables]), jnp.int32(steps),
                 *self._put([refill_at]),
             )  # fmt: skip
             self.counts["decode_calls"] += 1
             self.counts["decode_steps"] += int(taken)
+            self.counts["cascade_steps"] += int(cascaded)
             self.trace.append(("decode", int(taken)))
             active = on_host(state.active_DS)
             stopped = [sh.advance(int(taken), active_S) for sh, active_S in zip(shards, active)]
