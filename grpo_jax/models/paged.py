@@ -294,7 +294,7 @@ def paged_forward(
 
         def plain(q_BKQH, k_pool, v_pool):
             # With groups, the plain form is the rare step's whose groups do not fit: one
-            # branch over every page (half the program to compile, not another bucket set).
+            # branch over every page, no bucket set of its own.
             if pages_used is None or groups is not None:
                 return attend(M, q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS)
             # Only the first pages any sequence uses: a branch per bucket of page counts.
@@ -402,7 +402,7 @@ def _attend_cascade(layout: str, P: int, dt, rows: int, shared_pages: int, page_
 def _attend_pages(layout: str, q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS, dt):
     """Softmax attention of q [B, K, T*R, H] over the pages of each sequence's table (gathered
     from a pool in `layout`), where `key_valid_BTS` admits; float32 [B, K, T, R, H]."""
-    m, l, o = _partials(layout, q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS, dt)
+    _, l, o = _partials(layout, q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS, dt)
     return o / l
 
 
