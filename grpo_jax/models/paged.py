@@ -251,6 +251,8 @@ def paged_forward(
     x_DX = decode.embed_fm(c, params, tokens_BT.reshape(X))
     page_X, column_X = write_page_BT.reshape(X), write_column_BT.reshape(X)
     new_k, new_v, experts = [], [], []
+    if groups is not None:
+        tables = _cascade_tables(page_table_BM, spans, groups, shared_pages, P)
 
     def out_mlp(w, x_DX, o_XX):
         x_DX, experts_XA = decode.out_mlp_fm_routed(c, w, x_DX, o_XX)
@@ -308,10 +310,8 @@ def paged_forward(
         if groups is None:
             o_BKTRH = plain(q_BKQH, k_pool, v_pool)
         else:
-            cascade = functools.partial(
-                _attend_cascade, pool.layout, P, dt, attend_rows, shared_pages, page_table_BM,
-                spans, groups,
-            )  # fmt: skip
+            cascade = functools.partial(_attend_cascade, pool.layout, P, dt, attend_rows,
+                                        tables, groups)  # fmt: skip
             o_BKTRH = jax.lax.cond(groups.use, cascade, plain, q_BKQH, k_pool, v_pool)
         # [B, K, T, R, H] -> [N * H, B * T]
         o_XX = o_BKTRH.transpose(1, 3, 4, 0, 2).reshape(N * H, X)
@@ -357,23 +357,35 @@ def _attend_first(layout: str, P: int, dt, rows: int, m: int, q_BKQH, k_pool, v_
     return jax.tree.map(lambda x: x.reshape(n * rows, *x.shape[2:])[:B], o)
 
 
-def _attend_cascade(layout: str, P: int, dt, rows: int, shared_pages: int, page_table_BM,
-                    spans: paged_kernel.Spans, groups: Groups, q_BKQH, k_pool, v_pool):  # fmt: skip
-    """A decode step's attention (T = 1) in two parts merged by their log-sum-exps: each
-    group's first `shared_pages` pages (its prompt) gathered once for the queries of all its
-    rows, and each row's own slots (`spans`); float32 [B, K, 1, R, H] (`Groups`)."""
-    B, K, R, H = q_BKQH.shape
-    G, N = groups.members_GN.shape
-    M = page_table_BM.shape[1]
-    lowest = jnp.finfo(jnp.float32).min
-    # The shared part: a group's rows' queries [G, K, N * R, H] over its prompt slots.
+def _cascade_tables(page_table_BM, spans: paged_kernel.Spans, groups: Groups,
+                    shared_pages: int, P: int):  # fmt: skip
+    """The cascade attention's pages and masks, the same in every layer: each group's first
+    `shared_pages` pages and its shared slots [G, 1, shared_pages * P], and each row's own
+    pages from own_start on with its first own_len slots [B, 1, M * P]."""
+    B, M = page_table_BM.shape
     first_G = jnp.minimum(groups.members_GN[:, 0], B - 1)
     shared_G = jnp.where(groups.members_GN[:, 0] < B, spans.shared_len_B[first_G], 0)
     valid_G1S = (jnp.arange(shared_pages * P)[None] < shared_G[:, None])[:, None]
+    own_BM = jnp.take_along_axis(
+        page_table_BM, jnp.minimum(spans.own_start_B[:, None] + jnp.arange(M)[None], M - 1), 1
+    )
+    own_B1S = (jnp.arange(M * P)[None] < spans.own_len_B[:, None])[:, None]
+    return page_table_BM[first_G, :shared_pages], valid_G1S, own_BM, own_B1S
+
+
+def _attend_cascade(layout: str, P: int, dt, rows: int, tables, groups: Groups, q_BKQH, k_pool,
+                    v_pool):  # fmt: skip
+    """A decode step's attention (T = 1) in two parts merged by their log-sum-exps: each
+    group's prompt pages gathered once for the queries of all its rows, and each row's own
+    slots (`_cascade_tables`); float32 [B, K, 1, R, H] (`Groups`)."""
+    B, K, R, H = q_BKQH.shape
+    G, N = groups.members_GN.shape
+    shared_GM, valid_G1S, own_BM, own_B1S = tables
+    lowest = jnp.finfo(jnp.float32).min
+    # The shared part: a group's rows' queries [G, K, N * R, H] over its prompt slots.
     q_GNKRH = jnp.concatenate([q_BKQH, jnp.zeros_like(q_BKQH[:1])])[groups.members_GN]
     q_GKQH = q_GNKRH.transpose(0, 2, 1, 3, 4).reshape(G, K, N * R, H)
-    parts = _partials(layout, q_GKQH, k_pool, v_pool, page_table_BM[first_G, :shared_pages],
-                      valid_G1S, dt)  # fmt: skip
+    parts = _partials(layout, q_GKQH, k_pool, v_pool, shared_GM, valid_G1S, dt)
 
     def to_rows(x_GK1QY, pad):  # [G, K, 1, N * R, Y] -> each row's [B, K, 1, R, Y]
         Y = x_GK1QY.shape[-1]
@@ -383,11 +395,7 @@ def _attend_cascade(layout: str, P: int, dt, rows: int, shared_pages: int, page_
 
     m_p, l_p, o_p = to_rows(parts[0], lowest), to_rows(parts[1], 0.0), to_rows(parts[2], 0.0)
     # The own part: each row's pages from own_start on, its first own_len slots.
-    own_BM = jnp.take_along_axis(
-        page_table_BM, jnp.minimum(spans.own_start_B[:, None] + jnp.arange(M)[None], M - 1), 1
-    )
-    own_B1S = (jnp.arange(M * P)[None] < spans.own_len_B[:, None])[:, None]
-    buckets = page_buckets(M)
+    buckets = page_buckets(own_BM.shape[1])
     attend = functools.partial(_attend_first, layout, P, dt, rows, partial=True)
     m_r, l_r, o_r = jax.lax.switch(
         jnp.searchsorted(jnp.asarray(buckets, jnp.int32), groups.own_pages),

@@ -222,7 +222,7 @@ def _decode(st: Settings, dparams, pool, state: PagedState, page_table_DSM, max_
     groups_axes = paged.Groups(0, 0, None, None) if cascade else None
     step = _over_shards(st, functools.partial(_step, st, shared_pages),
                         in_axes=(None, None, groups_axes, 0, 0))  # fmt: skip
-    group = _over_shards(st, functools.partial(_groups, st, P))
+    group = _over_shards(st, functools.partial(_groups, st, P)) if cascade else None
 
     def body(carry):
         pool, s, (steps, cascaded), finished_D = carry
