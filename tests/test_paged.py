@@ -252,18 +252,54 @@ def test_a_long_response_grows_its_pages_in_a_pool_smaller_than_slots_times_its_
     assert stats["peak_pages"] <= num_pages - 1
 
 
-def test_page_buckets_cover_every_count():
+def test_page_blocks_cover_every_count():
     for m in (1, 2, 7, 28, 200):
-        buckets = paged_model.page_buckets(m)
-        assert buckets[-1] == m and len(buckets) <= paged_model.PAGE_BUCKETS
-        assert list(buckets) == sorted(set(buckets)) and buckets[0] >= 1
+        b = paged_model.block_pages(m)
+        assert b * paged_model.PAGE_BLOCKS >= m > (b - 1) * paged_model.PAGE_BLOCKS
+
+
+def test_a_rows_attention_does_not_depend_on_how_many_page_blocks_run(tiny):
+    """A decode step's attention reads the pages in blocks, as many as the longest row needs
+    (`pages_used`): the blocks past a row's slots add nothing to it, so its output is the same
+    bit for bit however many run, and the one softmax over all its pages' up to float order
+    (the page blocks' partial sums merged instead of one sum)."""
+    config, params = tiny
+    dparams = model.decode_params(config, params)
+    B, M, P = 6, 19, 4  # 8 blocks of 3 pages; the last one padded with the trash page
+    rng = np.random.default_rng(1)
+    pool = paged_model.init_pool(config, 1 + B * M, P)
+    pool = paged_model.KVPool(
+        k=tuple(jnp.asarray(rng.standard_normal(k.shape), k.dtype) for k in pool.k),
+        v=tuple(jnp.asarray(rng.standard_normal(v.shape), v.dtype) for v in pool.v),
+    )
+    table = jnp.asarray(1 + rng.permutation(B * M).reshape(B, M), jnp.int32)
+    own_len = np.array([1, 5, 12, 13, 30, 0])  # 1 to 8 pages; row 5 idle
+    spans = paged_model.paged_kernel.Spans(
+        jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32), jnp.asarray(own_len, jnp.int32)
+    )  # fmt: skip
+    w = np.maximum(own_len - 1, 0)
+    args = (jnp.asarray(rng.integers(4, config.vocab_size, (B, 1)), jnp.int32),
+            jnp.asarray(w, jnp.int32)[:, None],
+            jnp.asarray(np.where(own_len > 0, np.asarray(table)[np.arange(B), w // P],
+                                 paged_model.TRASH_PAGE), jnp.int32)[:, None],
+            jnp.asarray(w % P, jnp.int32)[:, None], table)  # fmt: skip
+    run = jax.jit(functools.partial(paged_model.paged_forward, config, spans=spans))
+    live = own_len > 0
+    x_all = np.asarray(run(dparams, pool, *args)[0])  # one softmax over every page
+    for rows in (live.nonzero()[0][:, None], [live.nonzero()[0]]):
+        for r in rows:  # the blocks row r needs, then every block: the same bits
+            need = jnp.asarray(-(-int(own_len[r].max()) // P), jnp.int32)
+            x_need = np.asarray(run(dparams, pool, *args, pages_used=need)[0])
+            x_every = np.asarray(run(dparams, pool, *args, pages_used=jnp.int32(M))[0])
+            np.testing.assert_array_equal(x_need[:, r], x_every[:, r])
+            numerics.assert_close(x_need[:, r], x_all[:, r], ulps=8)
 
 
 @pytest.mark.parametrize("T", [1, 3], ids=["decode", "prefill chunk"])
 def test_the_attention_in_chunks_of_rows_is_the_attention_of_all_rows(tiny, T):
     """`attend_rows` only cuts the batch into chunks (the last one padded with masked rows):
     every row's output and the written pool are those of all rows at once, with and without
-    the page-count buckets."""
+    the page blocks."""
     config, params = tiny
     dparams = model.decode_params(config, params)
     B, M, P = 7, 5, 4
@@ -346,7 +382,7 @@ def test_the_cascade_attention_is_the_attention_of_each_rows_pages(tiny):
     """The cascade form (each group's prompt pages once for its rows' queries, merged with
     each row's own pages by log-sum-exp) gives every row the plain attention's output up to
     float rounding (rows in flight; so are the keys and values the later layers write), with
-    and without page buckets and chunks of rows; where the groups do not fit it runs the plain
+    and without page blocks and chunks of rows; where the groups do not fit it runs the plain
     attention itself (bit for bit)."""
     config, params = tiny
     dparams = model.decode_params(config, params)

@@ -19,7 +19,12 @@ each row's two runs of slots (`paged_kernel.Spans`, the shared prompt and the ro
 needs the pool in its layout, `init_pool(layout="pallas")`; prefill chunks run "xla" on either
 layout. `rollout/paged.py` picks one per platform (`paged_kernel.resolve`).
 
-The XLA attention gathers a copy of every page it reads (docs/rollouts.md measures it). In a
+The XLA attention gathers a copy of every page it reads (docs/rollouts.md measures it). A
+decode step reads the pages in `PAGE_BLOCKS` blocks, one block at a time (a loop whose trip
+count is the blocks that hold pages some row uses), and merges the blocks' softmax partials by
+their log-sum-exps: one program body for every length, where a branch per bucket of page counts
+compiled the attention eight times, and a block past a row's slots adds exactly nothing to it,
+so a row's attention does not depend on how long the other rows in flight are. In a
 decode step given `groups` it runs in the cascade form (`Groups`): a GRPO group's n rows read
 their shared prompt pages through one gather, with all n rows' queries in one product, instead
 of n gathers of the same pages. With
@@ -125,7 +130,7 @@ class Groups:
         no shared slots).
       use: bool scalar, whether the cascade runs: every row with shared slots has a place,
         and a group's rows share their slots' count (else the plain attention runs).
-      own_pages: int32 scalar, the most own pages any row reads (the own part's page bucket).
+      own_pages: int32 scalar, the most own pages any row reads (the own part's page blocks).
     """
 
     members_GN: jax.Array
@@ -193,9 +198,9 @@ def paged_forward(
       key_valid_BTS: bool [B, T, S], S = M * page_size: which slots token t attends to (its
         own, written first, included). None for a decode step given `spans`.
       pages_used: optional int32 scalar, how many leading pages of the tables any token
-        attends to: the XLA attention then reads only the first `page_buckets(M)` bucket of
-        pages that covers them (a `lax.switch`), not all M. (The kernel reads only the pages
-        of each row's spans.)
+        attends to: the XLA attention then reads the pages in blocks (`block_pages`), only
+        those that hold the first `pages_used` (a loop; a row's result does not depend on how
+        many blocks run), not all M at once.
       spans: a decode step's (T = 1) slots as `paged_kernel.Spans`, instead of key_valid_BTS;
         "pallas" needs them.
       attention: "xla" or "pallas" (T = 1 only; a `layout="pallas"` pool), see the module doc.
@@ -291,21 +296,14 @@ def paged_forward(
         # Queries [N, H, B*T] -> [B, K, T*R, H] (head n = k * R + r, as the model's GQA).
         q_BKQH = q_NHX.reshape(K, R, H, B, T).transpose(3, 0, 4, 1, 2).reshape(B, K, T * R, H)
         dt = decode.attention_dtype(c, k_pool.dtype)
-        attend = functools.partial(_attend_first, pool.layout, P, dt, attend_rows)
         q_BKQH = q_BKQH.astype(dt)
 
         def plain(q_BKQH, k_pool, v_pool):
-            # With groups, the plain form is the rare step's whose groups do not fit: one
-            # branch over every page, no bucket set of its own.
-            if pages_used is None or groups is not None:
-                return attend(M, q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS)
-            # Only the first pages any sequence uses: a branch per bucket of page counts.
-            buckets = page_buckets(M)
-            return jax.lax.switch(
-                jnp.searchsorted(jnp.asarray(buckets, jnp.int32), pages_used),
-                [functools.partial(attend, m) for m in buckets],
-                q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS,
-            )  # fmt: skip
+            # Only the blocks of pages that hold the first pages any sequence uses (decode);
+            # a prefill chunk reads every page at once.
+            return _attend(pool.layout, P, dt, attend_rows, q_BKQH, k_pool, v_pool,
+                           page_table_BM, key_valid_BTS, used=pages_used,
+                           blocks=pages_used is not None)  # fmt: skip
 
         if groups is None:
             o_BKTRH = plain(q_BKQH, k_pool, v_pool)
@@ -324,25 +322,21 @@ def paged_forward(
     return x_DX, pool, experts_LmXA
 
 
-PAGE_BUCKETS = 8  # branches of a decode step's attention (`page_buckets`)
+PAGE_BLOCKS = 8  # blocks of pages a decode step's attention reads (`block_pages`)
 
 
-@functools.cache
-def page_buckets(num_pages: int) -> tuple[int, ...]:
-    """The page counts a decode step's attention is compiled for: PAGE_BUCKETS even steps up
-    to `num_pages` (fewer when num_pages is small), e.g. 28 -> (4, 7, 11, 14, 18, 21, 25, 28)."""
-    return tuple(sorted({-(-num_pages * i // PAGE_BUCKETS) for i in range(1, PAGE_BUCKETS + 1)}))
-
-
-def _attend_first(layout: str, P: int, dt, rows: int, m: int, q_BKQH, k_pool, v_pool,
-                  page_table_BM, key_valid_BTS, *, partial: bool = False):  # fmt: skip
-    """`_attend_pages` (`_partials` if `partial`) over the first m pages (of P slots) of the
-    tables, `rows` sequences at a time (all at once if rows is 0 or at least B)."""
-    attend = _partials if partial else _attend_pages
-    page_table_BM, key_valid_BTS = page_table_BM[:, :m], key_valid_BTS[..., : m * P]
+def _attend(layout: str, P: int, dt, rows: int, q_BKQH, k_pool, v_pool, page_table_BM,
+            key_valid_BTS, *, used=None, blocks: bool = False, partial: bool = False):
+    """`_attend_pages` (`_partials` if `partial`) over the pages (of P slots) of the tables:
+    all at once, or in blocks (`_attend_blocks`), those that hold the first `used` pages;
+    `rows` sequences at a time (all at once if rows is 0 or at least B)."""
+    if blocks:
+        attend = functools.partial(_attend_blocks, layout, P, used, partial=partial)
+    else:
+        attend = functools.partial(_partials if partial else _attend_pages, layout)
     B = q_BKQH.shape[0]
     if not rows or B <= rows:
-        return attend(layout, q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS, dt)
+        return attend(q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS, dt)
     n = -(-B // rows)  # chunks; the last one padded with rows of the trash page, all masked
 
     def chunks(x):
@@ -351,10 +345,49 @@ def _attend_first(layout: str, P: int, dt, rows: int, m: int, q_BKQH, k_pool, v_
 
     def chunk(_, xs):
         q, table, valid = xs
-        return None, attend(layout, q, k_pool, v_pool, table, valid, dt)
+        return None, attend(q, k_pool, v_pool, table, valid, dt)
 
     _, o = jax.lax.scan(chunk, None, (chunks(q_BKQH), chunks(page_table_BM), chunks(key_valid_BTS)))
     return jax.tree.map(lambda x: x.reshape(n * rows, *x.shape[2:])[:B], o)
+
+
+def block_pages(num_pages: int) -> int:
+    """The pages of one block of a decode step's attention (`_attend_blocks`): PAGE_BLOCKS
+    blocks cover `num_pages`."""
+    return -(-num_pages // PAGE_BLOCKS)
+
+
+def _attend_blocks(layout: str, P: int, used, q_BKQH, k_pool, v_pool, page_table_BM,
+                   key_valid_BTS, dt, *, partial: bool = False):  # fmt: skip
+    """`_attend_pages` (`_partials` if `partial`) in blocks of `block_pages(M)` pages, one
+    block at a time (a loop: one program body, not a branch per page count), their partials
+    merged by log-sum-exp; only the blocks that hold the first `used` pages (all if None). A
+    block a row admits no slot of adds nothing (its weight is exp(float32 min - m) = 0), so a
+    row's result does not depend on how many blocks run."""
+    B, M = page_table_BM.shape
+    b = block_pages(M)
+    nb = -(-M // b)
+    page_table_BM = jnp.pad(page_table_BM, ((0, 0), (0, nb * b - M)), constant_values=TRASH_PAGE)
+    key_valid_BTS = jnp.pad(key_valid_BTS, ((0, 0), (0, 0), (0, (nb * b - M) * P)))
+    _, K, Q, H = q_BKQH.shape
+    T = key_valid_BTS.shape[1]
+    lowest = jnp.finfo(jnp.float32).min
+    init = (jnp.full((B, K, T, Q // T, 1), lowest, jnp.float32),
+            jnp.zeros((B, K, T, Q // T, 1), jnp.float32),
+            jnp.zeros((B, K, T, Q // T, H), jnp.float32))  # fmt: skip
+
+    def block(j, carry):
+        m0, l0, o0 = carry
+        table = jax.lax.dynamic_slice_in_dim(page_table_BM, j * b, b, axis=1)
+        valid = jax.lax.dynamic_slice_in_dim(key_valid_BTS, j * b * P, b * P, axis=2)
+        m1, l1, o1 = _partials(layout, q_BKQH, k_pool, v_pool, table, valid, dt)
+        m = jnp.maximum(m0, m1)
+        a0, a1 = jnp.exp(m0 - m), jnp.exp(m1 - m)
+        return m, l0 * a0 + l1 * a1, o0 * a0 + o1 * a1
+
+    blocks = nb if used is None else jnp.clip(-(-used // b), 1, nb)
+    m, l, o = jax.lax.fori_loop(0, blocks, block, init)
+    return (m, l, o) if partial else o / l
 
 
 def _cascade_tables(page_table_BM, spans: paged_kernel.Spans, groups: Groups,
@@ -395,13 +428,8 @@ def _attend_cascade(layout: str, P: int, dt, rows: int, tables, groups: Groups, 
 
     m_p, l_p, o_p = to_rows(parts[0], lowest), to_rows(parts[1], 0.0), to_rows(parts[2], 0.0)
     # The own part: each row's pages from own_start on, its first own_len slots.
-    buckets = page_buckets(own_BM.shape[1])
-    attend = functools.partial(_attend_first, layout, P, dt, rows, partial=True)
-    m_r, l_r, o_r = jax.lax.switch(
-        jnp.searchsorted(jnp.asarray(buckets, jnp.int32), groups.own_pages),
-        [functools.partial(attend, m) for m in buckets],
-        q_BKQH, k_pool, v_pool, own_BM, own_B1S,
-    )  # fmt: skip
+    m_r, l_r, o_r = _attend(layout, P, dt, rows, q_BKQH, k_pool, v_pool, own_BM, own_B1S,
+                                  used=groups.own_pages, blocks=True, partial=True)  # fmt: skip
     m = jnp.maximum(m_p, m_r)
     a_p, a_r = jnp.exp(m_p - m), jnp.exp(m_r - m)
     return (o_p * a_p + o_r * a_r) / (l_p * a_p + l_r * a_r)

@@ -217,8 +217,8 @@ def _decode(st: Settings, dparams, pool, state: PagedState, page_table_DSM, max_
     # response's pages.
     shared_pages = page_table_DSM.shape[-1] - -(-state.ids_DBR.shape[-1] // P)
     cascade = bool(st.cascade_groups) and shared_pages > 0
-    # The branch and bucket choices (pages used; whether the cascade's groups fit) are one
-    # for all shards: a choice vmapped over D would run every branch.
+    # The attention's page blocks (pages used) and branch (whether the cascade's groups fit)
+    # are one for all shards: a choice vmapped over D would run every branch.
     groups_axes = paged.Groups(0, 0, None, None) if cascade else None
     step = _over_shards(st, functools.partial(_step, st, shared_pages),
                         in_axes=(None, None, groups_axes, 0, 0))  # fmt: skip
@@ -226,7 +226,7 @@ def _decode(st: Settings, dparams, pool, state: PagedState, page_table_DSM, max_
 
     def body(carry):
         pool, s, (steps, cascaded), finished_D = carry
-        # How many leading pages any row of any shard reads (one attention bucket for all).
+        # How many leading pages any row of any shard reads (the attention's page blocks).
         w_DS = s.prompt_pages_DS * P + s.plen_DS
         pages_used = jnp.max(jnp.where(s.active_DS, w_DS // P + 1, 1))
         groups = None
