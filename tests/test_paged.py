@@ -252,6 +252,15 @@ def test_a_long_response_grows_its_pages_in_a_pool_smaller_than_slots_times_its_
     assert stats["peak_pages"] <= num_pages - 1
 
 
+def _random_pool(config, num_pages, P, rng):
+    """A pool of `num_pages` pages of P slots holding random keys and values."""
+    pool = paged_model.init_pool(config, num_pages, P)
+    return paged_model.KVPool(
+        k=tuple(jnp.asarray(rng.standard_normal(k.shape), k.dtype) for k in pool.k),
+        v=tuple(jnp.asarray(rng.standard_normal(v.shape), v.dtype) for v in pool.v),
+    )
+
+
 def test_page_blocks_cover_every_count():
     for m in (1, 2, 7, 28, 200):
         b = paged_model.block_pages(m)
@@ -265,13 +274,9 @@ def test_a_rows_attention_does_not_depend_on_how_many_page_blocks_run(tiny):
     (the page blocks' partial sums merged instead of one sum)."""
     config, params = tiny
     dparams = model.decode_params(config, params)
-    B, M, P = 6, 19, 4  # 8 blocks of 3 pages; the last one padded with the trash page
+    B, M, P = 6, 19, 4  # 7 blocks of 3 pages, the last one padded with 2 trash pages
     rng = np.random.default_rng(1)
-    pool = paged_model.init_pool(config, 1 + B * M, P)
-    pool = paged_model.KVPool(
-        k=tuple(jnp.asarray(rng.standard_normal(k.shape), k.dtype) for k in pool.k),
-        v=tuple(jnp.asarray(rng.standard_normal(v.shape), v.dtype) for v in pool.v),
-    )
+    pool = _random_pool(config, 1 + B * M, P, rng)
     table = jnp.asarray(1 + rng.permutation(B * M).reshape(B, M), jnp.int32)
     own_len = np.array([1, 5, 12, 13, 30, 0])  # 1 to 8 pages; row 5 idle
     spans = paged_model.paged_kernel.Spans(
@@ -304,11 +309,7 @@ def test_the_attention_in_chunks_of_rows_is_the_attention_of_all_rows(tiny, T):
     dparams = model.decode_params(config, params)
     B, M, P = 7, 5, 4
     rng = np.random.default_rng(0)
-    pool = paged_model.init_pool(config, 1 + B * M, P)
-    pool = paged_model.KVPool(
-        k=tuple(jnp.asarray(rng.standard_normal(k.shape), k.dtype) for k in pool.k),
-        v=tuple(jnp.asarray(rng.standard_normal(v.shape), v.dtype) for v in pool.v),
-    )
+    pool = _random_pool(config, 1 + B * M, P, rng)
     table = jnp.asarray(1 + rng.permutation(B * M).reshape(B, M), jnp.int32)
     pos = jnp.asarray(rng.integers(0, M * P - T, (B, 1)) + np.arange(T), jnp.int32)
     valid = (np.arange(M * P) <= np.asarray(pos)[:, :, None]) & (rng.random((B, T, M * P)) < 0.8)
@@ -332,11 +333,7 @@ def _cascade_case(config, B=8, Mp=2, Mo=4, P=4, seed=0):
     others (8 slots, the prompt ending on a page boundary), row 5 a one-row group (3 slots),
     row 6 is idle and row 7 has no shared slots; each row's own pages follow."""
     rng = np.random.default_rng(seed)
-    pool = paged_model.init_pool(config, 1 + 4 * Mp + B * Mo, P)
-    pool = paged_model.KVPool(
-        k=tuple(jnp.asarray(rng.standard_normal(k.shape), k.dtype) for k in pool.k),
-        v=tuple(jnp.asarray(rng.standard_normal(v.shape), v.dtype) for v in pool.v),
-    )
+    pool = _random_pool(config, 1 + 4 * Mp + B * Mo, P, rng)
     group = np.array([0, 0, 0, 1, 1, 2, 3, 3])
     shared_len = np.array([6, 6, 6, 8, 8, 3, 0, 0])
     own_len = np.array([1, 5, 16, 9, 2, 12, 0, 7])
