@@ -274,7 +274,7 @@ def test_a_rows_attention_does_not_depend_on_how_many_page_blocks_run(tiny):
     (the page blocks' partial sums merged instead of one sum)."""
     config, params = tiny
     dparams = model.decode_params(config, params)
-    B, M, P = 6, 19, 4  # 7 blocks of 3 pages, the last one padded with 2 trash pages
+    B, M, P = 6, 19, 4  # 10 blocks of 2 pages, the last one padded with a trash page
     rng = np.random.default_rng(1)
     pool = _random_pool(config, 1 + B * M, P, rng)
     table = jnp.asarray(1 + rng.permutation(B * M).reshape(B, M), jnp.int32)

@@ -322,7 +322,7 @@ def paged_forward(
     return x_DX, pool, experts_LmXA
 
 
-PAGE_BLOCKS = 8  # blocks of pages a decode step's attention reads (`block_pages`)
+PAGE_BLOCKS = 16  # blocks a decode step's attention reads (`block_pages`; docs/rollouts.md)
 
 
 def _attend(layout: str, P: int, dt, rows: int, q_BKQH, k_pool, v_pool, page_table_BM,
