@@ -429,7 +429,7 @@ def _attend_cascade(layout: str, P: int, dt, rows: int, tables, groups: Groups, 
     m_p, l_p, o_p = to_rows(parts[0], lowest), to_rows(parts[1], 0.0), to_rows(parts[2], 0.0)
     # The own part: each row's pages from own_start on, its first own_len slots.
     m_r, l_r, o_r = _attend(layout, P, dt, rows, q_BKQH, k_pool, v_pool, own_BM, own_B1S,
-                                  used=groups.own_pages, blocks=True, partial=True)  # fmt: skip
+                            used=groups.own_pages, blocks=True, partial=True)  # fmt: skip
     m = jnp.maximum(m_p, m_r)
     a_p, a_r = jnp.exp(m_p - m), jnp.exp(m_r - m)
     return (o_p * a_p + o_r * a_r) / (l_p * a_p + l_r * a_r)
