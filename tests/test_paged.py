@@ -291,13 +291,13 @@ def test_a_rows_attention_does_not_depend_on_how_many_page_blocks_run(tiny):
     run = jax.jit(functools.partial(paged_model.paged_forward, config, spans=spans))
     live = own_len > 0
     x_all = np.asarray(run(dparams, pool, *args)[0])  # one softmax over every page
-    for rows in (live.nonzero()[0][:, None], [live.nonzero()[0]]):
-        for r in rows:  # the blocks row r needs, then every block: the same bits
-            need = jnp.asarray(-(-int(own_len[r].max()) // P), jnp.int32)
-            x_need = np.asarray(run(dparams, pool, *args, pages_used=need)[0])
-            x_every = np.asarray(run(dparams, pool, *args, pages_used=jnp.int32(M))[0])
-            np.testing.assert_array_equal(x_need[:, r], x_every[:, r])
-            numerics.assert_close(x_need[:, r], x_all[:, r], ulps=8)
+    x_every = np.asarray(run(dparams, pool, *args, pages_used=jnp.int32(M))[0])
+    # Each live row alone, then all of them: the blocks they need, then every block.
+    for r in [[i] for i in live.nonzero()[0]] + [live.nonzero()[0]]:
+        need = jnp.asarray(-(-int(own_len[r].max()) // P), jnp.int32)
+        x_need = np.asarray(run(dparams, pool, *args, pages_used=need)[0])
+        np.testing.assert_array_equal(x_need[:, r], x_every[:, r])
+        numerics.assert_close(x_need[:, r], x_all[:, r], ulps=8)
 
 
 @pytest.mark.parametrize("T", [1, 3], ids=["decode", "prefill chunk"])

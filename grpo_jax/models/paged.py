@@ -302,8 +302,7 @@ def paged_forward(
             # Only the blocks of pages that hold the first pages any sequence uses (decode);
             # a prefill chunk reads every page at once.
             return _attend(pool.layout, P, dt, attend_rows, q_BKQH, k_pool, v_pool,
-                           page_table_BM, key_valid_BTS, used=pages_used,
-                           blocks=pages_used is not None)  # fmt: skip
+                           page_table_BM, key_valid_BTS, used=pages_used)  # fmt: skip
 
         if groups is None:
             o_BKTRH = plain(q_BKQH, k_pool, v_pool)
@@ -326,11 +325,11 @@ PAGE_BLOCKS = 16  # blocks a decode step's attention reads (`block_pages`; docs/
 
 
 def _attend(layout: str, P: int, dt, rows: int, q_BKQH, k_pool, v_pool, page_table_BM,
-            key_valid_BTS, *, used=None, blocks: bool = False, partial: bool = False):
+            key_valid_BTS, *, used=None, partial: bool = False):
     """`_attend_pages` (`_partials` if `partial`) over the pages (of P slots) of the tables:
-    all at once, or in blocks (`_attend_blocks`), those that hold the first `used` pages;
-    `rows` sequences at a time (all at once if rows is 0 or at least B)."""
-    if blocks:
+    all at once (used None), or in blocks (`_attend_blocks`), those that hold the first `used`
+    pages; `rows` sequences at a time (all at once if rows is 0 or at least B)."""
+    if used is not None:
         attend = functools.partial(_attend_blocks, layout, P, used, partial=partial)
     else:
         attend = functools.partial(_partials if partial else _attend_pages, layout)
@@ -361,7 +360,7 @@ def _attend_blocks(layout: str, P: int, used, q_BKQH, k_pool, v_pool, page_table
                    key_valid_BTS, dt, *, partial: bool = False):  # fmt: skip
     """`_attend_pages` (`_partials` if `partial`) in blocks of `block_pages(M)` pages, one
     block at a time (a loop: one program body, not a branch per page count), their partials
-    merged by log-sum-exp; only the blocks that hold the first `used` pages (all if None). A
+    merged by log-sum-exp (`_merge`); only the blocks that hold the first `used` pages. A
     block a row admits no slot of adds nothing (its weight is exp(float32 min - m) = 0), so a
     row's result does not depend on how many blocks run."""
     B, M = page_table_BM.shape
@@ -377,17 +376,21 @@ def _attend_blocks(layout: str, P: int, used, q_BKQH, k_pool, v_pool, page_table
             jnp.zeros((B, K, T, Q // T, H), jnp.float32))  # fmt: skip
 
     def block(j, carry):
-        m0, l0, o0 = carry
         table = jax.lax.dynamic_slice_in_dim(page_table_BM, j * b, b, axis=1)
         valid = jax.lax.dynamic_slice_in_dim(key_valid_BTS, j * b * P, b * P, axis=2)
-        m1, l1, o1 = _partials(layout, q_BKQH, k_pool, v_pool, table, valid, dt)
-        m = jnp.maximum(m0, m1)
-        a0, a1 = jnp.exp(m0 - m), jnp.exp(m1 - m)
-        return m, l0 * a0 + l1 * a1, o0 * a0 + o1 * a1
+        return _merge(carry, _partials(layout, q_BKQH, k_pool, v_pool, table, valid, dt))
 
-    blocks = nb if used is None else jnp.clip(-(-used // b), 1, nb)
-    m, l, o = jax.lax.fori_loop(0, blocks, block, init)
+    m, l, o = jax.lax.fori_loop(0, jnp.clip(-(-used // b), 1, nb), block, init)
     return (m, l, o) if partial else o / l
+
+
+def _merge(a, b):
+    """Two key ranges' softmax partials (m, l, o) (`_partials`) as those of both: rescaled to
+    their common maximum by log-sum-exp."""
+    (m_a, l_a, o_a), (m_b, l_b, o_b) = a, b
+    m = jnp.maximum(m_a, m_b)
+    w_a, w_b = jnp.exp(m_a - m), jnp.exp(m_b - m)
+    return m, l_a * w_a + l_b * w_b, o_a * w_a + o_b * w_b
 
 
 def _cascade_tables(page_table_BM, spans: paged_kernel.Spans, groups: Groups,
@@ -426,13 +429,12 @@ def _attend_cascade(layout: str, P: int, dt, rows: int, tables, groups: Groups, 
         x = jnp.concatenate([x, jnp.full_like(x[:1], pad)])[groups.slot_B]
         return x[:, :, None]
 
-    m_p, l_p, o_p = to_rows(parts[0], lowest), to_rows(parts[1], 0.0), to_rows(parts[2], 0.0)
+    shared = to_rows(parts[0], lowest), to_rows(parts[1], 0.0), to_rows(parts[2], 0.0)
     # The own part: each row's pages from own_start on, its first own_len slots.
-    m_r, l_r, o_r = _attend(layout, P, dt, rows, q_BKQH, k_pool, v_pool, own_BM, own_B1S,
-                            used=groups.own_pages, blocks=True, partial=True)  # fmt: skip
-    m = jnp.maximum(m_p, m_r)
-    a_p, a_r = jnp.exp(m_p - m), jnp.exp(m_r - m)
-    return (o_p * a_p + o_r * a_r) / (l_p * a_p + l_r * a_r)
+    own = _attend(layout, P, dt, rows, q_BKQH, k_pool, v_pool, own_BM, own_B1S,
+                  used=groups.own_pages, partial=True)  # fmt: skip
+    _, l, o = _merge(shared, own)
+    return o / l
 
 
 def _attend_pages(layout: str, q_BKQH, k_pool, v_pool, page_table_BM, key_valid_BTS, dt):
