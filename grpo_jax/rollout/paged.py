@@ -269,7 +269,7 @@ def sample_paged(
                    attend_rows=paged.ATTEND_ROWS if jax.default_backend() == "cpu" else 0,
                    **paged_programs.cascade(attention, plan, n))
     run = Schedule(st, plan, prompts, n, segment_steps, shards, mesh, turns, finished)
-    programs = paged_programs.programs()
+    programs = paged_programs.programs(sampler._platform(prompt_ids))
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         dparams = programs["decode_params"](config, params)
         pool = programs["pool"](st, shards, plan.num_pages, plan.page_size)
