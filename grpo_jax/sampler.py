@@ -742,8 +742,9 @@ def _sample_whole(st: _Static, params, prompt_ids_PT, prompt_mask_PT, rng, weigh
 # step's attention is many small products (per row and KV head: R query heads x head_dim against
 # every cache slot), and XLA:CPU's default batched dot runs them at about 6 GB/s; YNNPACK's at
 # about twice that. SmolLM2-135M, 8 GSM8K prompts x 4 x 256 tokens (bench_rollout.py): 78 -> 53 s
-# per call. The update's large dots gain nothing from it (101 vs 103 s), so only the sampler sets
-# it. (The XLA_FLAGS spelling of the same option is --xla_cpu_experimental_ynn_fusion_type=dot.)
+# per call. The update's large dots gain nothing from it (101 vs 103 s), so only the sampler and
+# the paged engine's decode program (rollout.paged_programs.programs) set it. (The XLA_FLAGS
+# spelling of the same option is --xla_cpu_experimental_ynn_fusion_type=dot.)
 CPU_COMPILER_OPTIONS = {
     "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
 }
