@@ -5,6 +5,7 @@ model uses, forward and gradients, the blockwise one's memory grows linearly wit
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,7 @@ import pytest
 
 from grpo_jax import config as config_lib
 from grpo_jax import model
-from grpo_jax.models import attention, blockwise, splash
+from grpo_jax.models import attention, blockwise, lowp_attention, matmul, splash
 
 # Same math in another summation order (online softmax over key blocks): measured up to ~30
 # ulps of each tensor's scale; a key block off by one position or a wrong segment rule moves
@@ -342,3 +343,102 @@ def test_cudnn_equals_xla_on_the_gpu():  # pragma: no cover - GPU only
         scale = float(jnp.max(jnp.abs(want)))
         np.testing.assert_allclose(np.asarray(got)[sel], np.asarray(want)[sel],
                                    atol=4 * 2**-8 * scale, err_msg=name)  # fmt: skip
+
+
+# One bfloat16 epsilon (2^-7) in float32 ulps (2^-23).
+BF16_EPS_ULPS = 2**16
+
+
+@pytest.mark.parametrize("T,N,K", [(100, 6, 2), (64, 4, 4)])  # 4 blocks of 32 / one block
+def test_lowp_causal_attention_is_the_float32_attention_to_bf16_precision(T, N, K):
+    """grpo_jax/models/lowp_attention.py on every mask layout: its output and gradients are the
+    float32 attention's of the same bf16 inputs up to bf16 rounding (inputs, probabilities,
+    output and score gradients rounded to bf16: measured within 1.6 bf16 epsilons of each
+    tensor's scale); a key block off by one, a wrong mask or a missing 1/sqrt(H) moves them
+    by tens of epsilons. The forward is the generic bf16 path's (`attend_causal`) but for
+    the float32 sums' order."""
+    q, k, v = _qkv(T, N, K, 16, jnp.bfloat16)
+    for name, seg, pre in _layouts(T):
+        mask = attention.Mask(jnp.asarray(seg), jnp.asarray(pre))
+        seen = np.asarray(mask.dense()).any(-1)
+        w = jax.random.normal(jax.random.key(1), q.shape) * seen[:, :, None, None]
+
+        def lowp(q, k, v, mask):
+            return lowp_attention.attend_causal(q, k, v, mask.dense(), 32).astype(jnp.float32)
+
+        got, got_g = _output_and_grads(lowp, q, k, v, mask, w)
+        f32 = tuple(x.astype(jnp.float32) for x in (q, k, v))
+        want, want_g = _output_and_grads(_xla, *f32, mask, w)
+        assert np.isfinite(np.asarray(got)).all(), name
+        sel = np.broadcast_to(seen[:, :, None, None], got.shape)
+        numerics.assert_close(np.asarray(got)[sel], np.asarray(want)[sel],
+                              ulps=2 * BF16_EPS_ULPS, scale=float(jnp.max(jnp.abs(want))),
+                              err_msg=name)  # fmt: skip
+        for g, wg in zip(got_g, want_g, strict=True):
+            assert g.dtype == jnp.bfloat16, name
+            numerics.assert_close(g.astype(jnp.float32), wg, ulps=4 * BF16_EPS_ULPS,
+                                  err_msg=name)  # fmt: skip
+        k_BKHS, v_BKSH = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
+        generic = attention.attend_causal(q, k_BKHS, v_BKSH, mask.dense()).astype(jnp.float32)
+        numerics.assert_close(np.asarray(got)[sel], np.asarray(generic)[sel],
+                              ulps=BF16_EPS_ULPS, scale=float(jnp.max(jnp.abs(want))),
+                              err_msg=name)  # fmt: skip
+
+
+def _dot_operand_types(compiled_text: str) -> list[list[str]]:
+    """The operand types of each dot of a compiled CPU program (in fusions too)."""
+    out = []
+    for params, body in re.findall(r"^%\S+ \((.*?)\) -> \S+ \{\n(.*?)^\}", compiled_text,
+                                   re.S | re.M):  # fmt: skip
+        types = dict(re.findall(r"(\S+): (\w+)\[", params))
+        types.update(re.findall(r"%(\S+) = (\w+)\[", body))
+        for a, b in re.findall(r" dot\(%(\S+), %(\S+)\)", body):
+            out.append([types[a], types[b]])
+    return out
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's dot kernels")
+def test_lowp_causal_attention_runs_every_product_on_the_bf16_kernels():
+    """Every product of the forward and of the backward (2 and 5 per query block, 4 blocks) is
+    a bf16 x bf16 dot in the compiled program, none a float32 one as in JAX's derivative of the
+    generic path; and the program runs (XLA:CPU compiles a bf16 dot in a form it has no kernel
+    for, then fails at run time)."""
+    T, block = 100, 32
+    q, k, v = _qkv(T, 6, 2, 16, jnp.bfloat16)
+    _, seg, pre = _layouts(T)[2]
+    mask = attention.Mask(jnp.asarray(seg), jnp.asarray(pre))
+
+    def loss(attend):
+        return lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) ** 2)
+
+    lowp = loss(lambda q, k, v: lowp_attention.attend_causal(q, k, v, mask.dense(), block))
+    forward = _dot_operand_types(jax.jit(lowp).lower(q, k, v).compile().as_text())
+    if forward != [["bf16", "bf16"]] * 8:
+        pytest.skip("this XLA:CPU does not run the forward's bf16 dots on bf16 operands")
+    grad = jax.jit(jax.grad(lowp, argnums=(0, 1, 2))).lower(q, k, v).compile()
+    grad_dots = _dot_operand_types(grad.as_text())  # XLA may share the scores' products
+    assert grad_dots == [["bf16", "bf16"]] * len(grad_dots) and 6 * 4 <= len(grad_dots) <= 7 * 4
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in grad(q, k, v))
+    generic = loss(lambda q, k, v: attention.attend_causal(
+        q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask.dense()))  # fmt: skip
+    before = jax.jit(jax.grad(generic, argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
+    before = _dot_operand_types(before)
+    assert before.count(["bf16", "bf16"]) < len(before)  # the test can tell
+
+
+def test_self_attention_takes_the_lowp_path_at_bf16_on_the_cpu_only():
+    """`self_attention`'s "xla" path: `lowp_attention` for bf16 on XLA:CPU, the generic one for
+    float32, and for programs lowered for a GPU or TPU (plan.py's stand-ins)."""
+    T = 64
+    _, seg, pre = _layouts(T)[2]
+    mask = attention.Mask(jnp.asarray(seg), jnp.asarray(pre))
+
+    def jaxpr(dtype):
+        q, k, v = _qkv(T, 6, 2, 16, dtype)
+        return str(jax.make_jaxpr(lambda q, k, v: attention.self_attention(q, k, v, mask, "xla"))(
+            q, k, v))  # fmt: skip
+
+    assert ("custom_vjp" in jaxpr(jnp.bfloat16)) == (jax.default_backend() == "cpu")
+    assert "custom_vjp" not in jaxpr(jnp.float32)
+    with matmul.lowering_for("tpu"):
+        assert "custom_vjp" not in jaxpr(jnp.bfloat16)

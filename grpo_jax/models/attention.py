@@ -5,7 +5,9 @@ whom comes as a `Mask` of per-token segment ids, and `ModelConfig.attention_impl
 implementation:
 
   * "xla": `attend_causal` over the dense [B, T, T] mask the segments give; float32 scores of
-    a whole row (T^2 per head), the key blocks above the diagonal skipped.
+    a whole row (T^2 per head), the key blocks above the diagonal skipped. At bfloat16 on
+    XLA:CPU, `lowp_attention.attend_causal`: the same blocks and float32 softmax, its products
+    and their derivatives in the one form XLA:CPU runs on its bf16 kernels (AMX, AVX512-BF16).
   * "blockwise": `blockwise.attend`, online softmax over key blocks with a custom backward;
     memory linear in T, any backend.
   * "cudnn": cuDNN's fused (flash) attention through `jax.nn.dot_product_attention`, NVIDIA
@@ -33,7 +35,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from grpo_jax.models import blockwise, splash
+from grpo_jax.models import blockwise, lowp_attention, matmul, splash
 from grpo_jax.models import config as config_lib
 
 IMPLEMENTATIONS = config_lib.ATTENTION_IMPLS
@@ -171,6 +173,8 @@ def self_attention(q_BTNH, k_BTKH, v_BTKH, mask: Mask, impl: str = "auto"):
     if impl == "splash":
         return splash.attend(q_BTNH, k_BTKH, v_BTKH, mask.segments_BT, mask.prefixes_BT,
                              prefixes=mask.shared_prefixes)  # fmt: skip
+    if q_BTNH.dtype == jnp.bfloat16 and matmul.cpu_kernels():
+        return lowp_attention.attend_causal(q_BTNH, k_BTKH, v_BTKH, mask.dense(), causal_block(T))
     k_BKHS, v_BKSH = k_BTKH.transpose(0, 2, 3, 1), v_BTKH.transpose(0, 2, 1, 3)
     return attend_causal(q_BTNH, k_BKHS, v_BKSH, mask.dense())
 
@@ -219,6 +223,12 @@ CAUSAL_BLOCK = 128  # query block of _attend_causal (tokens); at most MAX_CAUSAL
 MAX_CAUSAL_BLOCKS = 16
 
 
+def causal_block(T: int) -> int:
+    """The query block (tokens) of causal attention over rows of T tokens: CAUSAL_BLOCK, or
+    more where T needs more than MAX_CAUSAL_BLOCKS of them."""
+    return max(CAUSAL_BLOCK, -(-T // MAX_CAUSAL_BLOCKS))
+
+
 def attend_causal(q_BTNH, k_BKHS, v_BKSH, visible_BTS):
     """`_attend` for causal self-attention (S = T, no query sees a later key): query block i of
     b tokens attends to keys [0, (i + 1) b) only, so the scores, the softmax and both products
@@ -230,7 +240,7 @@ def attend_causal(q_BTNH, k_BKHS, v_BKSH, visible_BTS):
     unrolled blocks a layer compiles.
     """
     T = q_BTNH.shape[1]
-    b = max(CAUSAL_BLOCK, -(-T // MAX_CAUSAL_BLOCKS))
+    b = causal_block(T)
     if T <= b:
         return attend(q_BTNH, k_BKHS, v_BKSH, visible_BTS)
     outs = []
