@@ -1,6 +1,6 @@
 """Causal self-attention at bfloat16 on XLA:CPU, in the dot forms its bf16 kernels take.
 
-`attention.self_attention`'s "xla" path at a low-precision compute dtype on XLA:CPU
+`attention.self_attention`'s "xla" path at the bfloat16 compute dtype on XLA:CPU
 (`matmul.cpu_kernels`). XLA:CPU hands a dot to its bf16 kernels (YNNPACK: AMX or AVX512-BF16)
 only when it is bf16 x bf16 -> float32 with the lhs contracted on its last axis and the rhs
 row-major (grpo_jax/models/matmul.py); every other form runs as a float32 dot. In
@@ -53,11 +53,10 @@ def _row_major(x, perm):
     the move on the uint16 bits, a pad-and-slice so the layout is not a permuted one, and an
     optimization barrier so that XLA does not fold the transpose back into a dot (a bf16 dot
     in the folded form has no kernel on XLA:CPU and fails at run time)."""
-    uint = {2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(x.dtype).itemsize]
-    bits = jax.lax.bitcast_convert_type(x, uint).transpose(perm)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint16).transpose(perm)
     n = bits.shape[-1]
     pad = [(0, 0, 0)] * (bits.ndim - 1) + [(0, 1, 0)]
-    bits = jax.lax.pad(bits, uint(0), pad)[..., :n]
+    bits = jax.lax.pad(bits, jnp.uint16(0), pad)[..., :n]
     return jax.lax.bitcast_convert_type(jax.lax.optimization_barrier(bits), x.dtype)
 
 
@@ -100,7 +99,7 @@ def attend_causal(q_BTNH, k_BTKH, v_BTKH, visible_BTT, block):
     the inputs' dtype; queries that see no key (padding) get a uniform distribution.
 
     Args:
-      q_BTNH, k_BTKH, v_BTKH: bf16 (or float16) queries, keys, values.
+      q_BTNH, k_BTKH, v_BTKH: bfloat16 queries, keys, values.
       visible_BTT: bool, query t sees key s (s <= t, as `attention.Mask.dense` gives).
       block: the query block in tokens (static).
     """
