@@ -16,7 +16,7 @@ first axis) is of the other forms. Here each of the six products is written in t
              dk^T = q^T @ ds       [H, Q] x [Q, S]
              dv^T = do^T @ bf16(p) [H, Q] x [Q, S]
 
-with the transposed operands written to row-major buffers of their own (`_row_major`), on
+with the transposed operands written to row-major buffers of their own (`matmul.row_major`), on
 [Q, H]- and [S, H]-sized arrays only, never on the [Q, S] scores. The backward recomputes the
 scores from the rows' log-sum-exp instead of saving them (FlashAttention-2's rule, as
 grpo_jax/models/blockwise.py does), so no remat policy sees (or saves) these products.
@@ -36,6 +36,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.models import matmul
+
 _MIN = float(jnp.finfo(jnp.float32).min)
 _BATCH = ((0, 1), (0, 1))
 
@@ -46,18 +48,6 @@ def _dot(a_BKMC, b_BKCN):
     return jax.lax.dot_general(
         a_BKMC, b_BKCN, (((3,), (2,)), _BATCH), preferred_element_type=jnp.float32
     )
-
-
-def _row_major(x, perm):
-    """`x.transpose(perm)` in a row-major buffer of its own (see matmul._row_major_transpose):
-    the move on the uint16 bits, a pad-and-slice so the layout is not a permuted one, and an
-    optimization barrier so that XLA does not fold the transpose back into a dot (a bf16 dot
-    in the folded form has no kernel on XLA:CPU and fails at run time)."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint16).transpose(perm)
-    n = bits.shape[-1]
-    pad = [(0, 0, 0)] * (bits.ndim - 1) + [(0, 1, 0)]
-    bits = jax.lax.pad(bits, jnp.uint16(0), pad)[..., :n]
-    return jax.lax.bitcast_convert_type(jax.lax.optimization_barrier(bits), x.dtype)
 
 
 def _blocks(T: int, b: int):
@@ -82,11 +72,11 @@ def _layouts(q_BTNH, k_BTKH, v_BTKH):
     """Queries [B, K, T*R, H], keys [B, K, H, T], values [B, K, T, H] (bf16, row-major)."""
     B, T, N, H = q_BTNH.shape
     K = k_BTKH.shape[2]
-    q_BKQH = _row_major(q_BTNH.reshape(B, T, K, N // K, H), (0, 2, 1, 3, 4))
+    q_BKQH = matmul.row_major(q_BTNH.reshape(B, T, K, N // K, H), (0, 2, 1, 3, 4))
     return (
         q_BKQH.reshape(B, K, T * (N // K), H),
-        _row_major(k_BTKH, (0, 2, 3, 1)),
-        _row_major(v_BTKH, (0, 2, 1, 3)),
+        matmul.row_major(k_BTKH, (0, 2, 3, 1)),
+        matmul.row_major(v_BTKH, (0, 2, 1, 3)),
     )
 
 
@@ -128,19 +118,15 @@ def _forward(q_BTNH, k_BTKH, v_BTKH, visible_BTT, block):
     return _from_rows(o_BKQH, N), (q_BKQH, k_BKHS, v_BKSH, visible_BTT, lses)
 
 
-def _fwd(q_BTNH, k_BTKH, v_BTKH, visible_BTT, block):
-    return _forward(q_BTNH, k_BTKH, v_BTKH, visible_BTT, block)
-
-
 def _bwd(block, res, do_BTNH):
     q_BKQH, k_BKHS, v_BKSH, visible_BTT, lses = res
     B, K, Q, H = q_BKQH.shape
     T = k_BKHS.shape[3]
     R, N, dt, scale = Q // T, Q // T * K, q_BKQH.dtype, H**-0.5
-    do_BKQH = _row_major(do_BTNH.astype(dt).reshape(B, T, K, R, H), (0, 2, 1, 3, 4))
+    do_BKQH = matmul.row_major(do_BTNH.astype(dt).reshape(B, T, K, R, H), (0, 2, 1, 3, 4))
     do_BKQH = do_BKQH.reshape(B, K, Q, H)
-    k_BKSH = _row_major(k_BKHS, (0, 1, 3, 2))
-    v_BKHS = _row_major(v_BKSH, (0, 1, 3, 2))
+    k_BKSH = matmul.row_major(k_BKHS, (0, 1, 3, 2))
+    v_BKHS = matmul.row_major(v_BKSH, (0, 1, 3, 2))
     dqs = []
     dk_BKHS = dvT_BKHS = jnp.zeros((B, K, H, T), jnp.float32)
     for (start, end), lse in zip(_blocks(T, block), lses, strict=True):
@@ -151,12 +137,12 @@ def _bwd(block, res, do_BTNH):
         ds = (p * (dp - jnp.sum(p * dp, axis=-1, keepdims=True))).astype(dt)
         dqs.append((_dot(ds, k_BKSH[:, :, :end]) * scale).astype(dt))
         pad = ((0, 0), (0, 0), (0, 0), (0, T - end))
-        dk_BKHS = dk_BKHS + jnp.pad(_dot(_row_major(q, (0, 1, 3, 2)), ds), pad)
-        dvT_BKHS = dvT_BKHS + jnp.pad(_dot(_row_major(do, (0, 1, 3, 2)), p.astype(dt)), pad)
+        dk_BKHS = dk_BKHS + jnp.pad(_dot(matmul.row_major(q, (0, 1, 3, 2)), ds), pad)
+        dvT_BKHS = dvT_BKHS + jnp.pad(_dot(matmul.row_major(do, (0, 1, 3, 2)), p.astype(dt)), pad)
     dq_BTNH = _from_rows(jnp.concatenate(dqs, axis=2), N)
-    dk_BTKH = _row_major((dk_BKHS * scale).astype(dt), (0, 3, 1, 2))
-    dv_BTKH = _row_major(dvT_BKHS.astype(dt), (0, 3, 1, 2))
+    dk_BTKH = matmul.row_major((dk_BKHS * scale).astype(dt), (0, 3, 1, 2))
+    dv_BTKH = matmul.row_major(dvT_BKHS.astype(dt), (0, 3, 1, 2))
     return dq_BTNH, dk_BTKH, dv_BTKH, None
 
 
-attend_causal.defvjp(_fwd, _bwd)
+attend_causal.defvjp(_forward, _bwd)

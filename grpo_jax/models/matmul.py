@@ -85,19 +85,26 @@ def matmul(x_MK, w_KN, dtype):
     return checkpoint_name(y_MN, name(*w_KN.shape))
 
 
-def _row_major_transpose(x_MK):
-    """x^T [K, M] in a buffer of its own, row-major (XLA:CPU; see the module docstring).
+def row_major(x, perm):
+    """`x.transpose(perm)` in a row-major buffer of its own (XLA:CPU; see the module docstring).
 
-    Three parts, each needed on XLA:CPU (jaxlib 0.10): a pad by one column and a slice, so that
-    the bf16 pass, which runs before layout assignment, sees a row-major operand (a transpose's
-    layout is permuted); an optimization barrier, so that no later simplification turns the pair
-    back into a transpose that XLA then folds into the dot (a bf16 dot in that form has no kernel
-    on XLA:CPU and fails at run time); and the move done on the uint16 bits (XLA:CPU's bf16
-    transpose was up to 4x slower). tests/test_matmul.py checks the compiled dots.
+    Three parts, each needed on XLA:CPU (jaxlib 0.10): a pad by one element on the last axis and
+    a slice, so that the bf16 pass, which runs before layout assignment, sees a row-major operand
+    (a transpose's layout is permuted); an optimization barrier, so that no later simplification
+    turns the pair back into a transpose that XLA then folds into the dot (a bf16 dot in that
+    form has no kernel on XLA:CPU and fails at run time); and the move done on the uint16 bits
+    (XLA:CPU's bf16 transpose was up to 4x slower). tests/test_matmul.py checks the compiled dots.
     """
-    bits_KM = jax.lax.bitcast_convert_type(x_MK, jnp.uint16).T
-    bits_KM = jax.lax.pad(bits_KM, jnp.uint16(0), ((0, 0, 0), (0, 1, 0)))[:, : bits_KM.shape[1]]
-    return jax.lax.bitcast_convert_type(jax.lax.optimization_barrier(bits_KM), x_MK.dtype)
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint16).transpose(perm)
+    n = bits.shape[-1]
+    pad = [(0, 0, 0)] * (bits.ndim - 1) + [(0, 1, 0)]
+    bits = jax.lax.pad(bits, jnp.uint16(0), pad)[..., :n]
+    return jax.lax.bitcast_convert_type(jax.lax.optimization_barrier(bits), x.dtype)
+
+
+def _row_major_transpose(x_MK):
+    """x^T [K, M] in a row-major buffer of its own (`row_major`)."""
+    return row_major(x_MK, (1, 0))
 
 
 @jax.custom_vjp
