@@ -22,8 +22,7 @@ token):
      the slots, the finished rows' slots are dropped (`model.take_rows`), so they stop costing
      decode steps. Every call walks the whole ladder of slot counts (B, B/2, ... down to
      MIN_COMPACT_SLOTS), the phases after the last token with no decode step, so the first
-     call compiles every program of its batch shape (on one device all of them together,
-     before the first phase runs: `compiling.compile_all`) and later calls compile none.
+     call compiles every program of its batch shape and later calls compile none.
 
 Sampling semantics (the same as HF `generate` and vLLM):
   * temperature == 0 is greedy (argmax); top-k / top-p are then irrelevant.
@@ -58,7 +57,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax import compiling
 from grpo_jax import model as model_lib
 from grpo_jax.models import moe
 
@@ -848,7 +846,6 @@ def _sample_compacting(
     """
     programs = _programs(_platform(prompt_ids_PT), _uses_ynnpack(st))
     state = programs["start"](st, params, prompt_ids_PT, prompt_mask_PT, rng)
-    _compile_ladder(programs, st, params, state, multiple=multiple, min_slots=min_slots)
     size = state.done_S.shape[0]
     compacted = False
     while True:
@@ -866,53 +863,6 @@ def _sample_compacting(
             lambda x: jax.device_put(x, _row_sharding(prompt_ids_PT, x.ndim)), rollout
         )
     return rollout
-
-
-# The ladders _compile_ladder has compiled in this process (their _ladder_key).
-_compiled_ladders: set = set()
-
-
-def _ladder_key(st: _Static, params, state: SampleState, multiple: int, min_slots: int):
-    leaves = jax.tree.leaves((params, state))
-    return (st, multiple, min_slots, jax.tree.structure((params, state)),
-            tuple((x.shape, x.dtype, x.sharding, x.committed) for x in leaves))  # fmt: skip
-
-
-def _compile_ladder(programs, st: _Static, params, state: SampleState, *, multiple, min_slots):
-    """The first time a batch shape samples on one device: every decode phase and compaction
-    of its ladder compiled together (`compiling.compile_all`), instead of one after another as
-    the phases are reached. On one device every state lives there, so each phase's input is
-    known before it runs; on several, GSPMD picks the compactions' output shardings, and the
-    phases compile as they are reached.
-    """
-    if len(state.done_S.sharding.device_set) != 1:
-        return
-    key = _ladder_key(st, params, state, multiple, min_slots)
-    if key in _compiled_ladders:
-        return
-    _compiled_ladders.add(key)
-    # placed as the calls' arguments will be: committed to the device, or (prompts that were
-    # never placed) left to jax's default device
-    sharding = state.done_S.sharding if state.done_S.committed else None
-
-    def like(x):
-        weak = getattr(x, "weak_type", False)
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding, weak_type=weak)
-
-    abstract = jax.tree.map(like, state)
-    lowered, size = [], state.done_S.shape[0]
-    while True:
-        nxt = _next_size(size, multiple)
-        can_shrink = nxt < size and nxt >= min_slots
-        stop_at = jnp.int32(nxt if can_shrink else 0)
-        lowered.append(programs["decode"].lower(st, params, abstract, stop_at))
-        if not can_shrink:
-            break
-        lowered.append(_compact.lower(abstract, size=nxt))
-        compact = functools.partial(_compact, size=nxt)
-        abstract = jax.tree.map(like, jax.eval_shape(compact, abstract))
-        size = nxt
-    compiling.compile_all(lowered)
 
 
 def _row_sharding(prompt_ids_PT, ndim: int):

@@ -8,15 +8,9 @@ import json
 import os
 import subprocess
 import sys
-import time
-import types
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-from grpo_jax import compiling, distributed, sampler, sharding
-from grpo_jax.trainer import actor, metrics, perf, train_stage
+from grpo_jax import sampler
+from grpo_jax.trainer import metrics, perf
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -98,57 +92,3 @@ def test_empty_directory_turns_the_cache_off(monkeypatch):
     assert perf.use_compilation_cache("") is None  # trainer.compilation_cache_dir=""
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/somewhere")
     assert perf.use_compilation_cache("~/other") == "/somewhere"  # the variable wins
-
-
-def _packed_micro(rows: int, row_len: int, mesh) -> actor.PackedMicro:
-    """A packed micro-batch placed as the trainer places one (distributed.to_device)."""
-    tokens_RL = np.arange(rows * row_len, dtype=np.int32).reshape(rows, row_len) % 7
-    slots_GN = np.arange(rows * row_len, dtype=np.int32)[None]
-    arrays = (tokens_RL,) * 4 + (slots_GN,) * 3
-    return actor.PackedMicro(*(distributed.to_device(a, mesh) for a in arrays))
-
-
-def test_packed_shapes_compile_together_and_their_calls_reuse_them():
-    # compile_packed_shapes compiles the program of every row count of the budget at once
-    # (compiling.compile_all: on threads), the micro-batch's own among them; each call of one of
-    # those shapes then finds its program compiled, and a second call of compile_packed_shapes
-    # compiles nothing.
-    row_len, scale = 16, jnp.float32(0.5)
-    fn = jax.jit(lambda s, m: s * jnp.sum(m.tokens_RL) + jnp.sum(m.slot_pos_GN) * m.tokens_RL.size)
-    progs = types.SimpleNamespace(precompiled=set(), row_len=row_len, dp=1)
-    mesh = sharding.make_mesh(devices=jax.devices()[:1])
-    micros = {rows: _packed_micro(rows, row_len, mesh) for rows in (1, 2, 4, 8)}
-    before = perf.compile_stats()
-    t0 = time.monotonic()
-    for _ in range(2):
-        train_stage.compile_packed_shapes(progs, "sum", fn, micros[2],
-                                          lambda like: (scale, like), max_tokens=8 * row_len)
-    wall = time.monotonic() - t0
-    compiled = perf.compile_stats() - before
-    assert compiled.names == ("jit(<lambda>)",) * 4  # rows 1, 2, 4, 8: once each
-    # concurrent compiles count once: the compile seconds fit in the wall time they span
-    assert 0 < compiled.seconds <= wall
-    for rows, m in micros.items():
-        tokens, slots = np.asarray(m.tokens_RL), np.asarray(m.slot_pos_GN)
-        expected = 0.5 * tokens.sum() + slots.sum() * rows * row_len
-        assert float(fn(scale, m)) == expected
-    assert (perf.compile_stats() - before).names == compiled.names  # no program more
-
-
-def test_overlapping_compile_events_count_once():
-    # timing_s/compile is wall-clock time with a compile in flight: two 3 s events that end
-    # together (two threads compiling at once) are 3 s of the step, not 6.
-    event = "/jax/core/compile/backend_compile_duration"
-    before = perf.compile_stats()
-    perf._on_duration(event, 3.0, fun_name="a")
-    perf._on_duration(event, 3.0, fun_name="b")
-    counted = perf.compile_stats() - before
-    assert counted.seconds <= 3.0 + 0.1 and counted.programs == 2
-
-
-def test_compile_all_returns_each_program_in_order():
-    fns = [jax.jit(lambda x, k=k: x * k + 1) for k in range(3)]
-    x = jax.ShapeDtypeStruct((3, 11), jnp.float32)
-    compiled = compiling.compile_all(f.lower(x) for f in fns)
-    assert [float(c(jnp.ones((3, 11)))[0, 0]) for c in compiled] == [1.0, 2.0, 3.0]
-    assert compiling.compile_all([]) == []

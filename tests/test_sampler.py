@@ -576,25 +576,6 @@ def test_every_call_walks_the_whole_ladder_so_only_the_first_compiles(tiny, monk
     assert compiled.programs == 0, compiled.names
 
 
-def test_the_first_call_compiles_each_program_of_its_ladder_once(tiny):
-    """On one device the first call of a batch shape compiles its ladder's decode phases and
-    compactions together, before the first phase runs (sampler._compile_ladder); the calls of
-    the phases then find them: each program compiles once. (A shape no other test samples.)"""
-    from grpo_jax.trainer import perf
-
-    config, params = tiny
-    ids_PT, mask_PT = _left_padded([5, 3, 4, 5, 2, 5, 1, 4], 5, config.vocab_size, seed=3)
-    kw = dict(n=4, max_new_tokens=21, eos_token_ids=tuple(range(10, 26)), pad_token_id=7)
-    for committed in (False, True):  # prompts left on the default device, or placed there
-        if committed:
-            ids_PT, mask_PT = jax.device_put((ids_PT, mask_PT), jax.devices()[0])
-        before = perf.compile_stats()
-        sampler.sample(config, params, ids_PT, mask_PT, jax.random.key(0), **kw)
-        names = (perf.compile_stats() - before).names
-        # slots 32 -> 16: two decode phases, one compaction
-        assert (names.count("jit(_decode)"), names.count("jit(_compact)")) == (2, 1), names
-
-
 def test_early_stop_when_every_row_ends_at_once(tiny):
     config, params = tiny
     ids_PT, mask_PT = _left_padded([3, 6], 6, config.vocab_size, seed=6)

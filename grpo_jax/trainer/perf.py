@@ -26,8 +26,7 @@ verl/workers/engine_workers.py):
   kept): the same values as the actor/perf/ keys. `perf/cpu_memory_used_gb` (grpo_jax's, not
   verl's meaning): this process's peak resident memory.
 * `timing_s/compile` (grpo_jax's, not verl's): the seconds the step spent tracing, lowering and
-  compiling (`compile_stats`; wall-clock, so programs compiled at once on several threads,
-  `compiling.compile_all`, count once), included in `timing_s/step`; a new prompt-length bucket or
+  compiling (`compile_stats`), included in `timing_s/step`; a new prompt-length bucket or
   packed micro-batch shape compiles once in a run.
 * `timing_s/<stage>`: the wall seconds of a stage (`timed`), its device work included.
 * `perf/mfu/actor`: the update's FLOPs / (its seconds x devices x peak FLOP/s per device). The
@@ -184,7 +183,7 @@ _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 class CompileStats:
     """What this process has compiled since grpo_jax.trainer.perf was imported (any thread)."""
 
-    seconds: float = 0.0  # wall-clock in tracing, lowering and XLA compiles (cache reads too)
+    seconds: float = 0.0  # tracing, lowering and XLA compiles (cache reads included)
     programs: int = 0  # new XLA programs: compiled, or read from the persistent cache
     cache_hits: int = 0  # of those, read from the persistent compilation cache
     names: tuple[str, ...] = ()  # the jitted functions of those programs, in order
@@ -206,22 +205,16 @@ class CompileStats:
         }
 
 
-# Running totals since import; compile_stats() snapshots them. "seconds" is wall-clock time
-# with at least one compile event in flight: concurrent compiles (compiling.compile_all, a
-# rollout thread)
-# count once, so a step's timing_s/compile never exceeds its timing_s/step.
+# Running totals since import; compile_stats() snapshots them.
 _compile = {"seconds": 0.0, "programs": 0, "cache_hits": 0}
 _compile_names: list[str] = []
 _compile_lock = threading.Lock()
-_covered_until = [0.0]  # time.monotonic() up to which "seconds" has counted
 
 
 def _on_duration(event: str, seconds: float, fun_name: str = "?", **_) -> None:
     if event in _COMPILE_EVENTS:
-        end = time.monotonic()  # jax reports an event's duration when it ends
         with _compile_lock:
-            _compile["seconds"] += max(0.0, end - max(end - seconds, _covered_until[0]))
-            _covered_until[0] = max(_covered_until[0], end)
+            _compile["seconds"] += seconds
             if event == _PROGRAM_EVENT:
                 _compile["programs"] += 1
                 _compile_names.append(fun_name)

@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax import compiling, distributed, sampler
 from grpo_jax import config as config_lib
+from grpo_jax import distributed, sampler
 from grpo_jax import loss as loss_lib
 from grpo_jax.rollout import multi_turn
 from grpo_jax.trainer import actor, balance, metrics, packing, perf, programs
@@ -100,8 +100,7 @@ def compile_packed_shapes(
 ) -> None:
     """Compiles `fn` for every packed micro-batch shape the run can make, the first time it
     runs: the rows of packing.row_options under the budget `max_tokens` (the slots follow
-    from the rows), the micro-batch's own among them, together (`compiling.compile_all`: one a
-    CPU core at a time). The later steps meet no new packed shape, so they compile nothing, and
+    from the rows). The later steps meet no new packed shape, so they compile nothing, and
     with the persistent compilation cache a later run reads them all in its first step.
 
     Args:
@@ -115,10 +114,10 @@ def compile_packed_shapes(
         return
     progs.precompiled.add(name)
     cap = packing.micro_cap(max_tokens, progs.row_len, progs.dp)
-    compiling.compile_all(
-        fn.lower(*args_with(_micro_like(micro, rows, progs.row_len)), **(kwargs or {}))
-        for rows in packing.row_options(cap, progs.dp)
-    )
+    for rows in packing.row_options(cap, progs.dp):
+        if rows != micro.tokens_RL.shape[0]:
+            like = _micro_like(micro, rows, progs.row_len)
+            fn.lower(*args_with(like), **(kwargs or {})).compile()
 
 
 def log_probs(
