@@ -59,19 +59,24 @@ def assert_close(actual, desired, *, ulps: float, scale=None, err_msg: str = "")
 
 
 def assert_trees_close(
-    actual, desired, *, ulps: float, floor: float = 1e-3, err_msg: str = ""
+    actual, desired, *, ulps: float, floor: float = 1e-3, err_msg: str = "", leaf_ulps=None
 ) -> None:
     """assert_close on every leaf of two pytrees of the same structure, each at its own scale,
     but at least `floor` times the largest leaf's: a leaf that is zero or tiny on one side (a
     saturated softmax gives the keys an exactly zero gradient on one path and rounding noise on
-    the other) still carries the rounding of the computation the whole tree comes from."""
+    the other) still carries the rounding of the computation the whole tree comes from.
+    `leaf_ulps` maps a leaf's path (`jax.tree_util.keystr`) to its own bound instead of `ulps`."""
     got = jax.tree_util.tree_leaves_with_path(actual)
     want = jax.tree_util.tree_leaves_with_path(desired)
     assert [p for p, _ in got] == [p for p, _ in want], f"{err_msg}: tree structures differ"
+    unknown = set(leaf_ulps or {}) - {jax.tree_util.keystr(p) for p, _ in want}
+    assert not unknown, f"{err_msg}: leaf_ulps names no leaf: {sorted(unknown)}"
     tree_scale = max(float(np.max(np.abs(np.asarray(d)), initial=0.0)) for _, d in want)
     for (path, a), (_, d) in zip(got, want, strict=True):
         scale = max(float(np.max(np.abs(np.asarray(d)), initial=0.0)), floor * tree_scale)
-        assert_close(a, d, ulps=ulps, scale=scale, err_msg=err_msg + jax.tree_util.keystr(path))
+        key = jax.tree_util.keystr(path)
+        bound = (leaf_ulps or {}).get(key, ulps)
+        assert_close(a, d, ulps=bound, scale=scale, err_msg=err_msg + key)
 
 
 def _log(what: str, worst_ulps: float, ulps: float) -> None:
