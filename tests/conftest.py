@@ -22,6 +22,7 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
+import file_seconds  # noqa: E402
 import reference  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -125,6 +126,13 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_collection_modifyitems(items):
+    # The files longest first (tests/file_seconds.py: how the two workers' run ends); a file's
+    # tests keep their order.
+    order = file_seconds.longest_first(
+        list(dict.fromkeys(item.path.name for item in items)), file_seconds.load()
+    )
+    rank = {name: i for i, name in enumerate(order)}
+    items.sort(key=lambda item: rank[item.path.name])
     for item in items:
         marker = item.get_closest_marker("reference")
         name = marker.args[0] if marker else "verl" if "verl" in item.fixturenames else None
