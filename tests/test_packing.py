@@ -200,8 +200,11 @@ def _grads_and_metrics_padded(params, batch, lc):
 _SGD = optax.identity()  # apply_gradients steps by -lr * g: lr 1 reads g off
 
 
-@pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("agg", loss.AGG_MODES)
+# Every mode with groups of 4 (a unit is a prompt and 4 responses: several sequences a unit and
+# a row), and groups of 1 in one mode: a unit of one sequence is the special case.
+@pytest.mark.parametrize(
+    "agg,group", [(agg, 4) for agg in loss.AGG_MODES] + [("token-mean", 1)]
+)
 def test_packed_update_equals_the_unpadded_one_in_every_agg_mode(params, agg, group):
     prompt_ids, prompt_mask, resp_ids, resp_mask = _rollout(3, group)
     batch = _padded_batch(prompt_ids, prompt_mask, resp_ids, resp_mask)

@@ -304,10 +304,12 @@ def _loop_step(tmp_path, sp):
     return result.history[-1], jax.device_get(result.state.params)
 
 
-def test_a_loop_step_with_sp_2_and_4_equals_sp_1(tmp_path):
+def test_a_loop_step_with_sp_4_equals_sp_1(tmp_path):
+    # sp=4 over the tiny model's 2 key/value heads: each head is held by 2 sequence devices. The
+    # update-level tests above run sp=2 as well, with every attention implementation.
     m1, p1 = _loop_step(tmp_path, 1)
     assert m1["actor/kl_loss"] >= 0 and m1["perf/total_num_tokens"] > 0
-    for sp in (2, 4):
+    for sp in (4,):
         m, p = _loop_step(tmp_path, sp)
         keys = [k for k in m1 if k.startswith(("actor/", "critic/", "response_length/"))
                 and "perf/" not in k and not k.startswith("actor/lr")]  # fmt: skip
