@@ -128,11 +128,8 @@ def pytest_runtest_makereport(item, call):
 def pytest_collection_modifyitems(items):
     # The files longest first (tests/file_seconds.py: how the two workers' run ends); a file's
     # tests keep their order.
-    order = file_seconds.longest_first(
-        list(dict.fromkeys(item.path.name for item in items)), file_seconds.load()
-    )
-    rank = {name: i for i, name in enumerate(order)}
-    items.sort(key=lambda item: rank[item.path.name])
+    key = file_seconds.longest_first(file_seconds.load())
+    items.sort(key=lambda item: key(item.path.name))
     for item in items:
         marker = item.get_closest_marker("reference")
         name = marker.args[0] if marker else "verl" if "verl" in item.fixturenames else None

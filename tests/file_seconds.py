@@ -35,11 +35,12 @@ def load(path: str = TABLE) -> dict[str, float]:
         return {}
 
 
-def longest_first(names: list[str], seconds: dict[str, float]) -> list[str]:
-    """`names` (files, in collection order) ordered by their seconds, longest first; a name the
-    table lacks weighs the median of the table, and equal weights keep collection order."""
+def longest_first(seconds: dict[str, float]):
+    """A sort key over file names that puts the longest first; a name the table lacks weighs the
+    median of the table. Python's sort is stable: equal weights keep collection order, and a
+    file's tests (contiguous when collected) stay together and in order."""
     default = statistics.median(seconds.values()) if seconds else 0.0
-    return sorted(names, key=lambda name: -seconds.get(name, default))
+    return lambda name: -seconds.get(name, default)
 
 
 def from_junit(path: str) -> dict[str, float]:

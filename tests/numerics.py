@@ -69,14 +69,14 @@ def assert_trees_close(
     got = jax.tree_util.tree_leaves_with_path(actual)
     want = jax.tree_util.tree_leaves_with_path(desired)
     assert [p for p, _ in got] == [p for p, _ in want], f"{err_msg}: tree structures differ"
-    unknown = set(leaf_ulps or {}) - {jax.tree_util.keystr(p) for p, _ in want}
+    leaf_ulps = dict(leaf_ulps or {})
+    unknown = set(leaf_ulps) - {jax.tree_util.keystr(p) for p, _ in want}
     assert not unknown, f"{err_msg}: leaf_ulps names no leaf: {sorted(unknown)}"
     tree_scale = max(float(np.max(np.abs(np.asarray(d)), initial=0.0)) for _, d in want)
     for (path, a), (_, d) in zip(got, want, strict=True):
         scale = max(float(np.max(np.abs(np.asarray(d)), initial=0.0)), floor * tree_scale)
         key = jax.tree_util.keystr(path)
-        bound = (leaf_ulps or {}).get(key, ulps)
-        assert_close(a, d, ulps=bound, scale=scale, err_msg=err_msg + key)
+        assert_close(a, d, ulps=leaf_ulps.get(key, ulps), scale=scale, err_msg=err_msg + key)
 
 
 def _log(what: str, worst_ulps: float, ulps: float) -> None:
